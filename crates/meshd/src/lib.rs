@@ -1,0 +1,28 @@
+//! meshd: start a multi-node GPU job with one identical command on every node.
+//!
+//! This crate is the IO shell around the sans-IO core in `meshd-proto`:
+//! - [`interfaces`]: enumerate and classify interfaces, choose the one that reaches peers.
+//! - [`transport`]: one quinn endpoint on one UDP port, token authentication bound to TLS.
+//! - [`peers`]: the `--peers` syntax (`host[:port]` lists, `@file`, `dns:NAME`, SLURM).
+//! - [`node`]: the actor that owns membership and rendezvous over the transport.
+//! - [`supervisor`]: spawning ranks with torchrun's environment, teardown.
+
+pub mod interfaces;
+pub mod peers;
+pub mod transport;
+
+pub use meshd_proto as proto;
+
+/// A fresh random node id (from the system's secure random source).
+pub fn random_node_id() -> proto::NodeId {
+    let mut b = [0u8; 16];
+    if ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut b).is_err() {
+        // No system randomness: time and pid still make ids unique, which is all ids need.
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        return proto::NodeId::from_u128(t ^ ((std::process::id() as u128) << 64));
+    }
+    proto::NodeId(b)
+}

@@ -1,0 +1,528 @@
+//! The transport: one quinn endpoint per node on ONE UDP port, for everything.
+//!
+//! Connections are keyed by the peer's socket address. Each starts with an authentication
+//! exchange on its first bidirectional stream ([`auth`]); until it succeeds not a single
+//! frame from the peer is accepted. Frames then travel as QUIC datagrams (may be lost:
+//! gossip probes) or one per unidirectional stream, length-prefixed (reliable).
+//!
+//! Sending never blocks the caller: each peer has a queue drained by its own task, which
+//! connects on demand, so a dead peer's connect timeout delays nobody else.
+
+pub mod auth;
+mod tls;
+
+use auth::{Role, Token};
+use bytes::Bytes;
+use meshd_proto::NodeId;
+use meshd_proto::wire::{self, AuthHello, Frame, PROTOCOL_VERSION};
+use std::collections::{HashMap, HashSet};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+use tracing::{debug, warn};
+
+/// Close codes carried in QUIC CONNECTION_CLOSE.
+mod code {
+    pub const BYE: u32 = 0;
+    pub const AUTH: u32 = 1;
+    pub const OTHER_RUN: u32 = 2;
+    pub const VERSION: u32 = 3;
+    pub const PROTOCOL: u32 = 4;
+}
+
+/// Transport settings.
+#[derive(Clone, Debug)]
+pub struct TransportConfig {
+    /// The one UDP port.
+    pub port: u16,
+    /// Address to bind (unspecified = all interfaces of that family).
+    pub bind: IpAddr,
+    /// Cluster secret; `None` = unauthenticated (still encrypted).
+    pub token: Option<Token>,
+    /// Hash of the run id; peers of another run are refused.
+    pub run_hash: u64,
+    /// This node.
+    pub node: NodeId,
+    /// UDP generic segmentation offload (some kernels mangle it; `MESHD_GSO=0`).
+    pub gso: bool,
+    /// QUIC keep-alive.
+    pub keep_alive: Duration,
+    /// A silent connection is dropped after this.
+    pub idle_timeout: Duration,
+    /// Time allowed for connect + authentication.
+    pub connect_timeout: Duration,
+}
+
+impl TransportConfig {
+    /// Defaults for `node` on `port`.
+    pub fn new(node: NodeId, port: u16) -> Self {
+        TransportConfig {
+            port,
+            bind: IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
+            token: None,
+            run_hash: 0,
+            node,
+            gso: std::env::var("MESHD_GSO").map(|v| v != "0").unwrap_or(true),
+            keep_alive: Duration::from_millis(500),
+            idle_timeout: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(3),
+        }
+    }
+}
+
+/// Transport failures.
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    /// The UDP port could not be bound.
+    #[error("cannot bind UDP {addr}: {source} (is another meshd running there? choose another with --port)")]
+    Bind {
+        /// What we tried.
+        addr: SocketAddr,
+        /// Why it failed.
+        source: std::io::Error,
+    },
+    /// TLS setup failed.
+    #[error("TLS setup: {0}")]
+    Tls(String),
+    /// Could not reach or talk to the peer.
+    #[error("peer {addr}: {reason}")]
+    Peer {
+        /// The peer.
+        addr: SocketAddr,
+        /// Why, in words.
+        reason: String,
+    },
+    /// The peer refused us or we refused it.
+    #[error("peer {addr} failed authentication: {reason}")]
+    Auth {
+        /// The peer.
+        addr: SocketAddr,
+        /// Why, in words.
+        reason: String,
+    },
+}
+
+/// What the transport reports to its owner.
+#[derive(Debug)]
+pub enum TransportEvent {
+    /// An authenticated peer sent a frame.
+    Frame {
+        /// Peer address (connection remote address).
+        from: SocketAddr,
+        /// Peer node id (authenticated).
+        node: NodeId,
+        /// The frame.
+        frame: Frame,
+    },
+    /// A connection passed authentication.
+    PeerUp {
+        /// Peer address.
+        addr: SocketAddr,
+        /// Its node id.
+        node: NodeId,
+        /// The address the peer saw us come from (when we connected).
+        observed: Option<SocketAddr>,
+    },
+    /// Authentication failed (either end refused).
+    AuthFailed {
+        /// Peer address.
+        addr: SocketAddr,
+        /// Why, in words.
+        reason: String,
+    },
+}
+
+/// What a probe learned.
+#[derive(Clone, Debug)]
+pub struct ProbeInfo {
+    /// The peer's node id.
+    pub node: NodeId,
+    /// The address the peer saw us come from.
+    pub observed: Option<SocketAddr>,
+    /// Connect + authentication round trip.
+    pub rtt: Duration,
+}
+
+type PeerQueue = mpsc::Sender<(Bytes, bool)>;
+
+struct Inner {
+    endpoint: quinn::Endpoint,
+    cfg: TransportConfig,
+    conns: Mutex<HashMap<SocketAddr, (quinn::Connection, NodeId)>>,
+    queues: Mutex<HashMap<SocketAddr, PeerQueue>>,
+    events: mpsc::Sender<TransportEvent>,
+    logged: Mutex<HashSet<(SocketAddr, String)>>,
+}
+
+/// A node's QUIC endpoint. Cheap to clone.
+#[derive(Clone)]
+pub struct Transport {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Transport").field("local", &self.local_addr()).finish()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // A panic while holding one of these short locks cannot leave the maps inconsistent
+    // (single insert/remove), so recover from poisoning.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// IPv4-mapped IPv6 addresses compare as IPv4.
+pub fn canonical(a: SocketAddr) -> SocketAddr {
+    SocketAddr::new(a.ip().to_canonical(), a.port())
+}
+
+impl Transport {
+    /// Binds the endpoint and starts accepting. Must run inside a tokio runtime.
+    pub fn bind(cfg: TransportConfig) -> Result<(Transport, mpsc::Receiver<TransportEvent>), TransportError> {
+        let mut tc = quinn::TransportConfig::default();
+        tc.keep_alive_interval(Some(cfg.keep_alive))
+            .max_idle_timeout(quinn::IdleTimeout::try_from(cfg.idle_timeout).ok())
+            .enable_segmentation_offload(cfg.gso)
+            .max_concurrent_uni_streams(256u32.into())
+            .max_concurrent_bidi_streams(4u32.into())
+            .datagram_receive_buffer_size(Some(1 << 20));
+        let (server, client) = tls::configs(Arc::new(tc))?;
+        let addr = SocketAddr::new(cfg.bind, cfg.port);
+        let socket =
+            std::net::UdpSocket::bind(addr).map_err(|source| TransportError::Bind { addr, source })?;
+        let runtime =
+            quinn::default_runtime().ok_or_else(|| TransportError::Tls("no async runtime".into()))?;
+        let mut endpoint =
+            quinn::Endpoint::new(quinn::EndpointConfig::default(), Some(server), socket, runtime)
+                .map_err(|source| TransportError::Bind { addr, source })?;
+        endpoint.set_default_client_config(client);
+        let (tx, rx) = mpsc::channel(4096);
+        let inner = Arc::new(Inner {
+            endpoint,
+            cfg,
+            conns: Mutex::new(HashMap::new()),
+            queues: Mutex::new(HashMap::new()),
+            events: tx,
+            logged: Mutex::new(HashSet::new()),
+        });
+        tokio::spawn(accept_loop(inner.clone()));
+        Ok((Transport { inner }, rx))
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.inner
+            .endpoint
+            .local_addr()
+            .unwrap_or_else(|_| SocketAddr::new(self.inner.cfg.bind, self.inner.cfg.port))
+    }
+
+    /// Queues a frame for `to`; `reliable` uses a stream, else a datagram (falls back to a
+    /// stream when too large). Never blocks; a full queue drops the frame (the protocols
+    /// above retry).
+    pub fn send(&self, to: SocketAddr, frame: &Frame, reliable: bool) {
+        let to = canonical(to);
+        let bytes = Bytes::from(wire::encode(frame));
+        let mut queues = lock(&self.inner.queues);
+        let q = queues.entry(to).or_insert_with(|| {
+            let (tx, rx) = mpsc::channel(1024);
+            tokio::spawn(peer_sender(self.inner.clone(), to, rx));
+            tx
+        });
+        if q.try_send((bytes, reliable)).is_err() {
+            debug!(peer = %to, "send queue full or closed; frame dropped");
+        }
+    }
+
+    /// Connects to `to`, authenticates, and reports what the peer saw. The connection is
+    /// kept for later sends.
+    pub async fn probe(&self, to: SocketAddr) -> Result<ProbeInfo, TransportError> {
+        let start = Instant::now();
+        let (_, node, observed) = connect(&self.inner, canonical(to)).await?;
+        Ok(ProbeInfo { node, observed, rtt: start.elapsed() })
+    }
+
+    /// Node ids of the currently connected, authenticated peers, by address.
+    pub fn connected(&self) -> Vec<(SocketAddr, NodeId)> {
+        lock(&self.inner.conns).iter().map(|(a, (_, n))| (*a, *n)).collect()
+    }
+
+    /// Round-trip time QUIC measured to `addr`, if connected.
+    pub fn rtt(&self, addr: SocketAddr) -> Option<Duration> {
+        lock(&self.inner.conns).get(&canonical(addr)).map(|(c, _)| c.rtt())
+    }
+
+    /// Closes every connection and waits briefly for the close to be sent.
+    pub async fn shutdown(&self) {
+        self.inner.endpoint.close(code::BYE.into(), b"node stopping");
+        let _ = tokio::time::timeout(Duration::from_millis(300), self.inner.endpoint.wait_idle()).await;
+    }
+}
+
+async fn peer_sender(inner: Arc<Inner>, to: SocketAddr, mut rx: mpsc::Receiver<(Bytes, bool)>) {
+    let mut failed_until: Option<Instant> = None;
+    while let Some((bytes, reliable)) = rx.recv().await {
+        if failed_until.is_some_and(|t| Instant::now() < t) {
+            continue; // peer recently unreachable: drop instead of queueing connect attempts
+        }
+        let conn = match existing(&inner, to) {
+            Some(c) => c,
+            None => match connect(&inner, to).await {
+                Ok((c, _, _)) => c,
+                Err(e) => {
+                    debug!(peer = %to, error = %e, "connect failed");
+                    failed_until = Some(Instant::now() + Duration::from_millis(500));
+                    continue;
+                }
+            },
+        };
+        failed_until = None;
+        let res = if !reliable && bytes.len() <= conn.max_datagram_size().unwrap_or(0) {
+            conn.send_datagram(bytes).map_err(|e| e.to_string())
+        } else {
+            send_stream(&conn, &bytes).await
+        };
+        if let Err(e) = res {
+            debug!(peer = %to, error = %e, "send failed");
+        }
+    }
+}
+
+async fn send_stream(conn: &quinn::Connection, body: &[u8]) -> Result<(), String> {
+    let mut s = conn.open_uni().await.map_err(|e| e.to_string())?;
+    s.write_all(&wire::frame_with_len(body)).await.map_err(|e| e.to_string())?;
+    s.finish().map_err(|e| e.to_string())
+}
+
+fn existing(inner: &Inner, to: SocketAddr) -> Option<quinn::Connection> {
+    let conns = lock(&inner.conns);
+    conns.get(&to).filter(|(c, _)| c.close_reason().is_none()).map(|(c, _)| c.clone())
+}
+
+fn my_hello(inner: &Inner, conn: &quinn::Connection, role: Role, observed: Option<SocketAddr>) -> AuthHello {
+    let cfg = &inner.cfg;
+    let mac = match (&cfg.token, exporter(conn)) {
+        (Some(t), Some(ex)) => t.mac(&ex, role, &cfg.node.0, cfg.run_hash),
+        _ => [0; 32],
+    };
+    AuthHello {
+        version: PROTOCOL_VERSION,
+        node: cfg.node,
+        run_hash: cfg.run_hash,
+        mac,
+        has_token: cfg.token.is_some(),
+        observed,
+    }
+}
+
+fn exporter(conn: &quinn::Connection) -> Option<[u8; 32]> {
+    let mut out = [0u8; 32];
+    conn.export_keying_material(&mut out, auth::EXPORTER_LABEL, b"").ok()?;
+    Some(out)
+}
+
+/// Checks the peer's hello; `Err((code, reason))` words the refusal.
+fn check_hello(
+    inner: &Inner,
+    conn: &quinn::Connection,
+    peer_role: Role,
+    h: &AuthHello,
+) -> Result<(), (u32, String)> {
+    let cfg = &inner.cfg;
+    if h.version != PROTOCOL_VERSION {
+        return Err((
+            code::VERSION,
+            format!("it speaks meshd protocol v{}, this node v{PROTOCOL_VERSION}", h.version),
+        ));
+    }
+    match (&cfg.token, h.has_token) {
+        (None, false) => {}
+        (None, true) => return Err((code::AUTH, "it holds a token but this node has none".into())),
+        (Some(_), false) => {
+            return Err((
+                code::AUTH,
+                "it has no token (give every node the same --token, MESHD_TOKEN or --token-file)".into(),
+            ));
+        }
+        (Some(t), true) => {
+            let ok = exporter(conn).is_some_and(|ex| t.verify(&ex, peer_role, &h.node.0, h.run_hash, &h.mac));
+            if !ok {
+                return Err((code::AUTH, "different token".into()));
+            }
+        }
+    }
+    // Run hash 0 is a probe (`meshd ifaces --peers`): it proves the token, joins no run.
+    if h.run_hash != cfg.run_hash && h.run_hash != 0 && cfg.run_hash != 0 {
+        return Err((
+            code::OTHER_RUN,
+            "it belongs to another run (different --run-id, token, command or peers)".into(),
+        ));
+    }
+    if h.node == cfg.node {
+        return Err((code::PROTOCOL, "it is this node itself".into()));
+    }
+    Ok(())
+}
+
+fn refuse(inner: &Inner, conn: &quinn::Connection, code: u32, reason: &str) -> TransportError {
+    let addr = canonical(conn.remote_address());
+    conn.close(code.into(), reason.as_bytes());
+    report_auth_failure(inner, addr, reason);
+    TransportError::Auth { addr, reason: reason.to_string() }
+}
+
+fn report_auth_failure(inner: &Inner, addr: SocketAddr, reason: &str) {
+    let first = lock(&inner.logged).insert((addr, reason.to_string()));
+    if first {
+        warn!("peer {addr} failed authentication: {reason}");
+    }
+    let _ = inner.events.try_send(TransportEvent::AuthFailed { addr, reason: reason.to_string() });
+}
+
+/// Reads the peer's close reason, when the peer refused us.
+fn refusal(e: &quinn::ConnectionError) -> Option<String> {
+    match e {
+        quinn::ConnectionError::ApplicationClosed(c) if c.error_code != code::BYE.into() => {
+            Some(format!("it refused us: {}", String::from_utf8_lossy(&c.reason)))
+        }
+        _ => None,
+    }
+}
+
+async fn read_hello(recv: &mut quinn::RecvStream) -> Result<AuthHello, String> {
+    let body = recv.read_to_end(1024).await.map_err(|e| match e {
+        quinn::ReadToEndError::Read(quinn::ReadError::ConnectionLost(c)) => {
+            refusal(&c).unwrap_or(c.to_string())
+        }
+        other => other.to_string(),
+    })?;
+    wire::decode(&body).map_err(|e| format!("bad hello: {e}"))
+}
+
+async fn connect(
+    inner: &Arc<Inner>,
+    to: SocketAddr,
+) -> Result<(quinn::Connection, NodeId, Option<SocketAddr>), TransportError> {
+    let peer_err = |reason: String| TransportError::Peer { addr: to, reason };
+    let fut = async {
+        let conn = inner
+            .endpoint
+            .connect(to, "meshd")
+            .map_err(|e| peer_err(e.to_string()))?
+            .await
+            .map_err(|e| peer_err(format!("QUIC handshake failed: {e}")))?;
+        let (mut send, mut recv) = conn.open_bi().await.map_err(|e| peer_err(e.to_string()))?;
+        let hello = my_hello(inner, &conn, Role::Client, None);
+        send.write_all(&wire::encode(&hello)).await.map_err(|e| peer_err(e.to_string()))?;
+        let _ = send.finish();
+        let theirs = match read_hello(&mut recv).await {
+            Ok(h) => h,
+            Err(reason) if reason.starts_with("it refused us") => {
+                report_auth_failure(inner, to, &reason);
+                return Err(TransportError::Auth { addr: to, reason });
+            }
+            Err(reason) => return Err(peer_err(reason)),
+        };
+        if let Err((code, reason)) = check_hello(inner, &conn, Role::Server, &theirs) {
+            return Err(refuse(inner, &conn, code, &reason));
+        }
+        Ok((conn, theirs.node, theirs.observed))
+    };
+    let (conn, node, observed) =
+        tokio::time::timeout(inner.cfg.connect_timeout, fut).await.map_err(|_| {
+            peer_err(format!(
+                "no answer within {:?} (is meshd running there, and UDP {} open?)",
+                inner.cfg.connect_timeout,
+                to.port()
+            ))
+        })??;
+    register(inner, conn.clone(), node, observed);
+    Ok((conn, node, observed))
+}
+
+async fn accept_loop(inner: Arc<Inner>) {
+    while let Some(incoming) = inner.endpoint.accept().await {
+        let inner = inner.clone();
+        tokio::spawn(async move {
+            let fut = async {
+                let conn = incoming.await.ok()?;
+                let (mut send, mut recv) = conn.accept_bi().await.ok()?;
+                let theirs = read_hello(&mut recv).await.ok()?;
+                if let Err((code, reason)) = check_hello(&inner, &conn, Role::Client, &theirs) {
+                    refuse(&inner, &conn, code, &reason);
+                    return None;
+                }
+                let observed = Some(canonical(conn.remote_address()));
+                let hello = my_hello(&inner, &conn, Role::Server, observed);
+                send.write_all(&wire::encode(&hello)).await.ok()?;
+                let _ = send.finish();
+                Some((conn, theirs.node, theirs.run_hash == 0 && inner.cfg.run_hash != 0))
+            };
+            // Half-open or silent handshakes are dropped after the connect timeout.
+            match tokio::time::timeout(inner.cfg.connect_timeout, fut).await {
+                // A probe gets its answer and nothing else: no frame of it is read.
+                Ok(Some((conn, _, true))) => {
+                    let _ = tokio::time::timeout(inner.cfg.connect_timeout, conn.closed()).await;
+                }
+                Ok(Some((conn, node, false))) => register(&inner, conn, node, None),
+                _ => {}
+            }
+        });
+    }
+}
+
+fn register(inner: &Arc<Inner>, conn: quinn::Connection, node: NodeId, observed: Option<SocketAddr>) {
+    let addr = canonical(conn.remote_address());
+    lock(&inner.conns).insert(addr, (conn.clone(), node));
+    let _ = inner.events.try_send(TransportEvent::PeerUp { addr, node, observed });
+    tokio::spawn(read_datagrams(inner.clone(), conn.clone(), node));
+    tokio::spawn(read_streams(inner.clone(), conn, node));
+}
+
+async fn deliver(inner: &Inner, from: SocketAddr, node: NodeId, body: &[u8]) {
+    match wire::decode::<Frame>(body) {
+        Ok(frame) => {
+            let _ = inner.events.send(TransportEvent::Frame { from, node, frame }).await;
+        }
+        Err(e) => debug!(peer = %from, error = %e, "dropping undecodable frame"),
+    }
+}
+
+async fn read_datagrams(inner: Arc<Inner>, conn: quinn::Connection, node: NodeId) {
+    let from = canonical(conn.remote_address());
+    while let Ok(d) = conn.read_datagram().await {
+        deliver(&inner, from, node, &d).await;
+    }
+}
+
+async fn read_streams(inner: Arc<Inner>, conn: quinn::Connection, node: NodeId) {
+    let from = canonical(conn.remote_address());
+    loop {
+        let mut recv = match conn.accept_uni().await {
+            Ok(r) => r,
+            Err(_) => break,
+        };
+        let inner = inner.clone();
+        tokio::spawn(async move {
+            let Ok(buf) = recv.read_to_end(wire::MAX_FRAME + 4).await else { return };
+            let mut rest = &buf[..];
+            while rest.len() >= 4 {
+                let mut p = [0u8; 4];
+                p.copy_from_slice(&rest[..4]);
+                let Ok(n) = wire::check_len(p) else { return };
+                if rest.len() < 4 + n {
+                    return;
+                }
+                deliver(&inner, from, node, &rest[4..4 + n]).await;
+                rest = &rest[4 + n..];
+            }
+        });
+    }
+    // Forget the connection if it is still the registered one.
+    let mut conns = lock(&inner.conns);
+    if conns.get(&from).is_some_and(|(c, _)| c.stable_id() == conn.stable_id()) {
+        conns.remove(&from);
+    }
+}

@@ -1,0 +1,68 @@
+//! Flags and helpers shared by several subcommands.
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use meshd::transport::auth::Token;
+use std::net::SocketAddr;
+
+/// Where meshd listens and how it authenticates.
+#[derive(Args, Debug, Clone)]
+pub struct NetArgs {
+    /// The ONE UDP port meshd uses between nodes.
+    #[arg(long, default_value_t = 29400)]
+    pub port: u16,
+    /// Shared secret: only nodes holding it can join.
+    #[arg(long, env = "MESHD_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// Read the shared secret from a file.
+    #[arg(long, conflicts_with = "token")]
+    pub token_file: Option<String>,
+}
+
+impl NetArgs {
+    /// The token from --token, MESHD_TOKEN or --token-file.
+    pub fn token(&self) -> Result<Option<Token>> {
+        if let Some(f) = &self.token_file {
+            let s = std::fs::read_to_string(f).with_context(|| format!("cannot read --token-file {f}"))?;
+            if s.trim().is_empty() {
+                bail!("--token-file {f} is empty");
+            }
+            return Ok(Some(Token::new(&s)));
+        }
+        match &self.token {
+            Some(t) if t.trim().is_empty() => bail!("--token / MESHD_TOKEN is empty"),
+            Some(t) => Ok(Some(Token::new(t))),
+            None => Ok(None),
+        }
+    }
+}
+
+/// `--peers` from the flag or SLURM_JOB_NODELIST, parsed and resolved.
+pub fn peers(flag: Option<&str>, port: u16) -> Result<Vec<(String, SocketAddr)>> {
+    let text = match flag {
+        Some(p) => p.to_string(),
+        None => match std::env::var("SLURM_JOB_NODELIST") {
+            Ok(list) => meshd::peers::expand_hostlist(&list)?.join(","),
+            Err(_) => return Ok(Vec::new()),
+        },
+    };
+    let specs = meshd::peers::parse(&text)?;
+    let (addrs, errors) = meshd::peers::resolve(&specs, port);
+    for e in &errors {
+        tracing::warn!("cannot resolve peer {e}");
+    }
+    if addrs.is_empty() && !specs.is_empty() {
+        bail!("none of the listed peers resolved: {}", errors.join("; "));
+    }
+    Ok(addrs)
+}
+
+pub fn init_tracing() {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_env("MESHD_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .try_init();
+}

@@ -1,0 +1,51 @@
+//! The `meshd` command: the same line on every node starts a multi-node job.
+//!
+//! Subcommands live in their own files; each parses its flags with clap and calls the
+//! library (`meshd` crate). Errors reach the user as one line naming the cause.
+
+mod common;
+mod ifaces;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "meshd",
+    version,
+    about = "One identical command on every node starts a multi-node GPU job."
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// List interfaces; with --peers, show which one reaches each peer and the one meshd would choose.
+    Ifaces(ifaces::Args),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    common::init_tracing();
+    let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("meshd: cannot start the async runtime: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let res = rt.block_on(async {
+        match cli.cmd {
+            Cmd::Ifaces(a) => ifaces::main(a).await,
+        }
+    });
+    match res {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("meshd: error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}

@@ -1,0 +1,286 @@
+//! The network lab: N hosts as Linux network namespaces, shaped like GPU cloud instances.
+//!
+//! Every host has `eth0` 198.18.0.4/16 (the SAME address everywhere, default route via
+//! 198.18.0.1 where nobody answers: the container bridge) and `eth1` 198.19.0.X/24 on one
+//! shared bridge, X deliberately not in host order. The far ends of all veths live in one
+//! "hub" namespace, never in the root namespace, so nothing a test sends can leave the lab.
+//! A [`Lab`] deletes its namespaces and kills their processes on drop (panics included);
+//! leftovers of a killed test process are swept by the next lab.
+//!
+//! Needs root and iproute2 (`ip`), and `nft` for firewalls. Without root the lab panics
+//! with a clear message unless `MESHD_LAB_SKIP=1` says to skip on purpose.
+#![allow(dead_code)]
+
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+/// eth1 host byte of host i: not in host order, so host 0 is not the master.
+pub const ETH1_OCTETS: [u8; 10] = [30, 7, 19, 44, 12, 25, 3, 50, 41, 9];
+pub const ETH0_ADDR: &str = "198.18.0.4";
+
+static COUNTER: AtomicU32 = AtomicU32::new(0);
+
+fn sh(args: &[&str]) -> Output {
+    Command::new(args[0]).args(&args[1..]).output().unwrap_or_else(|e| panic!("cannot run {args:?}: {e}"))
+}
+
+fn must(args: &[&str]) {
+    let o = sh(args);
+    assert!(o.status.success(), "{args:?} failed: {}", String::from_utf8_lossy(&o.stderr));
+}
+
+/// Returns false (after saying why) when the lab cannot run and skipping was asked for.
+pub fn available() -> bool {
+    let root = unsafe { libc::geteuid() } == 0;
+    let ip = Command::new("ip").arg("-V").output().is_ok();
+    if root && ip {
+        return true;
+    }
+    let why = if !root { "not root" } else { "no `ip` (iproute2)" };
+    if std::env::var("MESHD_LAB_SKIP").as_deref() == Ok("1") {
+        eprintln!("LAB TEST SKIPPED ({why}; MESHD_LAB_SKIP=1)");
+        return false;
+    }
+    panic!("the network lab needs root and iproute2 ({why}); set MESHD_LAB_SKIP=1 to skip on purpose");
+}
+
+/// A lab of hosts. Dropping it removes everything it made.
+pub struct Lab {
+    pub prefix: String,
+    pub hub: String,
+    pub hosts: Vec<Host>,
+    children: Vec<Child>,
+}
+
+/// One lab host (a network namespace).
+#[derive(Clone)]
+pub struct Host {
+    pub ns: String,
+    pub index: usize,
+    /// eth1 address (None for a host without eth1).
+    pub eth1: String,
+}
+
+fn sweep_stale() {
+    let out = sh(&["ip", "netns", "list"]);
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let name = line.split_whitespace().next().unwrap_or("");
+        let Some(rest) = name.strip_prefix("mdlab") else { continue };
+        let pid: i32 = rest.split('-').nth(1).and_then(|p| p.parse().ok()).unwrap_or(0);
+        if pid > 0 && unsafe { libc::kill(pid, 0) } != 0 {
+            kill_ns_procs(name);
+            let _ = sh(&["ip", "netns", "del", name]);
+        }
+    }
+}
+
+fn kill_ns_procs(ns: &str) {
+    let out = sh(&["ip", "netns", "pids", ns]);
+    for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
+        if let Ok(p) = pid.parse::<i32>() {
+            unsafe { libc::kill(p, libc::SIGKILL) };
+        }
+    }
+}
+
+impl Lab {
+    /// `n` hosts, all with eth0 and eth1.
+    pub fn new(n: usize) -> Lab {
+        sweep_stale();
+        let k = COUNTER.fetch_add(1, Ordering::SeqCst);
+        let prefix = format!("mdlab-{}-{k}", std::process::id());
+        let hub = format!("{prefix}-hub");
+        let mut lab =
+            Lab { prefix: prefix.clone(), hub: hub.clone(), hosts: Vec::new(), children: Vec::new() };
+        must(&["ip", "netns", "add", &hub]);
+        must(&["ip", "-n", &hub, "link", "add", "br1", "type", "bridge"]);
+        must(&["ip", "-n", &hub, "link", "set", "br1", "up"]);
+        for i in 0..n {
+            lab.add_host(i, true);
+        }
+        lab
+    }
+
+    fn add_host(&mut self, i: usize, with_eth1: bool) {
+        let ns = format!("{}-h{i}", self.prefix);
+        must(&["ip", "netns", "add", &ns]);
+        let host = Host { ns: ns.clone(), index: i, eth1: format!("198.19.0.{}", ETH1_OCTETS[i]) };
+        self.hosts.push(host);
+        must(&["ip", "-n", &ns, "link", "set", "lo", "up"]);
+        // eth0: same address everywhere, its far end alone in the hub (an isolated bridge).
+        let e0 = format!("h{i}e0");
+        must(&[
+            "ip", "-n", &ns, "link", "add", "eth0", "type", "veth", "peer", "name", &e0, "netns", &self.hub,
+        ]);
+        must(&["ip", "-n", &ns, "addr", "add", &format!("{ETH0_ADDR}/16"), "dev", "eth0"]);
+        must(&["ip", "-n", &ns, "link", "set", "eth0", "up"]);
+        must(&["ip", "-n", &self.hub, "link", "set", &e0, "up"]);
+        must(&["ip", "-n", &ns, "route", "add", "default", "via", "198.18.0.1", "dev", "eth0"]);
+        if with_eth1 {
+            let e1 = format!("h{i}e1");
+            must(&[
+                "ip", "-n", &ns, "link", "add", "eth1", "type", "veth", "peer", "name", &e1, "netns",
+                &self.hub,
+            ]);
+            must(&[
+                "ip",
+                "-n",
+                &ns,
+                "addr",
+                "add",
+                &format!("198.19.0.{}/24", ETH1_OCTETS[i]),
+                "dev",
+                "eth1",
+            ]);
+            must(&["ip", "-n", &ns, "link", "set", "eth1", "up"]);
+            must(&["ip", "-n", &self.hub, "link", "set", &e1, "master", "br1"]);
+            must(&["ip", "-n", &self.hub, "link", "set", &e1, "up"]);
+        }
+    }
+
+    /// Comma list of every host's eth1 address.
+    pub fn peers(&self) -> String {
+        self.hosts.iter().map(|h| h.eth1.clone()).collect::<Vec<_>>().join(",")
+    }
+
+    /// Starts `args` in host `i`'s namespace; killed at teardown if still running.
+    pub fn spawn(&mut self, i: usize, args: &[&str], envs: &[(&str, &str)]) -> usize {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.hosts[i].ns]).args(args);
+        for (k, v) in envs {
+            c.env(k, v);
+        }
+        let child = c
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {args:?}: {e}"));
+        self.children.push(child);
+        self.children.len() - 1
+    }
+
+    /// Waits for child `k` (from [`Lab::spawn`]) up to `limit`; kills it past that.
+    pub fn wait(&mut self, k: usize, limit: Duration) -> (Option<i32>, String, String) {
+        let deadline = Instant::now() + limit;
+        let child = &mut self.children[k];
+        loop {
+            if let Ok(Some(_)) = child.try_wait() {
+                break;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let timed_out = Instant::now() > deadline;
+        let out = std::mem::replace(child, Command::new("true").spawn().expect("true"))
+            .wait_with_output()
+            .expect("output");
+        let code = if timed_out { None } else { out.status.code() };
+        (code, String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+    }
+
+    /// Runs `args` in host `i` to completion (bounded by `limit`).
+    pub fn run(&mut self, i: usize, args: &[&str], limit: Duration) -> (Option<i32>, String, String) {
+        let k = self.spawn(i, args, &[]);
+        self.wait(k, limit)
+    }
+
+    /// Sends a signal to child `k`'s process (the `ip netns exec` process execs the command).
+    pub fn signal(&self, k: usize, sig: i32) {
+        unsafe { libc::kill(self.children[k].id() as i32, sig) };
+    }
+
+    /// Kills every process in host `i`'s namespace (a host crash).
+    pub fn crash(&self, i: usize) {
+        kill_ns_procs(&self.hosts[i].ns);
+    }
+
+    /// Takes host `i`'s eth1 down or up (a link cut).
+    pub fn link(&self, i: usize, up: bool) {
+        must(&["ip", "-n", &self.hosts[i].ns, "link", "set", "eth1", if up { "up" } else { "down" }]);
+    }
+
+    /// In host `i`: drop all TCP and all UDP except `port` (NCCL's sockets fail; meshd works).
+    pub fn firewall_only_udp(&self, i: usize, port: u16) {
+        let rules = format!(
+            "table inet mdlab {{ chain input {{ type filter hook input priority 0; policy accept; \
+             iifname \"lo\" accept; meta l4proto tcp drop; udp dport != {port} udp sport != {port} drop; }} }}"
+        );
+        let o = Command::new("ip")
+            .args(["netns", "exec", &self.hosts[i].ns, "nft", "-f", "-"])
+            .stdin(Stdio::piped())
+            .spawn()
+            .and_then(|mut c| {
+                use std::io::Write;
+                c.stdin.take().expect("stdin").write_all(rules.as_bytes())?;
+                c.wait()
+            })
+            .expect("nft");
+        assert!(o.success(), "nft failed in {}", self.hosts[i].ns);
+    }
+
+    /// Drops eth1 traffic between host `i` and the hosts in `others` (a partition).
+    pub fn partition(&self, i: usize, others: &[usize]) {
+        for &j in others {
+            let ip = &self.hosts[j].eth1;
+            must(&["ip", "netns", "exec", &self.hosts[i].ns, "nft", "add", "table", "inet", "mdpart"]);
+            must(&[
+                "ip",
+                "netns",
+                "exec",
+                &self.hosts[i].ns,
+                "nft",
+                "add",
+                "chain",
+                "inet",
+                "mdpart",
+                "in",
+                "{ type filter hook input priority 0; }",
+            ]);
+            must(&[
+                "ip",
+                "netns",
+                "exec",
+                &self.hosts[i].ns,
+                "nft",
+                "add",
+                "rule",
+                "inet",
+                "mdpart",
+                "in",
+                "ip",
+                "saddr",
+                ip,
+                "drop",
+            ]);
+        }
+    }
+
+    /// Removes partitions made with [`Lab::partition`] in host `i`.
+    pub fn heal(&self, i: usize) {
+        let _ = sh(&["ip", "netns", "exec", &self.hosts[i].ns, "nft", "delete", "table", "inet", "mdpart"]);
+    }
+}
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        for h in &self.hosts {
+            kill_ns_procs(&h.ns);
+            let _ = sh(&["ip", "netns", "del", &h.ns]);
+        }
+        let _ = sh(&["ip", "netns", "del", &self.hub]);
+    }
+}
+
+/// Path of the meshd binary under test.
+pub fn meshd() -> &'static str {
+    env!("CARGO_BIN_EXE_meshd")
+}
