@@ -5,6 +5,7 @@
 
 mod common;
 mod ifaces;
+mod run;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -22,6 +23,8 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
+    /// Join the mesh, agree on master and ranks, start CMD on every node, supervise.
+    Run(run::Args),
     /// List interfaces; with --peers, show which one reaches each peer and the one meshd would choose.
     Ifaces(ifaces::Args),
 }
@@ -39,6 +42,7 @@ fn main() -> ExitCode {
     let res = rt.block_on(async {
         match cli.cmd {
             Cmd::Ifaces(a) => ifaces::main(a).await,
+            Cmd::Run(a) => run::main(a).await,
         }
     });
     match res {

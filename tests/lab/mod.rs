@@ -180,6 +180,14 @@ impl Lab {
             .wait_with_output()
             .expect("output");
         let code = if timed_out { None } else { out.status.code() };
+        if std::env::var("MESHD_LAB_VERBOSE").is_ok() {
+            eprintln!(
+                "---- child {k} ({}) code {code:?}\n{}{}",
+                self.hosts.get(k).map(|h| h.ns.as_str()).unwrap_or("?"),
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
         (code, String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
     }
 

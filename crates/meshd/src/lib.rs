@@ -8,7 +8,10 @@
 //! - [`supervisor`]: spawning ranks with torchrun's environment, teardown.
 
 pub mod interfaces;
+pub mod job;
+pub mod mesh;
 pub mod peers;
+pub mod supervisor;
 pub mod transport;
 
 pub use meshd_proto as proto;

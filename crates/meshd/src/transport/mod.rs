@@ -376,7 +376,10 @@ fn refuse(inner: &Inner, conn: &quinn::Connection, code: u32, reason: &str) -> T
 fn report_auth_failure(inner: &Inner, addr: SocketAddr, reason: &str) {
     let first = lock(&inner.logged).insert((addr, reason.to_string()));
     if first {
-        warn!("peer {addr} failed authentication: {reason}");
+        match reason.strip_prefix("it refused us: ") {
+            Some(r) => warn!("peer {addr} refused this node: failed authentication: {r}"),
+            None => warn!("peer {addr} failed authentication: {reason}"),
+        }
     }
     let _ = inner.events.try_send(TransportEvent::AuthFailed { addr, reason: reason.to_string() });
 }

@@ -1,0 +1,287 @@
+//! `meshd run`'s job loop: rendezvous, spawn the local ranks with torchrun's environment,
+//! supervise, and stop everything everywhere when any part fails.
+//!
+//! Failure paths, each ending every rank on every node within seconds:
+//! - a local rank exits non-zero: this node broadcasts `Abort` and stops its ranks;
+//! - an `Abort` arrives: stop local ranks;
+//! - a roster member is declared dead or leaves before saying `Done`: broadcast `Abort`;
+//! - SIGINT/SIGTERM: broadcast `Abort`, stop, exit 130/143 (never restarted).
+//!
+//! Success: every local rank exited 0, this node says `Done` (repeated until every member
+//! said it too), and exits 0 once every roster member is done.
+
+use crate::mesh::{Mesh, MeshError, MeshInput};
+use crate::supervisor::{self, RankSpec, Supervisor};
+use meshd_proto::membership::MemberEvent;
+use meshd_proto::rendezvous::{Message, RdzvConfig, Roster};
+use meshd_proto::{NodeId, NodeState};
+use std::collections::BTreeSet;
+use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+use tracing::{error, info, warn};
+
+/// What `meshd run` was asked to do.
+#[derive(Clone, Debug)]
+pub struct JobConfig {
+    /// The command and its arguments.
+    pub cmd: Vec<String>,
+    /// Processes per node.
+    pub nproc: u32,
+    /// Restarts allowed after a failure.
+    pub max_restarts: u32,
+    /// Rendezvous sizes and timing.
+    pub rdzv: RdzvConfig,
+    /// Give up waiting for nodes after this.
+    pub rdzv_timeout: Duration,
+    /// Per-rank log files.
+    pub log_dir: Option<PathBuf>,
+    /// `nccl` or `quic` (MESHD_COLLECTIVE).
+    pub collective: String,
+    /// SIGTERM to SIGKILL.
+    pub grace: Duration,
+}
+
+/// How a job ended on this node.
+#[derive(Debug)]
+pub struct JobOutcome {
+    /// meshd's exit status.
+    pub code: u8,
+    /// One line saying what happened.
+    pub message: String,
+}
+
+/// A free TCP port on `ip` (bound then released: MASTER_PORT).
+pub fn free_tcp_port(ip: IpAddr) -> std::io::Result<u16> {
+    Ok(TcpListener::bind(SocketAddr::new(ip, 0))?.local_addr()?.port())
+}
+
+/// The environment of one rank: torchrun's variables plus meshd's.
+#[allow(clippy::too_many_arguments)]
+pub fn rank_env(
+    roster: &Roster,
+    node_rank: usize,
+    local_rank: u32,
+    iface: &str,
+    node_addr: IpAddr,
+    run_id: &str,
+    max_restarts: u32,
+    collective: &str,
+    user_has: &dyn Fn(&str) -> bool,
+) -> Vec<(String, String)> {
+    let me = &roster.members[node_rank];
+    let master = &roster.members[0];
+    let global = roster.first_global_rank(node_rank) + local_rank;
+    let world = roster.world_size();
+    let mut env: Vec<(String, String)> = vec![
+        ("RANK".into(), global.to_string()),
+        ("LOCAL_RANK".into(), local_rank.to_string()),
+        ("WORLD_SIZE".into(), world.to_string()),
+        ("LOCAL_WORLD_SIZE".into(), me.nproc.to_string()),
+        ("GROUP_RANK".into(), node_rank.to_string()),
+        ("NODE_RANK".into(), node_rank.to_string()),
+        ("GROUP_WORLD_SIZE".into(), roster.members.len().to_string()),
+        ("ROLE_NAME".into(), "default".into()),
+        ("ROLE_RANK".into(), global.to_string()),
+        ("ROLE_WORLD_SIZE".into(), world.to_string()),
+        ("MASTER_ADDR".into(), master.addr.ip().to_string()),
+        ("MASTER_PORT".into(), roster.master_port.to_string()),
+        ("TORCHELASTIC_RUN_ID".into(), run_id.to_string()),
+        ("TORCHELASTIC_RESTART_COUNT".into(), roster.restart.to_string()),
+        ("TORCHELASTIC_MAX_RESTARTS".into(), max_restarts.to_string()),
+        ("MESHD_IFACE".into(), iface.to_string()),
+        ("MESHD_NODE_ADDR".into(), node_addr.to_string()),
+        ("MESHD_COLLECTIVE".into(), collective.to_string()),
+    ];
+    let defaults = [
+        ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1".to_string(), true),
+        ("OMP_NUM_THREADS", "1".to_string(), me.nproc > 1),
+        // `=eth1`: NCCL's exact-name match, so eth10 is never taken for eth1.
+        ("NCCL_SOCKET_IFNAME", format!("={iface}"), true),
+        ("GLOO_SOCKET_IFNAME", iface.to_string(), true),
+    ];
+    for (k, v, when) in defaults {
+        if when && !user_has(k) {
+            env.push((k.into(), v));
+        }
+    }
+    env
+}
+
+enum Failure {
+    /// A failure that may be restarted.
+    Job(String),
+    /// A signal: stop, never restart.
+    Signal(String, u8),
+}
+
+/// Runs the job on this node until it ends everywhere.
+pub async fn run(mesh: &mut Mesh, cfg: &JobConfig, run_id: &str) -> Result<JobOutcome, MeshError> {
+    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(|e| MeshError::Iface(format!("cannot watch SIGTERM: {e}")))?;
+    let mut restart = 0u32;
+    loop {
+        let master_port = free_tcp_port(mesh.addr().ip()).unwrap_or(29500);
+        let roster = tokio::select! {
+            r = mesh.rendezvous(restart, cfg.rdzv.clone(), master_port, cfg.rdzv_timeout) => r?,
+            _ = tokio::signal::ctrl_c() => return Ok(JobOutcome { code: 130, message: "interrupted (SIGINT) while waiting for nodes".into() }),
+            _ = sigterm.recv() => return Ok(JobOutcome { code: 143, message: "stopped (SIGTERM) while waiting for nodes".into() }),
+        };
+        restart = roster.restart;
+        let Some(node_rank) = roster.node_rank(mesh.node()) else {
+            return Ok(JobOutcome { code: 1, message: "not part of the agreed roster".into() });
+        };
+        let master = &roster.members[0];
+        info!(
+            "roster agreed: {} nodes, world size {}, master {} ({}), this node is node rank {node_rank}{}",
+            roster.members.len(),
+            roster.world_size(),
+            master.addr.ip(),
+            master.hostname,
+            if restart > 0 { format!(", restart {restart}") } else { String::new() }
+        );
+        let user_has = |k: &str| std::env::var_os(k).is_some();
+        let iface = mesh.choice().name.clone();
+        let ranks: Vec<RankSpec> = (0..roster.members[node_rank].nproc)
+            .map(|l| RankSpec {
+                global: roster.first_global_rank(node_rank) + l,
+                local: l,
+                env: rank_env(&roster, node_rank, l, &iface, mesh.addr().ip(), run_id, cfg.max_restarts, &cfg.collective, &user_has),
+            })
+            .collect();
+        if let Some(d) = &cfg.log_dir {
+            if let Err(e) = std::fs::create_dir_all(d) {
+                warn!("cannot create --log-dir {}: {e}; logging to the console only", d.display());
+            }
+        }
+        let failure = match Supervisor::spawn(&cfg.cmd, &ranks, cfg.log_dir.as_deref()).await {
+            Ok(mut sup) => {
+                mesh.set_state(NodeState::Running, restart);
+                let f = supervise(mesh, &roster, &mut sup, &mut sigterm).await;
+                sup.stop(cfg.grace).await;
+                f
+            }
+            Err(e) => {
+                let reason = format!("node {} ({}): {e}", roster.members[node_rank].hostname, mesh.addr().ip());
+                abort(mesh, &roster, None, &reason);
+                Some(Failure::Job(reason))
+            }
+        };
+        match failure {
+            None => {
+                return Ok(JobOutcome { code: 0, message: format!("job finished: all {} ranks exited 0", roster.world_size()) });
+            }
+            Some(Failure::Signal(m, code)) => return Ok(JobOutcome { code, message: m }),
+            Some(Failure::Job(m)) if restart < cfg.max_restarts => {
+                restart += 1;
+                warn!("{m}; restarting all ranks ({restart}/{})", cfg.max_restarts);
+                mesh.set_state(NodeState::Waiting, restart);
+            }
+            Some(Failure::Job(m)) => {
+                mesh.set_state(NodeState::Failed, restart);
+                return Ok(JobOutcome { code: 1, message: format!("job failed: {m}") });
+            }
+        }
+    }
+}
+
+fn abort(mesh: &mut Mesh, roster: &Roster, rank: Option<u32>, reason: &str) {
+    let me = mesh.node();
+    let hostname = roster.members.iter().find(|m| m.id == me).map(|m| m.hostname.clone()).unwrap_or_default();
+    let msg = Message::Abort { restart: roster.restart, node: me, hostname, rank, reason: reason.to_string() };
+    mesh.broadcast(roster, msg);
+    mesh.set_state(NodeState::Failed, roster.restart);
+}
+
+fn describe_member(roster: &Roster, id: NodeId) -> String {
+    roster
+        .members
+        .iter()
+        .find(|m| m.id == id)
+        .map(|m| format!("node {} ({})", if m.hostname.is_empty() { "?" } else { &m.hostname }, m.addr.ip()))
+        .unwrap_or_else(|| format!("node {id}"))
+}
+
+async fn supervise(
+    mesh: &mut Mesh,
+    roster: &Roster,
+    sup: &mut Supervisor,
+    sigterm: &mut tokio::signal::unix::Signal,
+) -> Option<Failure> {
+    let me = mesh.node();
+    let here = describe_member(roster, me);
+    let mut done: BTreeSet<NodeId> = BTreeSet::new();
+    let mut local_done = false;
+    let mut resend = Instant::now();
+    let everyone: BTreeSet<NodeId> = roster.members.iter().map(|m| m.id).collect();
+    loop {
+        if local_done && done == everyone {
+            // Keep answering a moment so our last Done reaches everyone.
+            let linger = Instant::now() + Duration::from_millis(600);
+            mesh.broadcast(roster, Message::Done { restart: roster.restart });
+            while mesh.next(Some(linger)).await.is_some_and(|i| !matches!(i, MeshInput::Tick)) {}
+            return None;
+        }
+        let tick = if local_done { resend + Duration::from_millis(500) } else { Instant::now() + Duration::from_secs(3600) };
+        tokio::select! {
+            exit = sup.next_exit(), if !local_done => {
+                match exit {
+                    Some(e) if e.status.success() => {
+                        if sup.running() == 0 {
+                            local_done = true;
+                            done.insert(me);
+                            mesh.set_state(NodeState::Done, roster.restart);
+                            mesh.broadcast(roster, Message::Done { restart: roster.restart });
+                            resend = Instant::now();
+                        }
+                    }
+                    Some(e) => {
+                        let reason = format!("rank {} (local rank {}) on {here} {}", e.global, e.local, supervisor::describe(&e.status));
+                        error!("{reason}; stopping the job on every node");
+                        abort(mesh, roster, Some(e.global), &reason);
+                        return Some(Failure::Job(reason));
+                    }
+                    None => {}
+                }
+            }
+            input = mesh.next(Some(tick)) => {
+                match input {
+                    None => return Some(Failure::Job("the mesh transport stopped".into())),
+                    Some(MeshInput::Rdzv(from, Message::Abort { restart, reason, .. })) if restart == roster.restart => {
+                        error!("job stopped by {}: {reason}", describe_member(roster, from));
+                        mesh.set_state(NodeState::Failed, roster.restart);
+                        return Some(Failure::Job(reason));
+                    }
+                    Some(MeshInput::Rdzv(from, Message::Done { restart })) if restart == roster.restart => {
+                        done.insert(from);
+                    }
+                    Some(MeshInput::Rdzv(from, m @ Message::Propose(_))) => mesh.defer(from, m),
+                    Some(MeshInput::Member(MemberEvent::Down(id) | MemberEvent::Left(id))) if everyone.contains(&id) && !done.contains(&id) => {
+                        let reason = format!("{} stopped answering (declared dead by the mesh)", describe_member(roster, id));
+                        error!("{reason}; stopping the job on every node");
+                        abort(mesh, roster, None, &reason);
+                        return Some(Failure::Job(reason));
+                    }
+                    Some(MeshInput::Tick) if local_done => {
+                        mesh.broadcast(roster, Message::Done { restart: roster.restart });
+                        resend = Instant::now();
+                    }
+                    _ => {}
+                }
+            }
+            _ = tokio::signal::ctrl_c() => {
+                let reason = format!("interrupted (SIGINT) on {here}");
+                abort(mesh, roster, None, &reason);
+                return Some(Failure::Signal(reason, 130));
+            }
+            _ = sigterm.recv() => {
+                let reason = format!("stopped (SIGTERM) on {here}");
+                abort(mesh, roster, None, &reason);
+                return Some(Failure::Signal(reason, 143));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,83 @@
+use super::*;
+use meshd_proto::rendezvous::RosterMember;
+
+fn roster() -> Roster {
+    let m = |id: u128, ip: &str, nproc| RosterMember {
+        id: NodeId::from_u128(id),
+        addr: format!("{ip}:29400").parse().expect("addr"),
+        nproc,
+        hostname: format!("h{id}"),
+    };
+    Roster {
+        run_hash: 1,
+        restart: 2,
+        epoch: 1,
+        master_port: 29511,
+        members: vec![m(5, "198.19.0.7", 2), m(1, "198.19.0.19", 2), m(9, "198.19.0.30", 2)],
+    }
+}
+
+fn get<'a>(env: &'a [(String, String)], k: &str) -> Option<&'a str> {
+    env.iter().find(|(a, _)| a == k).map(|(_, v)| v.as_str())
+}
+
+#[test]
+fn torchrun_environment_of_a_middle_rank() {
+    let r = roster();
+    let env = rank_env(&r, 1, 1, "eth1", "198.19.0.19".parse().expect("ip"), "run-x", 3, "nccl", &|_| false);
+    let want = [
+        ("RANK", "3"),
+        ("LOCAL_RANK", "1"),
+        ("WORLD_SIZE", "6"),
+        ("LOCAL_WORLD_SIZE", "2"),
+        ("GROUP_RANK", "1"),
+        ("NODE_RANK", "1"),
+        ("GROUP_WORLD_SIZE", "3"),
+        ("ROLE_NAME", "default"),
+        ("ROLE_RANK", "3"),
+        ("ROLE_WORLD_SIZE", "6"),
+        ("MASTER_ADDR", "198.19.0.7"),
+        ("MASTER_PORT", "29511"),
+        ("TORCHELASTIC_RUN_ID", "run-x"),
+        ("TORCHELASTIC_RESTART_COUNT", "2"),
+        ("TORCHELASTIC_MAX_RESTARTS", "3"),
+        ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        ("OMP_NUM_THREADS", "1"),
+        ("NCCL_SOCKET_IFNAME", "=eth1"),
+        ("GLOO_SOCKET_IFNAME", "eth1"),
+        ("MESHD_IFACE", "eth1"),
+        ("MESHD_NODE_ADDR", "198.19.0.19"),
+        ("MESHD_COLLECTIVE", "nccl"),
+    ];
+    for (k, v) in want {
+        assert_eq!(get(&env, k), Some(v), "{k}");
+    }
+}
+
+#[test]
+fn user_settings_win_and_single_process_keeps_omp() {
+    let mut r = roster();
+    r.members[0].nproc = 1;
+    let user = |k: &str| k == "NCCL_SOCKET_IFNAME" || k == "TORCH_NCCL_ASYNC_ERROR_HANDLING";
+    let env = rank_env(&r, 0, 0, "eth1", "198.19.0.7".parse().expect("ip"), "r", 0, "quic", &user);
+    assert_eq!(get(&env, "NCCL_SOCKET_IFNAME"), None);
+    assert_eq!(get(&env, "TORCH_NCCL_ASYNC_ERROR_HANDLING"), None);
+    assert_eq!(get(&env, "OMP_NUM_THREADS"), None, "one process per node: OMP untouched");
+    assert_eq!(get(&env, "GLOO_SOCKET_IFNAME"), Some("eth1"));
+    assert_eq!(get(&env, "RANK"), Some("0"));
+    assert_eq!(get(&env, "WORLD_SIZE"), Some("5"));
+}
+
+#[test]
+fn global_ranks_form_a_permutation() {
+    let r = roster();
+    let mut seen = Vec::new();
+    for n in 0..r.members.len() {
+        for l in 0..r.members[n].nproc {
+            let env = rank_env(&r, n, l, "eth1", "127.0.0.1".parse().expect("ip"), "r", 0, "nccl", &|_| false);
+            seen.push(get(&env, "RANK").expect("rank").parse::<u32>().expect("num"));
+        }
+    }
+    seen.sort();
+    assert_eq!(seen, (0..6).collect::<Vec<_>>());
+}

@@ -1,0 +1,438 @@
+//! The mesh: one task owns the membership and rendezvous cores and drives them over the
+//! transport. This is the library API for custom rendezvous: start a [`Mesh`] from seeds, a
+//! token and an expected size, await the agreed [`Roster`], then do anything.
+//!
+//! `Mesh` is an actor without a mailbox: it is owned by one task and every method takes
+//! `&mut self`, so the cores are never shared or locked. Inputs (frames, timers) are
+//! pulled by [`Mesh::next`]; outputs (`poll_transmit`) are flushed after every input.
+
+use crate::interfaces::{self, Choice};
+use crate::transport::auth::Token;
+use crate::transport::{Transport, TransportConfig, TransportError, TransportEvent};
+use meshd_proto::membership::{
+    Delivery, MemberEvent, MemberStatus, MemberView, Membership, MembershipConfig,
+};
+use meshd_proto::rendezvous::{self, Candidate, RdzvConfig, RdzvEvent, Rendezvous, Roster};
+use meshd_proto::wire::Frame;
+use meshd_proto::{NodeId, NodeMeta, NodeState};
+use std::collections::{BTreeMap, VecDeque};
+use std::net::{IpAddr, SocketAddr};
+use std::time::{Duration, Instant};
+use tracing::{info, warn};
+
+/// How to form the mesh.
+#[derive(Clone, Debug)]
+pub struct MeshConfig {
+    /// This node.
+    pub node: NodeId,
+    /// meshd's one UDP port.
+    pub port: u16,
+    /// Shared secret.
+    pub token: Option<Token>,
+    /// Run id text (TORCHELASTIC_RUN_ID); its hash separates runs.
+    pub run_id: String,
+    /// Listed peers (label, address); this node may be among them.
+    pub peers: Vec<(String, SocketAddr)>,
+    /// `--iface`.
+    pub iface: Option<String>,
+    /// Processes this node starts.
+    pub nproc: u32,
+    /// Hash of the job command (agreement check).
+    pub cmd_hash: u64,
+    /// Membership tuning.
+    pub membership: MembershipConfig,
+}
+
+/// Errors forming or running the mesh.
+#[derive(Debug, thiserror::Error)]
+pub enum MeshError {
+    /// Interface enumeration or choice failed.
+    #[error("interface: {0}")]
+    Iface(String),
+    /// The transport could not start.
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    /// Rendezvous did not complete in time.
+    #[error("{0}")]
+    Timeout(String),
+    /// The transport stopped.
+    #[error("the mesh transport stopped")]
+    Closed,
+}
+
+/// Something that happened in the mesh, for the job loop.
+#[derive(Debug)]
+pub enum MeshInput {
+    /// A rendezvous or job-lifecycle message from an authenticated member.
+    Rdzv(NodeId, rendezvous::Message),
+    /// Membership changed.
+    Member(MemberEvent),
+    /// A peer failed authentication.
+    AuthFailed(SocketAddr, String),
+    /// The deadline given to [`Mesh::next`] passed.
+    Tick,
+}
+
+/// A node in the mesh.
+pub struct Mesh {
+    cfg: MeshConfig,
+    choice: Choice,
+    addr: SocketAddr,
+    run_hash: u64,
+    transport: Transport,
+    events: tokio::sync::mpsc::Receiver<TransportEvent>,
+    membership: Membership,
+    meta: NodeMeta,
+    pending: VecDeque<MeshInput>,
+    /// Frames of a later restart round that arrived before we got there.
+    early: Vec<(NodeId, rendezvous::Message)>,
+}
+
+impl std::fmt::Debug for Mesh {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mesh").field("node", &self.cfg.node).field("addr", &self.addr).finish()
+    }
+}
+
+/// A stable 64-bit hash (SHA-256 prefix): the same on every node and every build.
+pub fn stable_hash(parts: &[&[u8]]) -> u64 {
+    let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
+    for p in parts {
+        ctx.update(&(p.len() as u64).to_be_bytes());
+        ctx.update(p);
+    }
+    let d = ctx.finish();
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&d.as_ref()[..8]);
+    u64::from_be_bytes(b)
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_default()
+}
+
+impl Mesh {
+    /// Chooses the interface, binds the port and starts joining through the listed peers.
+    pub async fn start(cfg: MeshConfig) -> Result<Mesh, MeshError> {
+        let ifs = interfaces::list().map_err(|e| MeshError::Iface(e.to_string()))?;
+        let reach = interfaces::routes(&ifs, &cfg.peers, cfg.port);
+        let others: Vec<SocketAddr> = reach.iter().filter(|r| !r.is_self).map(|r| r.addr).collect();
+        let choice = if others.is_empty() && cfg.iface.is_none() {
+            // Alone (or only ourselves listed): loopback is the interface that works.
+            Choice {
+                name: ifs
+                    .iter()
+                    .find(|i| i.kind == interfaces::IfaceKind::Loopback)
+                    .map(|i| i.name.clone())
+                    .unwrap_or_else(|| "lo".into()),
+                addr: IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
+                reason: "no other node listed: single-node job on loopback".into(),
+            }
+        } else {
+            interfaces::choose(&ifs, &reach, cfg.iface.as_deref()).map_err(|e| MeshError::Iface(e.to_string()))?
+        };
+        let run_hash = stable_hash(&[cfg.run_id.as_bytes()]);
+        let mut tc = TransportConfig::new(cfg.node, cfg.port);
+        tc.token = cfg.token.clone();
+        tc.run_hash = run_hash;
+        if choice.addr.is_ipv6() {
+            tc.bind = IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED);
+        }
+        let (transport, events) = Transport::bind(tc)?;
+        let addr = SocketAddr::new(choice.addr, transport.local_addr().port());
+        let meta = NodeMeta {
+            gossip_addr: Some(addr),
+            hostname: hostname(),
+            iface: choice.name.clone(),
+            addrs: ifs
+                .iter()
+                .flat_map(|i| {
+                    i.addrs.iter().map(|a| meshd_proto::meta::IfaceAddr { name: i.name.clone(), addr: a.ip })
+                })
+                .collect(),
+            nproc: cfg.nproc,
+            gpus: 0,
+            cuda_driver: 0,
+            nccl_version: 0,
+            meshd_version: env!("CARGO_PKG_VERSION").to_string(),
+            cmd_hash: cfg.cmd_hash,
+            run_hash,
+            state: NodeState::Waiting,
+            restarts: 0,
+        };
+        let now = Instant::now();
+        let seed = stable_hash(&[&cfg.node.0]);
+        let mut membership =
+            Membership::new(cfg.node, addr, meta.clone(), cfg.membership.clone(), seed, now);
+        membership.add_seeds(&others, now);
+        info!(node = %cfg.node, iface = %choice.name, addr = %addr, "joining: {}", choice.reason);
+        if cfg.token.is_none() && !others.is_empty() {
+            warn!(
+                "no token: traffic is encrypted but ANYONE who can reach UDP {} can join this job; \
+                 give every node the same --token / MESHD_TOKEN / --token-file",
+                addr.port()
+            );
+        }
+        let mut mesh = Mesh {
+            cfg,
+            choice,
+            addr,
+            run_hash,
+            transport,
+            events,
+            membership,
+            meta,
+            pending: VecDeque::new(),
+            early: Vec::new(),
+        };
+        mesh.flush();
+        Ok(mesh)
+    }
+
+    /// The chosen interface and why.
+    pub fn choice(&self) -> &Choice {
+        &self.choice
+    }
+
+    /// This node's address (chosen interface, meshd port).
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// This node's id.
+    pub fn node(&self) -> NodeId {
+        self.cfg.node
+    }
+
+    /// Hash of the run id.
+    pub fn run_hash(&self) -> u64 {
+        self.run_hash
+    }
+
+    /// Everyone known, with status.
+    pub fn members(&self) -> Vec<MemberView> {
+        self.membership.members()
+    }
+
+    /// Round-trip time to a member (QUIC's estimate, else the probe RTT).
+    pub fn rtt(&self, m: &MemberView) -> Option<Duration> {
+        self.transport.rtt(m.addr).or_else(|| self.membership.rtt(m.id))
+    }
+
+    /// Publishes a new state (and restart count) of this node.
+    pub fn set_state(&mut self, state: NodeState, restarts: u32) {
+        self.meta.state = state;
+        self.meta.restarts = restarts;
+        self.membership.set_meta(self.meta.clone(), Instant::now());
+        self.flush();
+    }
+
+    /// Sends a rendezvous/job message to `addr` reliably.
+    pub fn send(&self, addr: SocketAddr, msg: rendezvous::Message) {
+        self.transport.send(addr, &Frame::Rdzv(msg), true);
+    }
+
+    /// Sends a message to every roster member but us.
+    pub fn broadcast(&self, roster: &Roster, msg: rendezvous::Message) {
+        for m in roster.members.iter().filter(|m| m.id != self.cfg.node) {
+            self.send(m.addr, msg.clone());
+        }
+    }
+
+    fn flush(&mut self) {
+        while let Some(t) = self.membership.poll_transmit() {
+            self.transport.send(t.to, &Frame::Gossip(t.msg), matches!(t.delivery, Delivery::Reliable));
+        }
+        while let Some(ev) = self.membership.poll_event() {
+            self.pending.push_back(MeshInput::Member(ev));
+        }
+    }
+
+    /// The next input, or `Tick` once `until` passes. `None`: the transport stopped.
+    pub async fn next(&mut self, until: Option<Instant>) -> Option<MeshInput> {
+        loop {
+            self.flush();
+            if let Some(ev) = self.pending.pop_front() {
+                return Some(ev);
+            }
+            let now = Instant::now();
+            if until.is_some_and(|u| now >= u) {
+                return Some(MeshInput::Tick);
+            }
+            let wake = [self.membership.poll_timeout(), until].into_iter().flatten().min();
+            let sleep = async {
+                match wake {
+                    Some(w) => tokio::time::sleep_until(w.into()).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                ev = self.events.recv() => {
+                    let now = Instant::now();
+                    match ev? {
+                        TransportEvent::Frame { from, node, frame } => match frame {
+                            Frame::Gossip(m) => self.membership.handle_message(from, m, now),
+                            Frame::Rdzv(m) => self.pending.push_back(MeshInput::Rdzv(node, m)),
+                        },
+                        TransportEvent::AuthFailed { addr, reason } => {
+                            self.pending.push_back(MeshInput::AuthFailed(addr, reason));
+                        }
+                        TransportEvent::PeerUp { addr, observed, .. } => {
+                            if let Some(o) = observed.filter(|o| o.ip() != self.addr.ip()) {
+                                warn!(peer = %addr, "peer sees this node as {} but it advertises {} (NAT?)", o.ip(), self.addr.ip());
+                            }
+                        }
+                    }
+                }
+                _ = sleep => {
+                    self.membership.handle_timeout(Instant::now());
+                }
+            }
+        }
+    }
+
+    /// Alive members of this run, as rendezvous candidates.
+    fn candidates(&self) -> Vec<Candidate> {
+        self.membership
+            .alive()
+            .into_iter()
+            .filter(|m| m.meta.run_hash == self.run_hash && m.meta.state == NodeState::Waiting)
+            .filter(|m| m.meta.restarts == self.meta.restarts)
+            .map(|m| Candidate {
+                id: m.id,
+                addr: m.meta.gossip_addr.unwrap_or(m.addr),
+                nproc: m.meta.nproc,
+                hostname: m.meta.hostname.clone(),
+            })
+            .collect()
+    }
+
+    /// Which listed peers are not (yet) members, for progress lines and timeouts.
+    pub fn missing_peers(&self) -> Vec<String> {
+        let present: Vec<SocketAddr> =
+            self.membership.alive().iter().map(|m| m.meta.gossip_addr.unwrap_or(m.addr)).collect();
+        self.cfg
+            .peers
+            .iter()
+            .filter(|(_, a)| *a != self.addr && !present.contains(a))
+            .filter(|(_, a)| !(a.ip().is_loopback() && a.port() == self.addr.port()))
+            .map(|(l, a)| if l == &a.ip().to_string() { a.to_string() } else { format!("{l} ({a})") })
+            .collect()
+    }
+
+    /// Waits for the roster of restart round `restart`. `master_port` is offered should this
+    /// node be master. Prints a progress line every few seconds; gives up after `timeout`
+    /// naming the peers that never answered.
+    pub async fn rendezvous(
+        &mut self,
+        restart: u32,
+        rdzv: RdzvConfig,
+        master_port: u16,
+        timeout: Duration,
+    ) -> Result<Roster, MeshError> {
+        let start = Instant::now();
+        let deadline = start + timeout;
+        let mut core = Rendezvous::new(self.cfg.node, self.run_hash, restart, rdzv.clone(), master_port, start);
+        self.set_state(NodeState::Waiting, restart);
+        core.handle_candidates(self.candidates(), start);
+        for (from, m) in std::mem::take(&mut self.early) {
+            core.handle_message(from, m, start);
+        }
+        let mut next_progress = start + Duration::from_secs(2);
+        let mut last_auth: BTreeMap<SocketAddr, String> = BTreeMap::new();
+        loop {
+            while let Some((to, msg)) = core.poll_transmit() {
+                self.send(to, msg);
+            }
+            if let Some(RdzvEvent::Committed(roster)) = core.poll_event() {
+                return Ok(roster);
+            }
+            let wake = [core.poll_timeout(), Some(next_progress), Some(deadline)].into_iter().flatten().min();
+            let Some(input) = self.next(wake).await else { return Err(MeshError::Closed) };
+            let now = Instant::now();
+            match input {
+                MeshInput::Rdzv(from, m) => match &m {
+                    rendezvous::Message::Propose(r) if r.restart > restart => self.early.push((from, m)),
+                    _ => core.handle_message(from, m, now),
+                },
+                MeshInput::Member(_) => {
+                    // A replacement node starts at round 0: it adopts the round the waiting
+                    // survivors are in.
+                    let round = self
+                        .membership
+                        .alive()
+                        .iter()
+                        .filter(|m| m.meta.run_hash == self.run_hash && m.meta.state == NodeState::Waiting)
+                        .map(|m| m.meta.restarts)
+                        .max()
+                        .unwrap_or(restart);
+                    if round > restart {
+                        info!("joining restart round {round} of the running job");
+                        return Box::pin(self.rendezvous(round, rdzv, master_port, deadline.saturating_duration_since(now))).await;
+                    }
+                    core.handle_candidates(self.candidates(), now)
+                }
+                MeshInput::AuthFailed(addr, reason) => {
+                    last_auth.insert(addr, reason);
+                }
+                MeshInput::Tick => core.handle_timeout(now),
+            }
+            if now >= next_progress {
+                let (present, min, max) = core.progress();
+                let missing = self.missing_peers();
+                let expected = if min == max { format!("{min}") } else { format!("{min}:{max}") };
+                info!(
+                    "waiting for nodes: {present}/{expected} present{}",
+                    if missing.is_empty() { String::new() } else { format!("; no answer yet from {}", missing.join(", ")) }
+                );
+                next_progress = now + Duration::from_secs(5);
+            }
+            if now >= deadline {
+                let (present, min, _) = core.progress();
+                let missing: Vec<String> = self
+                    .missing_peers()
+                    .into_iter()
+                    .filter(|m| !last_auth.keys().any(|a| m.contains(&a.to_string())))
+                    .collect();
+                let mut msg = format!(
+                    "rendezvous timed out after {:?}: {present} of {min} nodes present",
+                    timeout
+                );
+                if !missing.is_empty() {
+                    msg.push_str(&format!(
+                        "; never answered: {} (is meshd running there with the same command, and UDP {} open?)",
+                        missing.join(", "),
+                        self.addr.port()
+                    ));
+                }
+                for (a, r) in &last_auth {
+                    match r.strip_prefix("it refused us: ") {
+                        Some(r) => msg.push_str(&format!("; {a} refused this node: failed authentication: {r}")),
+                        None => msg.push_str(&format!("; {a} failed authentication: {r}")),
+                    }
+                }
+                return Err(MeshError::Timeout(msg));
+            }
+        }
+    }
+
+    /// Keeps a rendezvous message of a later round for [`Mesh::rendezvous`].
+    pub fn defer(&mut self, from: NodeId, msg: rendezvous::Message) {
+        if self.early.len() < 64 {
+            self.early.push((from, msg));
+        }
+    }
+
+    /// Status of member `id`.
+    pub fn status(&self, id: NodeId) -> Option<MemberStatus> {
+        self.membership.members().into_iter().find(|m| m.id == id).map(|m| m.status)
+    }
+
+    /// Leaves gracefully and closes the endpoint.
+    pub async fn shutdown(mut self) {
+        self.membership.leave(Instant::now());
+        self.flush();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        self.transport.shutdown().await;
+    }
+}

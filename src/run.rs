@@ -1,0 +1,189 @@
+//! `meshd run`: the identical command on every node.
+
+use crate::common::{self, NetArgs};
+use anyhow::{Context, Result, bail};
+use meshd::job::{self, JobConfig};
+use meshd::mesh::{Mesh, MeshConfig, stable_hash};
+use meshd::proto::membership::MembershipConfig;
+use meshd::proto::rendezvous::RdzvConfig;
+use std::process::ExitCode;
+use std::time::Duration;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Nodes to wait for: N, or MIN:MAX (start once MIN are present and no newcomer arrived for --settle).
+    #[arg(long, env = "SLURM_NNODES")]
+    pub nnodes: Option<String>,
+    /// Peers: host[:port],...  @FILE  dns:NAME (default: SLURM_JOB_NODELIST). Any one reachable member is enough.
+    #[arg(long)]
+    pub peers: Option<String>,
+    /// Processes per node: a number, or auto (visible GPUs, else 1).
+    #[arg(long, default_value = "auto")]
+    pub nproc_per_node: String,
+    /// Force the interface instead of choosing by probing.
+    #[arg(long)]
+    pub iface: Option<String>,
+    /// Separates jobs on the same network (default: derived from token, command and peers).
+    #[arg(long)]
+    pub run_id: Option<String>,
+    /// Re-rendezvous and restart all ranks up to N times after a failure.
+    #[arg(long, default_value_t = 0)]
+    pub max_restarts: u32,
+    /// Give up waiting for nodes after this long (300s, 5m, 1h).
+    #[arg(long, default_value = "300s", value_parser = parse_duration)]
+    pub rdzv_timeout: Duration,
+    /// With --nnodes MIN:MAX: start after this long without a newcomer.
+    #[arg(long, default_value = "3s", value_parser = parse_duration)]
+    pub settle: Duration,
+    /// auto | nccl | quic (MESHD_COLLECTIVE given to the ranks).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "nccl", "quic"])]
+    pub collective: String,
+    /// Also write each rank's stdout/stderr to DIR/rankN.out and DIR/rankN.err.
+    #[arg(long)]
+    pub log_dir: Option<std::path::PathBuf>,
+    /// Time between SIGTERM and SIGKILL when stopping ranks.
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    pub grace: Duration,
+    #[command(flatten)]
+    pub net: NetArgs,
+    /// The command to start on every node, once per local process.
+    #[arg(last = true, required = true, value_name = "CMD")]
+    pub cmd: Vec<String>,
+}
+
+/// Parses `300`, `300s`, `1500ms`, `5m`, `1h`.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (num, unit) = s.find(|c: char| !c.is_ascii_digit() && c != '.').map(|i| s.split_at(i)).unwrap_or((s, "s"));
+    let n: f64 = num.parse().map_err(|_| format!("{s:?} is not a duration (try 300s, 5m, 1h)"))?;
+    let secs = match unit {
+        "ms" => n / 1000.0,
+        "s" | "" => n,
+        "m" => n * 60.0,
+        "h" => n * 3600.0,
+        _ => return Err(format!("{s:?}: unknown unit {unit:?} (use ms, s, m or h)")),
+    };
+    if !secs.is_finite() || secs < 0.0 || secs > 1e7 {
+        return Err(format!("{s:?} is out of range"));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+/// Parses `N` or `MIN:MAX`.
+pub fn parse_nnodes(s: &str) -> Result<(u32, u32)> {
+    let bad = || format!("--nnodes {s:?}: expected N or MIN:MAX with 1 <= MIN <= MAX");
+    let (a, b) = s.split_once(':').unwrap_or((s, s));
+    let min: u32 = a.trim().parse().ok().with_context(bad)?;
+    let max: u32 = b.trim().parse().ok().with_context(bad)?;
+    if min == 0 || max < min {
+        bail!(bad());
+    }
+    Ok((min, max))
+}
+
+/// Processes per node: a number, or the visible GPUs (CUDA_VISIBLE_DEVICES, /dev/nvidiaN), else 1.
+pub fn nproc(spec: &str) -> Result<u32> {
+    if spec != "auto" {
+        let n: u32 = spec.parse().ok().filter(|n| *n > 0).with_context(|| format!("--nproc-per-node {spec:?}: expected a positive number or auto"))?;
+        return Ok(n);
+    }
+    if let Ok(v) = std::env::var("CUDA_VISIBLE_DEVICES") {
+        let n = v.split(',').filter(|s| !s.trim().is_empty() && s.trim() != "-1").count();
+        return Ok(n.max(1) as u32);
+    }
+    let n = std::fs::read_dir("/dev")
+        .map(|d| {
+            d.flatten()
+                .filter(|e| {
+                    let name = e.file_name();
+                    let name = name.to_string_lossy();
+                    name.strip_prefix("nvidia").is_some_and(|r| !r.is_empty() && r.chars().all(|c| c.is_ascii_digit()))
+                })
+                .count()
+        })
+        .unwrap_or(0);
+    Ok(n.max(1) as u32)
+}
+
+pub async fn main(a: Args) -> Result<ExitCode> {
+    let nnodes = a.nnodes.as_deref().context("--nnodes is required (or SLURM_NNODES): how many nodes to wait for")?;
+    let (min, max) = parse_nnodes(nnodes)?;
+    let nproc = nproc(&a.nproc_per_node)?;
+    let token = a.net.token()?;
+    let peers = common::peers(a.peers.as_deref(), a.net.port)?;
+    if peers.is_empty() && max > 1 {
+        bail!("--nnodes {nnodes} needs --peers (or SLURM_JOB_NODELIST): at least one other node's address");
+    }
+    let cmd_hash = stable_hash(&a.cmd.iter().map(|s| s.as_bytes()).collect::<Vec<_>>());
+    let run_id = a.run_id.clone().unwrap_or_else(|| {
+        let mut p: Vec<&str> = a.peers.as_deref().unwrap_or("").split(',').map(str::trim).collect();
+        p.sort();
+        let fp = token.as_ref().map(|t| t.fingerprint()).unwrap_or(0).to_be_bytes();
+        format!("meshd-{:012x}", stable_hash(&[&fp, &cmd_hash.to_be_bytes(), p.join(",").as_bytes()]) >> 16)
+    });
+    let mesh_cfg = MeshConfig {
+        node: meshd::random_node_id(),
+        port: a.net.port,
+        token,
+        run_id: run_id.clone(),
+        peers,
+        iface: a.iface.clone(),
+        nproc,
+        cmd_hash,
+        membership: MembershipConfig::default(),
+    };
+    let mut mesh = Mesh::start(mesh_cfg).await?;
+    let collective = if a.collective == "auto" { "nccl".to_string() } else { a.collective.clone() };
+    let cfg = JobConfig {
+        cmd: a.cmd.clone(),
+        nproc,
+        max_restarts: a.max_restarts,
+        rdzv: RdzvConfig { min_nodes: min, max_nodes: max, settle: a.settle, ack_timeout: Duration::from_secs(3) },
+        rdzv_timeout: a.rdzv_timeout,
+        log_dir: a.log_dir.clone(),
+        collective,
+        grace: a.grace,
+    };
+    let outcome = job::run(&mut mesh, &cfg, &run_id).await;
+    mesh.shutdown().await;
+    let outcome = outcome?;
+    if outcome.code == 0 {
+        tracing::info!("{}", outcome.message);
+    } else {
+        tracing::error!("{}", outcome.message);
+    }
+    Ok(ExitCode::from(outcome.code))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("300"), Ok(Duration::from_secs(300)));
+        assert_eq!(parse_duration("300s"), Ok(Duration::from_secs(300)));
+        assert_eq!(parse_duration("1500ms"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("5m"), Ok(Duration::from_secs(300)));
+        assert_eq!(parse_duration("1h"), Ok(Duration::from_secs(3600)));
+        assert!(parse_duration("5x").is_err());
+        assert!(parse_duration("abc").is_err());
+        assert!(parse_duration("1e300").is_err());
+    }
+
+    #[test]
+    fn nnodes() {
+        assert_eq!(parse_nnodes("3").expect("n"), (3, 3));
+        assert_eq!(parse_nnodes("2:4").expect("range"), (2, 4));
+        assert!(parse_nnodes("0").is_err());
+        assert!(parse_nnodes("4:2").is_err());
+        assert!(parse_nnodes("x").is_err());
+    }
+
+    #[test]
+    fn nproc_numbers() {
+        assert_eq!(nproc("4").expect("4"), 4);
+        assert!(nproc("0").is_err());
+        assert!(nproc("many").is_err());
+    }
+}

@@ -1,0 +1,127 @@
+//! Lab: `meshd run` — the identical command on several hosts.
+
+mod lab;
+use lab::{Lab, meshd};
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// Starts the same `meshd run` line on every host; returns (exit code, stdout, stderr) each.
+fn run_everywhere(lab: &mut Lab, extra: &[&str], cmd: &[&str], limit: Duration) -> Vec<(Option<i32>, String, String)> {
+    let peers = lab.peers();
+    let n = lab.hosts.len().to_string();
+    let mut args = vec![meshd(), "run", "--nnodes", &n, "--peers", &peers, "--rdzv-timeout", "60s"];
+    args.extend_from_slice(extra);
+    args.push("--");
+    args.extend_from_slice(cmd);
+    let ks: Vec<usize> = (0..lab.hosts.len()).map(|i| lab.spawn(i, &args, &[("MESHD_TOKEN", "lab-secret")])).collect();
+    ks.into_iter().map(|k| lab.wait(k, limit)).collect()
+}
+
+fn env_lines(out: &str) -> Vec<BTreeMap<String, String>> {
+    // Each rank prints one line: "[rank N] K=V K=V ..."
+    out.lines()
+        .filter_map(|l| l.split_once("] ENV "))
+        .map(|(_, kv)| kv.split_whitespace().filter_map(|p| p.split_once('=')).map(|(k, v)| (k.to_string(), v.to_string())).collect())
+        .collect()
+}
+
+#[test]
+fn three_hosts_two_procs_get_the_exact_environment() {
+    if !lab::available() {
+        return;
+    }
+    let mut lab = Lab::new(3);
+    let vars = "RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK NODE_RANK GROUP_WORLD_SIZE ROLE_NAME ROLE_RANK ROLE_WORLD_SIZE MASTER_ADDR MASTER_PORT TORCHELASTIC_RUN_ID TORCHELASTIC_RESTART_COUNT TORCHELASTIC_MAX_RESTARTS TORCH_NCCL_ASYNC_ERROR_HANDLING OMP_NUM_THREADS NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME MESHD_IFACE MESHD_NODE_ADDR MESHD_COLLECTIVE";
+    let script = format!("printf 'ENV'; for v in {vars}; do eval printf \"' %s=%s'\" $v \\\"\\${{$v}}\\\"; done; echo");
+    let res = run_everywhere(&mut lab, &["--nproc-per-node", "2"], &["sh", "-c", &script], Duration::from_secs(60));
+    let mut all = Vec::new();
+    for (i, (code, out, err)) in res.iter().enumerate() {
+        assert_eq!(*code, Some(0), "host {i} failed:\n{err}");
+        let envs = env_lines(out);
+        assert_eq!(envs.len(), 2, "host {i} should run 2 ranks:\n{out}\n{err}");
+        for e in &envs {
+            assert_eq!(e["MESHD_NODE_ADDR"], lab.hosts[i].eth1, "host {i}");
+        }
+        all.extend(envs);
+    }
+    // Master = lowest eth1 address (host 1: .7), never eth0's shared 198.18.0.4.
+    let mut eth1: Vec<&str> = lab.hosts.iter().map(|h| h.eth1.as_str()).collect();
+    eth1.sort_by_key(|a| a.parse::<std::net::Ipv4Addr>().expect("ip"));
+    let port = &all[0]["MASTER_PORT"];
+    let mut ranks: Vec<u32> = Vec::new();
+    for e in &all {
+        assert_eq!(e["MASTER_ADDR"], eth1[0]);
+        assert_eq!(&e["MASTER_PORT"], port);
+        assert_eq!(e["WORLD_SIZE"], "6");
+        assert_eq!(e["LOCAL_WORLD_SIZE"], "2");
+        assert_eq!(e["GROUP_WORLD_SIZE"], "3");
+        assert_eq!(e["ROLE_NAME"], "default");
+        assert_eq!(e["NCCL_SOCKET_IFNAME"], "=eth1");
+        assert_eq!(e["GLOO_SOCKET_IFNAME"], "eth1");
+        assert_eq!(e["MESHD_IFACE"], "eth1");
+        assert_eq!(e["OMP_NUM_THREADS"], "1");
+        assert_eq!(e["TORCH_NCCL_ASYNC_ERROR_HANDLING"], "1");
+        assert_eq!(e["TORCHELASTIC_RESTART_COUNT"], "0");
+        assert_eq!(e["TORCHELASTIC_RUN_ID"], all[0]["TORCHELASTIC_RUN_ID"]);
+        assert_eq!(e["GROUP_RANK"], e["NODE_RANK"]);
+        assert_eq!(e["ROLE_RANK"], e["RANK"]);
+        // Node rank follows the order of eth1 addresses.
+        let node_rank: usize = e["NODE_RANK"].parse().expect("node rank");
+        assert_eq!(e["MESHD_NODE_ADDR"], eth1[node_rank], "{e:?}");
+        let local: u32 = e["LOCAL_RANK"].parse().expect("local");
+        let rank: u32 = e["RANK"].parse().expect("rank");
+        assert_eq!(rank, node_rank as u32 * 2 + local);
+        ranks.push(rank);
+    }
+    ranks.sort();
+    assert_eq!(ranks, vec![0, 1, 2, 3, 4, 5]);
+}
+
+#[test]
+fn one_failing_rank_stops_the_job_on_every_node() {
+    if !lab::available() {
+        return;
+    }
+    let mut lab = Lab::new(3);
+    // Rank 4 fails after a moment; every other rank would sleep for a minute.
+    let script = "if [ \"$RANK\" = 4 ]; then sleep 1; exit 7; fi; sleep 60";
+    let t = std::time::Instant::now();
+    let res = run_everywhere(&mut lab, &["--nproc-per-node", "2", "--grace", "2s"], &["sh", "-c", script], Duration::from_secs(45));
+    let took = t.elapsed();
+    for (i, (code, _, err)) in res.iter().enumerate() {
+        assert_eq!(*code, Some(1), "host {i} must exit 1:\n{err}");
+        assert!(err.contains("rank 4 (local rank 0)") && err.contains("exited with status 7"), "host {i} must name the rank:\n{err}");
+    }
+    assert!(took < Duration::from_secs(40), "teardown took {took:?}");
+}
+
+#[test]
+fn wrong_token_is_refused_and_both_ends_say_so() {
+    if !lab::available() {
+        return;
+    }
+    let mut lab = Lab::new(3);
+    let peers = lab.peers();
+    // Hosts 0 and 1 share a token and form a 2-node job; host 2 holds another token.
+    let good = |lab: &mut Lab, i| {
+        lab.spawn(i, &[meshd(), "run", "--nnodes", "2", "--peers", &peers, "--rdzv-timeout", "30s", "--", "sh", "-c", "sleep 3"], &[("MESHD_TOKEN", "right")])
+    };
+    let a = good(&mut lab, 0);
+    let b = good(&mut lab, 1);
+    let c = lab.spawn(2, &[meshd(), "run", "--nnodes", "3", "--peers", &peers, "--rdzv-timeout", "4s", "--", "true"], &[("MESHD_TOKEN", "wrong")]);
+    let (cc, _, cerr) = lab.wait(c, Duration::from_secs(30));
+    let (ac, _, aerr) = lab.wait(a, Duration::from_secs(40));
+    let (bc, _, berr) = lab.wait(b, Duration::from_secs(40));
+    assert_eq!(ac, Some(0), "host 0: {aerr}");
+    assert_eq!(bc, Some(0), "host 1: {berr}");
+    assert_ne!(cc, Some(0), "the intruder must fail: {cerr}");
+    assert!(cerr.contains("failed authentication") && cerr.contains("different token"), "intruder's error:\n{cerr}");
+    assert!(
+        [&aerr, &berr].iter().any(|e| e.contains("198.19.0.19") && e.contains("different token")),
+        "a rightful node must name the intruder:\n{aerr}\n{berr}"
+    );
+    for e in [&aerr, &berr, &cerr] {
+        assert!(!e.contains("right") || !e.contains("MESHD_TOKEN=right"), "token leaked");
+        assert!(!e.contains("wrong\n"), "token leaked");
+    }
+}
