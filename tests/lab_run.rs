@@ -125,3 +125,63 @@ fn wrong_token_is_refused_and_both_ends_say_so() {
         assert!(!e.contains("wrong\n"), "token leaked");
     }
 }
+
+#[test]
+fn killed_node_stops_the_job_everywhere() {
+    if !lab::available() {
+        return;
+    }
+    let mut lab = Lab::new(3);
+    let peers = lab.peers();
+    let args = [meshd(), "run", "--nnodes", "3", "--peers", &peers, "--grace", "1s", "--", "sleep", "60"];
+    let ks: Vec<usize> = (0..3).map(|i| lab.spawn(i, &args, &[("MESHD_TOKEN", "t")])).collect();
+    std::thread::sleep(Duration::from_secs(4)); // the job is running by now
+    let t = std::time::Instant::now();
+    lab.crash(2); // host 2 (198.19.0.19): meshd and its ranks SIGKILLed, like a lost instance
+    for (i, k) in ks.into_iter().enumerate().take(2) {
+        let (code, _, err) = lab.wait(k, Duration::from_secs(30));
+        assert_eq!(code, Some(1), "host {i} must fail, not hang:\n{err}");
+        assert!(err.contains("198.19.0.19") && err.contains("stopped answering"), "host {i} must name the dead node:\n{err}");
+    }
+    eprintln!("FIGURE node-kill-to-exit: {:?}", t.elapsed());
+}
+
+#[test]
+fn max_restarts_restarts_every_rank_and_succeeds() {
+    if !lab::available() {
+        return;
+    }
+    let mut lab = Lab::new(3);
+    let script = "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ] && [ \"$RANK\" = 3 ]; then exit 3; fi; \
+                  if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then sleep 30; fi; echo RESTARTED count=$TORCHELASTIC_RESTART_COUNT";
+    let res = run_everywhere(&mut lab, &["--nproc-per-node", "2", "--max-restarts", "1", "--grace", "1s"], &["sh", "-c", script], Duration::from_secs(60));
+    for (i, (code, out, err)) in res.iter().enumerate() {
+        assert_eq!(*code, Some(0), "host {i}:\n{out}\n{err}");
+        assert_eq!(out.matches("RESTARTED count=1").count(), 2, "host {i} ranks must run again with count 1:\n{out}\n{err}");
+        assert!(err.contains("restarting all ranks (1/1)"), "host {i}:\n{err}");
+    }
+}
+
+#[test]
+fn pytorch_ddp_over_gloo_ends_with_identical_parameters() {
+    if !lab::available() {
+        return;
+    }
+    let python = "/usr/bin/python3";
+    let has_torch = std::process::Command::new(python).args(["-c", "import torch"]).status().is_ok_and(|s| s.success());
+    assert!(has_torch, "Debian's python3-torch is required for this test (apt-get install python3-torch; .ci/run installs it)");
+    let mut lab = Lab::new(3);
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/ddp_gloo.py");
+    let res = run_everywhere(&mut lab, &["--nproc-per-node", "2"], &[python, script, "--steps", "15"], Duration::from_secs(180));
+    let mut digests = Vec::new();
+    for (i, (code, out, err)) in res.iter().enumerate() {
+        assert_eq!(*code, Some(0), "host {i}:\n{out}\n{err}");
+        for l in out.lines().filter(|l| l.contains("DDP rank=")) {
+            assert!(l.contains("world=6") && l.contains("iface=eth1"), "{l}");
+            let d = l.split("params_sha256=").nth(1).and_then(|s| s.split_whitespace().next()).expect("digest");
+            digests.push(d.to_string());
+        }
+    }
+    assert_eq!(digests.len(), 6, "every rank reports");
+    assert!(digests.iter().all(|d| *d == digests[0]), "parameters differ across ranks: {digests:?}");
+}

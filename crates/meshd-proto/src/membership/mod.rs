@@ -660,7 +660,7 @@ impl Membership {
     pub fn poll_timeout(&self) -> Option<Instant> {
         let mut t: Option<Instant> = None;
         let mut consider = |x: Instant| t = Some(t.map_or(x, |t| t.min(x)));
-        if !self.broadcasts.is_empty() {
+        if !self.broadcasts.is_empty() || !self.suspicions.is_empty() {
             consider(self.next_gossip);
         }
         if self.left {
@@ -948,14 +948,10 @@ impl Membership {
     /// something (typically a refutation whose rumor died out before reaching it): it gets
     /// our newer state back directly, so a stale suspicion cannot outlive its refutation.
     fn apply_updates(&mut self, from: SocketAddr, updates: Vec<Update>, now: Instant) {
-        let mut corrections = Vec::new();
+        let mut seen: Vec<(NodeId, u64)> = Vec::with_capacity(updates.len().min(MAX_CORRECTIONS));
         for u in updates {
-            if corrections.len() < MAX_CORRECTIONS {
-                if let Some(c) = self.correction(&u) {
-                    if !corrections.contains(&c) {
-                        corrections.push(c);
-                    }
-                }
+            if seen.len() < MAX_CORRECTIONS && !seen.contains(&(u.id, u.incarnation)) {
+                seen.push((u.id, u.incarnation));
             }
             match u.kind {
                 UpdateKind::Alive { addr, meta } => {
@@ -970,6 +966,12 @@ impl Membership {
                 UpdateKind::Left => self.apply_dead(u.id, u.incarnation, u.id, true, now),
             }
         }
+        // After applying: what is still newer here is news to the sender (this includes
+        // our own refutation when the sender suspected us).
+        let corrections: Vec<Update> = seen
+            .into_iter()
+            .filter_map(|(id, inc)| self.correction(id, inc))
+            .collect();
         if !corrections.is_empty() {
             self.send_updates(from, corrections);
         }
@@ -977,9 +979,9 @@ impl Membership {
 
     /// Our newer state of the member `u` is about, if `u` is stale and we know better
     /// (Alive, Dead or Left at a higher incarnation; a Suspect state is not ours to repeat).
-    fn correction(&self, u: &Update) -> Option<Update> {
-        let m = self.members.get(&u.id)?;
-        if m.incarnation <= u.incarnation {
+    fn correction(&self, id: NodeId, incarnation: u64) -> Option<Update> {
+        let m = self.members.get(&id)?;
+        if m.incarnation <= incarnation {
             return None;
         }
         let kind = match m.status {
@@ -992,7 +994,7 @@ impl Membership {
             MemberStatus::Suspect => return None,
         };
         Some(Update {
-            id: u.id,
+            id,
             incarnation: m.incarnation,
             kind,
         })
@@ -1406,6 +1408,26 @@ impl Membership {
     }
 
     fn gossip_round(&mut self, _now: Instant) {
+        // Members we suspect ourselves hear it from us directly every round, so that a live
+        // one refutes without depending on the rumor reaching it (it answers with its
+        // refutation at once, see `apply_updates`).
+        let mine: Vec<(NodeId, SocketAddr, u64)> = self
+            .suspicions
+            .iter()
+            .filter(|(_, s)| s.accusers.contains(&self.id))
+            .filter_map(|(id, _)| {
+                let m = self.members.get(id)?;
+                Some((*id, m.addr, m.incarnation))
+            })
+            .collect();
+        for (id, addr, incarnation) in mine {
+            let u = Update {
+                id,
+                incarnation,
+                kind: UpdateKind::Suspect { accuser: self.id },
+            };
+            self.send_updates(addr, vec![u]);
+        }
         if self.broadcasts.is_empty() {
             return;
         }
