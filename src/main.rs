@@ -6,6 +6,7 @@
 mod common;
 mod ifaces;
 mod run;
+mod status;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -25,6 +26,8 @@ struct Cli {
 enum Cmd {
     /// Join the mesh, agree on master and ranks, start CMD on every node, supervise.
     Run(run::Args),
+    /// Members of a running mesh: address, interface, GPUs, state, RTT, role, restarts.
+    Status(status::Args),
     /// List interfaces; with --peers, show which one reaches each peer and the one meshd would choose.
     Ifaces(ifaces::Args),
 }
@@ -43,6 +46,7 @@ fn main() -> ExitCode {
         match cli.cmd {
             Cmd::Ifaces(a) => ifaces::main(a).await,
             Cmd::Run(a) => run::main(a).await,
+            Cmd::Status(a) => status::main(a).await,
         }
     });
     match res {

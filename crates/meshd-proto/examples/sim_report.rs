@@ -26,12 +26,7 @@ struct Row {
 }
 
 fn config(n: usize, seed: u64, loss: f64) -> SimConfig {
-    SimConfig {
-        nodes: n,
-        seed,
-        loss,
-        ..SimConfig::default()
-    }
+    SimConfig { nodes: n, seed, loss, ..SimConfig::default() }
 }
 
 fn mean_bps(sim: &Sim, window: Duration) -> f64 {
@@ -74,10 +69,7 @@ fn measure(n: usize, seed: u64, trials: usize) -> Row {
     }
     let mut lossy = Sim::new(config(n, seed ^ 0x5eed, 0.10));
     lossy.start_all();
-    if lossy
-        .run_until(Duration::from_secs(60), Sim::converged)
-        .is_none()
-    {
+    if lossy.run_until(Duration::from_secs(60), Sim::converged).is_none() {
         eprintln!("N={n} seed {}: no convergence at 10% loss", lossy.seed());
     }
     lossy.reset_stats();
@@ -119,9 +111,7 @@ fn main() {
         match (a.as_str(), val) {
             ("--seed", Some(v)) => seed = v.parse().unwrap_or(seed),
             ("--trials", Some(v)) => trials = v.parse().unwrap_or(trials).max(1),
-            ("--sizes", Some(v)) => {
-                sizes = v.split(',').filter_map(|s| s.trim().parse().ok()).collect()
-            }
+            ("--sizes", Some(v)) => sizes = v.split(',').filter_map(|s| s.trim().parse().ok()).collect(),
             _ => {
                 eprintln!("usage: sim_report [--seed S] [--trials T] [--sizes 8,64,1000]");
                 std::process::exit(2);

@@ -18,7 +18,9 @@
 pub mod id;
 pub mod membership;
 pub mod meta;
+pub mod reduce;
 pub mod rendezvous;
+pub mod ring;
 pub mod rng;
 pub mod sim;
 pub mod wire;

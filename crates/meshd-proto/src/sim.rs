@@ -18,9 +18,7 @@
 //! one to join through node 0, the seed of every node.
 
 use crate::id::NodeId;
-use crate::membership::{
-    Delivery, MemberEvent, MemberStatus, Membership, MembershipConfig, Message,
-};
+use crate::membership::{Delivery, MemberEvent, MemberStatus, Membership, MembershipConfig, Message};
 use crate::meta::{IfaceAddr, NodeMeta};
 use crate::rng::Rng;
 use crate::wire;
@@ -92,15 +90,8 @@ pub struct Verdict {
 
 #[derive(Debug)]
 enum EventKind {
-    Deliver {
-        to: usize,
-        from: usize,
-        from_addr: SocketAddr,
-        bytes: Vec<u8>,
-    },
-    Wake {
-        node: usize,
-    },
+    Deliver { to: usize, from: usize, from_addr: SocketAddr, bytes: Vec<u8> },
+    Wake { node: usize },
 }
 
 #[derive(Debug)]
@@ -304,11 +295,7 @@ impl Sim {
 
     /// Runs until `pred` holds (checked every `check_interval`) or `limit` of simulated time
     /// has passed; returns the time it took, or `None` on timeout.
-    pub fn run_until(
-        &mut self,
-        limit: Duration,
-        mut pred: impl FnMut(&Sim) -> bool,
-    ) -> Option<Duration> {
+    pub fn run_until(&mut self, limit: Duration, mut pred: impl FnMut(&Sim) -> bool) -> Option<Duration> {
         let start = self.now;
         let end = start + limit;
         loop {
@@ -328,9 +315,7 @@ impl Sim {
         let running: Vec<NodeId> = self.by_id.keys().copied().collect();
         self.nodes.iter().filter_map(|n| n.core.as_ref()).all(|c| {
             c.count(MemberStatus::Alive) >= running.len()
-                && running
-                    .iter()
-                    .all(|id| c.status(*id) == Some(MemberStatus::Alive))
+                && running.iter().all(|id| c.status(*id) == Some(MemberStatus::Alive))
         })
     }
 
@@ -360,14 +345,8 @@ impl Sim {
         let addr = self.nodes[i].addr;
         let id = self.nodes[i].id;
         let core_seed = self.rng.next_u64();
-        let mut core = Membership::new(
-            id,
-            addr,
-            node_meta(i, addr),
-            self.config.membership.clone(),
-            core_seed,
-            now,
-        );
+        let mut core =
+            Membership::new(id, addr, node_meta(i, addr), self.config.membership.clone(), core_seed, now);
         core.add_seeds(&[node_addr(0)], now);
         self.nodes[i].core = Some(core);
         self.by_id.insert(id, i);
@@ -376,11 +355,7 @@ impl Sim {
 
     fn push(&mut self, at: Duration, kind: EventKind) {
         self.seq += 1;
-        self.queue.push(Reverse(Event {
-            at,
-            seq: self.seq,
-            kind,
-        }));
+        self.queue.push(Reverse(Event { at, seq: self.seq, kind }));
     }
 
     fn run_to(&mut self, end: Duration) {
@@ -405,12 +380,7 @@ impl Sim {
                         self.after(node);
                     }
                 }
-                EventKind::Deliver {
-                    to,
-                    from,
-                    from_addr,
-                    bytes,
-                } => {
+                EventKind::Deliver { to, from, from_addr, bytes } => {
                     if self.group[to] != self.group[from] || self.nodes[to].core.is_none() {
                         continue;
                     }
@@ -465,12 +435,6 @@ impl Sim {
                 }
                 _ => self.now,
             };
-            if let Ok(v) = std::env::var("SIMTRACE") {
-                let dbg = format!("{:?}", t.msg);
-                if dbg.contains(&v) && !dbg.starts_with("Sync") {
-                    eprintln!("{:?} node {i} -> {}: {}", self.now, t.to, &dbg[..dbg.len().min(300)]);
-                }
-            }
             let Some(&to) = self.by_addr.get(&t.to) else {
                 continue;
             };
@@ -484,20 +448,9 @@ impl Sim {
             let span = hi.saturating_sub(lo);
             let latency = lo + span.mul_f64(self.rng.unit());
             let from_addr = self.nodes[i].addr;
-            self.push(
-                depart + latency,
-                EventKind::Deliver {
-                    to,
-                    from: i,
-                    from_addr,
-                    bytes,
-                },
-            );
+            self.push(depart + latency, EventKind::Deliver { to, from: i, from_addr, bytes });
         }
         while let Some(ev) = core.poll_event() {
-            if std::env::var("SIMTRACE").is_ok_and(|v| format!("{ev:?}").contains(&v)) {
-                eprintln!("{:?} node {i}: {:?}", self.now, ev);
-            }
             if let MemberEvent::Down(subject) = ev {
                 self.verdicts.push(Verdict {
                     at: self.now,
@@ -507,9 +460,7 @@ impl Sim {
                 });
             }
         }
-        let wake = core
-            .poll_timeout()
-            .map(|t| t.saturating_duration_since(self.base).max(self.now));
+        let wake = core.poll_timeout().map(|t| t.saturating_duration_since(self.base).max(self.now));
         self.nodes[i].core = Some(core);
         if wake != self.nodes[i].wake {
             self.nodes[i].wake = wake;
@@ -533,14 +484,8 @@ fn node_meta(i: usize, addr: SocketAddr) -> NodeMeta {
         hostname: format!("gpu-node-{i:04}"),
         iface: "eth0".into(),
         addrs: vec![
-            IfaceAddr {
-                name: "eth0".into(),
-                addr: addr.ip(),
-            },
-            IfaceAddr {
-                name: "docker0".into(),
-                addr: IpAddr::V4(Ipv4Addr::new(172, 17, 0, 1)),
-            },
+            IfaceAddr { name: "eth0".into(), addr: addr.ip() },
+            IfaceAddr { name: "docker0".into(), addr: IpAddr::V4(Ipv4Addr::new(172, 17, 0, 1)) },
         ],
         nproc: 8,
         gpus: 8,
@@ -558,12 +503,7 @@ mod tests {
     use super::*;
 
     fn sim(nodes: usize, seed: u64, loss: f64) -> Sim {
-        Sim::new(SimConfig {
-            nodes,
-            seed,
-            loss,
-            ..SimConfig::default()
-        })
+        Sim::new(SimConfig { nodes, seed, loss, ..SimConfig::default() })
     }
 
     /// Starts all nodes and waits until everyone sees everyone alive.
@@ -572,11 +512,7 @@ mod tests {
         let t = s.run_until(limit, Sim::converged);
         match t {
             Some(t) => t,
-            None => panic!(
-                "sim seed {}: {} nodes did not converge within {limit:?}",
-                s.seed(),
-                s.len()
-            ),
+            None => panic!("sim seed {}: {} nodes did not converge within {limit:?}", s.seed(), s.len()),
         }
     }
 
@@ -613,13 +549,7 @@ mod tests {
         let mut s = sim(64, 14, 0.10);
         converge(&mut s, Duration::from_secs(20));
         s.run_for(Duration::from_secs(30));
-        assert_eq!(
-            s.false_verdicts(),
-            0,
-            "sim seed {}: {:?}",
-            s.seed(),
-            s.verdicts()
-        );
+        assert_eq!(s.false_verdicts(), 0, "sim seed {}: {:?}", s.seed(), s.verdicts());
         assert!(s.converged(), "sim seed {}", s.seed());
     }
 

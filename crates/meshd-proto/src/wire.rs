@@ -46,6 +46,49 @@ pub enum Frame {
     Rdzv(rendezvous::Message),
 }
 
+/// A question asked on a probe connection (`meshd status`), on its own bidirectional stream.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Query {
+    /// The members of the mesh as the answering node sees them.
+    Status,
+}
+
+/// One member in a [`StatusReply`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StatusMember {
+    /// Node id.
+    pub id: NodeId,
+    /// Host name.
+    pub hostname: String,
+    /// Address on its chosen interface.
+    pub addr: SocketAddr,
+    /// Chosen interface.
+    pub iface: String,
+    /// GPUs it found.
+    pub gpus: u32,
+    /// Processes it starts.
+    pub nproc: u32,
+    /// Job state it advertises.
+    pub state: crate::NodeState,
+    /// Membership verdict: alive, suspect, dead, left.
+    pub health: String,
+    /// Round-trip time from the answering node, microseconds.
+    pub rtt_us: Option<u64>,
+    /// master, worker, or waiting (no roster yet).
+    pub role: String,
+    /// Restarts so far.
+    pub restarts: u32,
+}
+
+/// Answer to [`Query::Status`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct StatusReply {
+    /// The answering node.
+    pub node: NodeId,
+    /// Everyone it knows, itself included.
+    pub members: Vec<StatusMember>,
+}
+
 /// Why a frame could not be decoded.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum WireError {

@@ -128,6 +128,7 @@ pub async fn run(mesh: &mut Mesh, cfg: &JobConfig, run_id: &str) -> Result<JobOu
             _ = sigterm.recv() => return Ok(JobOutcome { code: 143, message: "stopped (SIGTERM) while waiting for nodes".into() }),
         };
         restart = roster.restart;
+        mesh.set_master(roster.master().map(|m| m.id));
         let Some(node_rank) = roster.node_rank(mesh.node()) else {
             return Ok(JobOutcome { code: 1, message: "not part of the agreed roster".into() });
         };
@@ -176,6 +177,7 @@ pub async fn run(mesh: &mut Mesh, cfg: &JobConfig, run_id: &str) -> Result<JobOu
                 restart += 1;
                 warn!("{m}; restarting all ranks ({restart}/{})", cfg.max_restarts);
                 mesh.set_state(NodeState::Waiting, restart);
+                mesh.set_master(None);
             }
             Some(Failure::Job(m)) => {
                 mesh.set_state(NodeState::Failed, restart);

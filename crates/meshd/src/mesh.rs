@@ -13,7 +13,7 @@ use meshd_proto::membership::{
     Delivery, MemberEvent, MemberStatus, MemberView, Membership, MembershipConfig,
 };
 use meshd_proto::rendezvous::{self, Candidate, RdzvConfig, RdzvEvent, Rendezvous, Roster};
-use meshd_proto::wire::Frame;
+use meshd_proto::wire::{Frame, StatusMember, StatusReply};
 use meshd_proto::{NodeId, NodeMeta, NodeState};
 use std::collections::{BTreeMap, VecDeque};
 use std::net::{IpAddr, SocketAddr};
@@ -86,6 +86,9 @@ pub struct Mesh {
     pending: VecDeque<MeshInput>,
     /// Frames of a later restart round that arrived before we got there.
     early: Vec<(NodeId, rendezvous::Message)>,
+    /// The master of the current roster, once agreed (for `meshd status`).
+    master: Option<NodeId>,
+    status_at: Instant,
 }
 
 impl std::fmt::Debug for Mesh {
@@ -184,6 +187,8 @@ impl Mesh {
             meta,
             pending: VecDeque::new(),
             early: Vec::new(),
+            master: None,
+            status_at: Instant::now(),
         };
         mesh.flush();
         Ok(mesh)
@@ -243,9 +248,52 @@ impl Mesh {
         while let Some(t) = self.membership.poll_transmit() {
             self.transport.send(t.to, &Frame::Gossip(t.msg), matches!(t.delivery, Delivery::Reliable));
         }
+        let mut changed = false;
         while let Some(ev) = self.membership.poll_event() {
             self.pending.push_back(MeshInput::Member(ev));
+            changed = true;
         }
+        if changed || self.status_at.elapsed() > Duration::from_secs(1) {
+            self.publish_status();
+        }
+    }
+
+    /// Records the agreed master (None: waiting for a roster).
+    pub fn set_master(&mut self, master: Option<NodeId>) {
+        self.master = master;
+        self.publish_status();
+    }
+
+    /// The mesh as `meshd status` shows it.
+    pub fn status(&self) -> StatusReply {
+        let members = self
+            .membership
+            .members()
+            .into_iter()
+            .map(|m| StatusMember {
+                id: m.id,
+                hostname: m.meta.hostname.clone(),
+                addr: m.meta.gossip_addr.unwrap_or(m.addr),
+                iface: m.meta.iface.clone(),
+                gpus: m.meta.gpus,
+                nproc: m.meta.nproc,
+                state: m.meta.state,
+                health: format!("{:?}", m.status).to_lowercase(),
+                rtt_us: if m.id == self.cfg.node { None } else { self.rtt(&m).map(|d| d.as_micros() as u64) },
+                role: match self.master {
+                    Some(id) if id == m.id => "master".into(),
+                    Some(_) => "worker".into(),
+                    None => "waiting".into(),
+                },
+                restarts: m.meta.restarts,
+            })
+            .collect();
+        StatusReply { node: self.cfg.node, members }
+    }
+
+    fn publish_status(&mut self) {
+        self.status_at = Instant::now();
+        self.transport.set_status(&self.status());
     }
 
     /// The next input, or `Tick` once `until` passes. `None`: the transport stopped.
@@ -423,8 +471,8 @@ impl Mesh {
         }
     }
 
-    /// Status of member `id`.
-    pub fn status(&self, id: NodeId) -> Option<MemberStatus> {
+    /// Membership verdict on member `id`.
+    pub fn member_status(&self, id: NodeId) -> Option<MemberStatus> {
         self.membership.members().into_iter().find(|m| m.id == id).map(|m| m.status)
     }
 

@@ -45,15 +45,7 @@ impl BroadcastQueue {
         let order = self.next_order;
         self.next_order += 1;
         self.index.insert((0, Reverse(order), id));
-        self.entries.insert(
-            id,
-            Entry {
-                update,
-                size,
-                transmits: 0,
-                order,
-            },
-        );
+        self.entries.insert(id, Entry { update, size, transmits: 0, order });
     }
 
     /// Number of queued updates.

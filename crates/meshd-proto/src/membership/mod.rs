@@ -99,8 +99,8 @@ pub struct MembershipConfig {
 impl Default for MembershipConfig {
     fn default() -> Self {
         MembershipConfig {
-            probe_interval: Duration::from_millis(500),
-            probe_timeout: Duration::from_millis(200),
+            probe_interval: Duration::from_millis(400),
+            probe_timeout: Duration::from_millis(150),
             indirect_probes: 3,
             gossip_interval: Duration::from_millis(100),
             gossip_fanout: 3,
@@ -505,46 +505,22 @@ impl Membership {
     /// Handles a message received from transport address `from`.
     pub fn handle_message(&mut self, from: SocketAddr, msg: Message, now: Instant) {
         match msg {
-            Message::Ping {
-                from: sender,
-                seq,
-                target,
-                updates,
-            } => {
+            Message::Ping { from: sender, seq, target, updates } => {
                 self.apply_updates(from, updates, now);
                 if target == self.id {
-                    let ack = Message::Ack {
-                        from: self.id,
-                        seq,
-                        updates: Vec::new(),
-                    };
+                    let ack = Message::Ack { from: self.id, seq, updates: Vec::new() };
                     self.send_datagram(from, ack);
                 }
                 self.check_sender(sender, from, now);
             }
-            Message::Ack {
-                from: sender,
-                seq,
-                updates,
-            } => {
+            Message::Ack { from: sender, seq, updates } => {
                 self.apply_updates(from, updates, now);
                 self.handle_ack(sender, seq, now);
             }
-            Message::PingReq {
-                from: sender,
-                seq,
-                target,
-                target_addr,
-                updates,
-            } => {
+            Message::PingReq { from: sender, seq, target, target_addr, updates } => {
                 self.apply_updates(from, updates, now);
                 if target == self.id {
-                    let ack = Message::IndirectAck {
-                        from: self.id,
-                        seq,
-                        target,
-                        updates: Vec::new(),
-                    };
+                    let ack = Message::IndirectAck { from: self.id, seq, target, updates: Vec::new() };
                     self.send_datagram(from, ack);
                 } else if self.relays.len() < MAX_RELAYS {
                     let rseq = self.seq();
@@ -557,22 +533,12 @@ impl Membership {
                             expires: now + self.config.probe_interval,
                         },
                     );
-                    let ping = Message::Ping {
-                        from: self.id,
-                        seq: rseq,
-                        target,
-                        updates: Vec::new(),
-                    };
+                    let ping = Message::Ping { from: self.id, seq: rseq, target, updates: Vec::new() };
                     self.send_datagram(target_addr, ping);
                 }
                 self.check_sender(sender, from, now);
             }
-            Message::IndirectAck {
-                from: _,
-                seq,
-                target,
-                updates,
-            } => {
+            Message::IndirectAck { from: _, seq, target, updates } => {
                 self.apply_updates(from, updates, now);
                 if let Some(p) = &mut self.probe {
                     if p.seq == seq && p.target == target {
@@ -580,29 +546,17 @@ impl Membership {
                     }
                 }
             }
-            Message::Gossip {
-                from: sender,
-                updates,
-            } => {
+            Message::Gossip { from: sender, updates } => {
                 self.apply_updates(from, updates, now);
                 self.check_sender(sender, from, now);
             }
-            Message::SyncRequest {
-                from: sender,
-                members,
-            } => {
+            Message::SyncRequest { from: sender, members } => {
                 self.merge(sender, members, now);
                 let members = self.snapshot();
-                let msg = Message::SyncResponse {
-                    from: self.id,
-                    members,
-                };
+                let msg = Message::SyncResponse { from: self.id, members };
                 self.push_transmit(from, msg, Delivery::Reliable);
             }
-            Message::SyncResponse {
-                from: sender,
-                members,
-            } => self.merge(sender, members, now),
+            Message::SyncResponse { from: sender, members } => self.merge(sender, members, now),
         }
     }
 
@@ -617,12 +571,8 @@ impl Membership {
                 self.send_indirect(now);
             }
         }
-        let expired: Vec<NodeId> = self
-            .suspicions
-            .iter()
-            .filter(|(_, s)| s.deadline() <= now)
-            .map(|(id, _)| *id)
-            .collect();
+        let expired: Vec<NodeId> =
+            self.suspicions.iter().filter(|(_, s)| s.deadline() <= now).map(|(id, _)| *id).collect();
         for id in expired {
             self.suspicions.remove(&id);
             if let Some(inc) = self.members.get(&id).map(|m| m.incarnation) {
@@ -727,11 +677,7 @@ impl Membership {
             None => 0,
         };
         self.probe = None;
-        self.broadcasts.push(Update {
-            id,
-            incarnation: inc,
-            kind: UpdateKind::Left,
-        });
+        self.broadcasts.push(Update { id, incarnation: inc, kind: UpdateKind::Left });
         let fanout = self.config.gossip_fanout;
         self.config.gossip_fanout = fanout.saturating_mul(2).max(1);
         self.gossip_round(now);
@@ -746,11 +692,7 @@ impl Membership {
 
     /// Alive and Suspect members, self included (unless it left), sorted by id.
     pub fn alive(&self) -> Vec<MemberView> {
-        self.members
-            .iter()
-            .filter(|(_, m)| m.status.is_live())
-            .map(|(id, m)| view(*id, m))
-            .collect()
+        self.members.iter().filter(|(_, m)| m.status.is_live()).map(|(id, m)| view(*id, m)).collect()
     }
 
     /// This node's id.
@@ -867,19 +809,17 @@ impl Membership {
         pool
     }
 
-    /// Sends `msg` as a datagram, filling its update list with queued broadcasts.
+    /// Sends `msg` as a datagram, filling the rest of its update list with queued
+    /// broadcasts.
     fn send_datagram(&mut self, to: SocketAddr, mut msg: Message) {
         let header = wire::encode(&msg).len();
         // +2: the update count may grow from one to three varint bytes.
-        let budget = self
-            .config
-            .max_datagram
-            .saturating_sub(header + DATAGRAM_SLACK + 2);
+        let budget = self.config.max_datagram.saturating_sub(header + DATAGRAM_SLACK + 2);
         if !self.broadcasts.is_empty() && budget > 0 {
             let limit = self.retransmit_limit();
             let updates = self.broadcasts.take(budget, limit);
             if let Some(slot) = msg.updates_mut() {
-                *slot = updates;
+                slot.extend(updates);
             }
         }
         self.push_transmit(to, msg, Delivery::Datagram);
@@ -887,10 +827,7 @@ impl Membership {
 
     fn send_sync(&mut self, to: SocketAddr, _now: Instant) {
         let members = self.snapshot();
-        let msg = Message::SyncRequest {
-            from: self.id,
-            members,
-        };
+        let msg = Message::SyncRequest { from: self.id, members };
         self.push_transmit(to, msg, Delivery::Reliable);
     }
 
@@ -926,10 +863,7 @@ impl Membership {
         let update = Update {
             id: self.id,
             incarnation: me.incarnation,
-            kind: UpdateKind::Alive {
-                addr: me.addr,
-                meta: me.meta.clone(),
-            },
+            kind: UpdateKind::Alive { addr: me.addr, meta: me.meta.clone() },
         };
         self.broadcasts.push(update);
     }
@@ -957,21 +891,15 @@ impl Membership {
                 UpdateKind::Alive { addr, meta } => {
                     self.apply_alive(u.id, u.incarnation, addr, meta, now, true)
                 }
-                UpdateKind::Suspect { accuser } => {
-                    self.apply_suspect(u.id, u.incarnation, accuser, now)
-                }
-                UpdateKind::Dead { accuser } => {
-                    self.apply_dead(u.id, u.incarnation, accuser, false, now)
-                }
+                UpdateKind::Suspect { accuser } => self.apply_suspect(u.id, u.incarnation, accuser, now),
+                UpdateKind::Dead { accuser } => self.apply_dead(u.id, u.incarnation, accuser, false, now),
                 UpdateKind::Left => self.apply_dead(u.id, u.incarnation, u.id, true, now),
             }
         }
         // After applying: what is still newer here is news to the sender (this includes
         // our own refutation when the sender suspected us).
-        let corrections: Vec<Update> = seen
-            .into_iter()
-            .filter_map(|(id, inc)| self.correction(id, inc))
-            .collect();
+        let corrections: Vec<Update> =
+            seen.into_iter().filter_map(|(id, inc)| self.correction(id, inc)).collect();
         if !corrections.is_empty() {
             self.send_updates(from, corrections);
         }
@@ -985,32 +913,19 @@ impl Membership {
             return None;
         }
         let kind = match m.status {
-            MemberStatus::Alive => UpdateKind::Alive {
-                addr: m.addr,
-                meta: m.meta.clone(),
-            },
+            MemberStatus::Alive => UpdateKind::Alive { addr: m.addr, meta: m.meta.clone() },
             MemberStatus::Dead => UpdateKind::Dead { accuser: self.id },
             MemberStatus::Left => UpdateKind::Left,
             MemberStatus::Suspect => return None,
         };
-        Some(Update {
-            id,
-            incarnation: m.incarnation,
-            kind,
-        })
+        Some(Update { id, incarnation: m.incarnation, kind })
     }
 
     /// Sends `updates` (as many as fit) in one gossip datagram.
     fn send_updates(&mut self, to: SocketAddr, updates: Vec<Update>) {
-        let mut msg = Message::Gossip {
-            from: self.id,
-            updates: Vec::new(),
-        };
+        let mut msg = Message::Gossip { from: self.id, updates: Vec::new() };
         let header = wire::encode(&msg).len();
-        let mut room = self
-            .config
-            .max_datagram
-            .saturating_sub(header + DATAGRAM_SLACK + 2);
+        let mut room = self.config.max_datagram.saturating_sub(header + DATAGRAM_SLACK + 2);
         let mut packed = Vec::new();
         for u in updates {
             let size = wire::encode(&u).len();
@@ -1102,10 +1017,7 @@ impl Membership {
             self.broadcasts.push(Update {
                 id,
                 incarnation: inc,
-                kind: UpdateKind::Alive {
-                    addr,
-                    meta: meta.clone(),
-                },
+                kind: UpdateKind::Alive { addr, meta: meta.clone() },
             });
         }
         match prev {
@@ -1156,11 +1068,7 @@ impl Membership {
 
     fn emit_view(&mut self, id: NodeId, up: bool) {
         if let Some(v) = self.members.get(&id).map(|m| view(id, m)) {
-            self.emit(if up {
-                MemberEvent::Up(v)
-            } else {
-                MemberEvent::Updated(v)
-            });
+            self.emit(if up { MemberEvent::Up(v) } else { MemberEvent::Updated(v) });
         }
     }
 
@@ -1171,12 +1079,7 @@ impl Membership {
             }
             return;
         }
-        let Some(status) = self
-            .members
-            .get(&id)
-            .filter(|m| inc >= m.incarnation)
-            .map(|m| m.status)
-        else {
+        let Some(status) = self.members.get(&id).filter(|m| inc >= m.incarnation).map(|m| m.status) else {
             return;
         };
         match status {
@@ -1210,11 +1113,7 @@ impl Membership {
                 let s = self.new_suspicion(accuser, now);
                 self.suspicions.insert(id, s);
                 self.emit(MemberEvent::Suspect(id));
-                self.broadcasts.push(Update {
-                    id,
-                    incarnation: inc,
-                    kind: UpdateKind::Suspect { accuser },
-                });
+                self.broadcasts.push(Update { id, incarnation: inc, kind: UpdateKind::Suspect { accuser } });
             }
         }
     }
@@ -1222,10 +1121,7 @@ impl Membership {
     fn new_suspicion(&mut self, accuser: NodeId, now: Instant) -> Suspicion {
         let n = self.cluster_size();
         let scale = (n as f64).log10().max(1.0);
-        let max = self
-            .config
-            .probe_interval
-            .mul_f64(self.config.suspicion_mult as f64 * scale);
+        let max = self.config.probe_interval.mul_f64(self.config.suspicion_mult as f64 * scale);
         Suspicion {
             start: now,
             min: max / 2,
@@ -1254,29 +1150,13 @@ impl Membership {
             _ => {}
         }
         m.incarnation = inc;
-        m.status = if left {
-            MemberStatus::Left
-        } else {
-            MemberStatus::Dead
-        };
+        m.status = if left { MemberStatus::Left } else { MemberStatus::Dead };
         m.since = now;
         self.live_dirty = true;
         self.suspicions.remove(&id);
-        self.emit(if left {
-            MemberEvent::Left(id)
-        } else {
-            MemberEvent::Down(id)
-        });
-        let kind = if left {
-            UpdateKind::Left
-        } else {
-            UpdateKind::Dead { accuser }
-        };
-        self.broadcasts.push(Update {
-            id,
-            incarnation: inc,
-            kind,
-        });
+        self.emit(if left { MemberEvent::Left(id) } else { MemberEvent::Down(id) });
+        let kind = if left { UpdateKind::Left } else { UpdateKind::Dead { accuser } };
+        self.broadcasts.push(Update { id, incarnation: inc, kind });
     }
 
     /// A message came from a member we consider Dead: it does not know. Push-pull with it
@@ -1347,11 +1227,8 @@ impl Membership {
     fn probe_tick(&mut self, now: Instant) {
         if let Some(p) = self.probe.take() {
             if !p.acked {
-                if let Some(inc) = self
-                    .members
-                    .get(&p.target)
-                    .filter(|m| m.status.is_live())
-                    .map(|m| m.incarnation)
+                if let Some(inc) =
+                    self.members.get(&p.target).filter(|m| m.status.is_live()).map(|m| m.incarnation)
                 {
                     let accuser = self.id;
                     self.apply_suspect(p.target, inc, accuser, now);
@@ -1361,9 +1238,17 @@ impl Membership {
         let Some(target) = self.next_probe_target() else {
             return;
         };
-        let Some(addr) = self.members.get(&target).map(|m| m.addr) else {
+        let Some((addr, status, incarnation)) =
+            self.members.get(&target).map(|m| (m.addr, m.status, m.incarnation))
+        else {
             return;
         };
+        // A suspect is told so in the probe itself: if alive, it refutes and its answer
+        // (see `apply_updates`) clears the suspicion here even when the rumor missed us.
+        let mut updates = Vec::new();
+        if status == MemberStatus::Suspect {
+            updates.push(Update { id: target, incarnation, kind: UpdateKind::Suspect { accuser: self.id } });
+        }
         let seq = self.seq();
         self.probe = Some(Probe {
             target,
@@ -1373,12 +1258,7 @@ impl Membership {
             indirect_sent: false,
             acked: false,
         });
-        let ping = Message::Ping {
-            from: self.id,
-            seq,
-            target,
-            updates: Vec::new(),
-        };
+        let ping = Message::Ping { from: self.id, seq, target, updates };
         self.send_datagram(addr, ping);
     }
 
@@ -1396,13 +1276,7 @@ impl Membership {
             let Some(addr) = self.members.get(&relay).map(|m| m.addr) else {
                 continue;
             };
-            let msg = Message::PingReq {
-                from: self.id,
-                seq,
-                target,
-                target_addr,
-                updates: Vec::new(),
-            };
+            let msg = Message::PingReq { from: self.id, seq, target, target_addr, updates: Vec::new() };
             self.send_datagram(addr, msg);
         }
     }
@@ -1421,11 +1295,7 @@ impl Membership {
             })
             .collect();
         for (id, addr, incarnation) in mine {
-            let u = Update {
-                id,
-                incarnation,
-                kind: UpdateKind::Suspect { accuser: self.id },
-            };
+            let u = Update { id, incarnation, kind: UpdateKind::Suspect { accuser: self.id } };
             self.send_updates(addr, vec![u]);
         }
         if self.broadcasts.is_empty() {
@@ -1438,10 +1308,7 @@ impl Membership {
             let Some(addr) = self.members.get(&peer).map(|m| m.addr) else {
                 continue;
             };
-            let msg = Message::Gossip {
-                from: self.id,
-                updates: Vec::new(),
-            };
+            let msg = Message::Gossip { from: self.id, updates: Vec::new() };
             self.send_datagram(addr, msg);
         }
     }
@@ -1452,10 +1319,7 @@ impl Membership {
             let i = self.rng.below(self.seeds.len());
             Some(self.seeds[i])
         } else {
-            self.random_peers(1, None)
-                .first()
-                .and_then(|id| self.members.get(id))
-                .map(|m| m.addr)
+            self.random_peers(1, None).first().and_then(|id| self.members.get(id)).map(|m| m.addr)
         };
         if let Some(to) = target {
             self.send_sync(to, now);
@@ -1472,11 +1336,7 @@ impl Membership {
     /// memberlist's push-pull scaling: one more interval per doubling above 32 members.
     fn scaled_sync_interval(&mut self) -> Duration {
         let n = self.cluster_size() as f64;
-        let mult = if n <= 32.0 {
-            1.0
-        } else {
-            (n.log2() - 5.0).ceil() + 1.0
-        };
+        let mult = if n <= 32.0 { 1.0 } else { (n.log2() - 5.0).ceil() + 1.0 };
         self.config.sync_interval.mul_f64(mult)
     }
 
@@ -1485,19 +1345,11 @@ impl Membership {
     /// `sync_interval`, or every second while we know no live peer.
     fn rejoin_round(&mut self, now: Instant) {
         let alone = self.live_peers().is_empty();
-        let live_addrs: BTreeSet<SocketAddr> = self
-            .members
-            .values()
-            .filter(|m| m.status.is_live())
-            .map(|m| m.addr)
-            .collect();
+        let live_addrs: BTreeSet<SocketAddr> =
+            self.members.values().filter(|m| m.status.is_live()).map(|m| m.addr).collect();
         let own = self.own().addr;
-        let mut candidates: Vec<SocketAddr> = self
-            .seeds
-            .iter()
-            .copied()
-            .filter(|a| !live_addrs.contains(a))
-            .collect();
+        let mut candidates: Vec<SocketAddr> =
+            self.seeds.iter().copied().filter(|a| !live_addrs.contains(a)).collect();
         if !alone || candidates.is_empty() {
             candidates.extend(
                 self.members
@@ -1525,22 +1377,14 @@ impl Membership {
         let retention = self.config.dead_retention;
         let id = self.id;
         self.members.retain(|m_id, m| {
-            *m_id == id
-                || m.status.is_live()
-                || now.saturating_duration_since(m.since) < retention
+            *m_id == id || m.status.is_live() || now.saturating_duration_since(m.since) < retention
         });
         self.relays.retain(|_, r| r.expires > now);
     }
 }
 
 fn view(id: NodeId, m: &Member) -> MemberView {
-    MemberView {
-        id,
-        addr: m.addr,
-        meta: m.meta.clone(),
-        status: m.status,
-        incarnation: m.incarnation,
-    }
+    MemberView { id, addr: m.addr, meta: m.meta.clone(), status: m.status, incarnation: m.incarnation }
 }
 
 /// The next periodic tick after `prev`, skipping missed ones.

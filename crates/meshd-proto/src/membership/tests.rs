@@ -13,61 +13,27 @@ fn nid(n: u128) -> NodeId {
 }
 
 fn meta(n: u32) -> NodeMeta {
-    NodeMeta {
-        gossip_addr: Some(addr(n)),
-        hostname: format!("node-{n}"),
-        nproc: 8,
-        ..NodeMeta::default()
-    }
+    NodeMeta { gossip_addr: Some(addr(n)), hostname: format!("node-{n}"), nproc: 8, ..NodeMeta::default() }
 }
 
 fn node(n: u32, now: Instant) -> Membership {
-    Membership::new(
-        nid(n as u128),
-        addr(n),
-        meta(n),
-        MembershipConfig::default(),
-        n as u64,
-        now,
-    )
+    Membership::new(nid(n as u128), addr(n), meta(n), MembershipConfig::default(), n as u64, now)
 }
 
 fn alive(n: u32, inc: u64) -> Update {
-    Update {
-        id: nid(n as u128),
-        incarnation: inc,
-        kind: UpdateKind::Alive {
-            addr: addr(n),
-            meta: meta(n),
-        },
-    }
+    Update { id: nid(n as u128), incarnation: inc, kind: UpdateKind::Alive { addr: addr(n), meta: meta(n) } }
 }
 
 fn suspect(n: u32, inc: u64, by: u32) -> Update {
-    Update {
-        id: nid(n as u128),
-        incarnation: inc,
-        kind: UpdateKind::Suspect {
-            accuser: nid(by as u128),
-        },
-    }
+    Update { id: nid(n as u128), incarnation: inc, kind: UpdateKind::Suspect { accuser: nid(by as u128) } }
 }
 
 fn dead(n: u32, inc: u64, by: u32) -> Update {
-    Update {
-        id: nid(n as u128),
-        incarnation: inc,
-        kind: UpdateKind::Dead {
-            accuser: nid(by as u128),
-        },
-    }
+    Update { id: nid(n as u128), incarnation: inc, kind: UpdateKind::Dead { accuser: nid(by as u128) } }
 }
 
 fn gossip(from: u32, updates: Vec<Update>) -> Message {
-    Message::Gossip {
-        from: nid(from as u128),
-        updates,
-    }
+    Message::Gossip { from: nid(from as u128), updates }
 }
 
 fn drain_transmits(m: &mut Membership) -> Vec<Transmit> {
@@ -159,8 +125,7 @@ fn metadata_change_emits_updated_and_spreads() {
     }
     let ev = drain_events(&mut a);
     assert!(
-        ev.iter()
-            .any(|e| matches!(e, MemberEvent::Updated(v) if v.meta == m && v.incarnation == 1)),
+        ev.iter().any(|e| matches!(e, MemberEvent::Updated(v) if v.meta == m && v.incarnation == 1)),
         "{ev:?}"
     );
 }
@@ -174,11 +139,7 @@ fn refutes_suspicion_death_and_leave_claims() {
     assert_eq!(a.incarnation(), 1);
     a.handle_message(addr(2), gossip(2, vec![dead(1, 7, 2)]), t0);
     assert_eq!(a.incarnation(), 8);
-    let left = Update {
-        id: nid(1),
-        incarnation: 8,
-        kind: UpdateKind::Left,
-    };
+    let left = Update { id: nid(1), incarnation: 8, kind: UpdateKind::Left };
     a.handle_message(addr(2), gossip(2, vec![left]), t0);
     assert_eq!(a.incarnation(), 9);
     // Stale claims do not bump.
@@ -191,10 +152,7 @@ fn refutes_suspicion_death_and_leave_claims() {
     assert!(ups.contains(&Update {
         id: nid(1),
         incarnation: 9,
-        kind: UpdateKind::Alive {
-            addr: addr(1),
-            meta: meta(1)
-        }
+        kind: UpdateKind::Alive { addr: addr(1), meta: meta(1) }
     }));
     // After a graceful leave, claims about us are no longer refuted.
     a.leave(t0);
@@ -213,11 +171,7 @@ fn hostile_messages_never_panic() {
         // About unknown members: suspect/dead/left are ignored, not added.
         suspect(99, u64::MAX, 98),
         dead(98, u64::MAX, 97),
-        Update {
-            id: nid(97),
-            incarnation: 0,
-            kind: UpdateKind::Left,
-        },
+        Update { id: nid(97), incarnation: 0, kind: UpdateKind::Left },
         // About ourselves, with absurd incarnations.
         alive(1, u64::MAX),
         suspect(1, u64::MAX, 2),
@@ -230,51 +184,19 @@ fn hostile_messages_never_panic() {
     assert_eq!(status(&a, 98), None);
     assert_eq!(status(&a, 97), None);
     assert_eq!(a.incarnation(), u64::MAX);
+    a.handle_message(addr(9), Message::Ack { from: nid(42), seq: 12345, updates: vec![] }, t0);
     a.handle_message(
         addr(9),
-        Message::Ack {
-            from: nid(42),
-            seq: 12345,
-            updates: vec![],
-        },
-        t0,
-    );
-    a.handle_message(
-        addr(9),
-        Message::IndirectAck {
-            from: nid(42),
-            seq: 0,
-            target: me,
-            updates: vec![],
-        },
+        Message::IndirectAck { from: nid(42), seq: 0, target: me, updates: vec![] },
         t0,
     );
     // Ping for someone else at our address: no ack.
-    a.handle_message(
-        addr(9),
-        Message::Ping {
-            from: nid(9),
-            seq: 1,
-            target: nid(1234),
-            updates: vec![],
-        },
-        t0,
-    );
-    assert!(
-        !drain_transmits(&mut a)
-            .iter()
-            .any(|t| matches!(t.msg, Message::Ack { .. }))
-    );
+    a.handle_message(addr(9), Message::Ping { from: nid(9), seq: 1, target: nid(1234), updates: vec![] }, t0);
+    assert!(!drain_transmits(&mut a).iter().any(|t| matches!(t.msg, Message::Ack { .. })));
     // PingReq about ourselves: answered directly.
     a.handle_message(
         addr(9),
-        Message::PingReq {
-            from: nid(9),
-            seq: 3,
-            target: me,
-            target_addr: addr(1),
-            updates: vec![],
-        },
+        Message::PingReq { from: nid(9), seq: 3, target: me, target_addr: addr(1), updates: vec![] },
         t0,
     );
     assert!(
@@ -297,25 +219,14 @@ fn hostile_messages_never_panic() {
         st(7, MemberStatus::Left),
         st(8, MemberStatus::Dead),
     ];
-    a.handle_message(
-        addr(1),
-        Message::SyncRequest { from: me, members },
-        t0,
-    );
+    a.handle_message(addr(1), Message::SyncRequest { from: me, members }, t0);
     assert_eq!(status(&a, 6), Some((MemberStatus::Suspect, u64::MAX)));
     assert_eq!(status(&a, 7), None);
     assert_eq!(status(&a, 8), None);
     // Oversized metadata is refused.
     let mut big = meta(10);
     big.hostname = "x".repeat(MAX_META + 1);
-    let u = Update {
-        id: nid(10),
-        incarnation: 0,
-        kind: UpdateKind::Alive {
-            addr: addr(10),
-            meta: big,
-        },
-    };
+    let u = Update { id: nid(10), incarnation: 0, kind: UpdateKind::Alive { addr: addr(10), meta: big } };
     a.handle_message(addr(10), gossip(10, vec![u]), t0);
     assert_eq!(status(&a, 10), None);
     // Timers keep working afterwards.
@@ -338,31 +249,14 @@ fn member_table_is_bounded() {
             status: MemberStatus::Alive,
         })
         .collect();
-    a.handle_message(
-        addr(2),
-        Message::SyncResponse {
-            from: nid(2),
-            members,
-        },
-        t0,
-    );
+    a.handle_message(addr(2), Message::SyncResponse { from: nid(2), members }, t0);
     assert_eq!(a.members().len(), MAX_MEMBERS);
     // The broadcast queue is keyed by member: also bounded.
     assert!(a.queued_updates() <= MAX_MEMBERS);
     // Our sync answer stays under the frame limit.
-    a.handle_message(
-        addr(3),
-        Message::SyncRequest {
-            from: nid(3),
-            members: vec![],
-        },
-        t0,
-    );
+    a.handle_message(addr(3), Message::SyncRequest { from: nid(3), members: vec![] }, t0);
     let ts = drain_transmits(&mut a);
-    let resp = ts
-        .iter()
-        .find(|t| matches!(t.msg, Message::SyncResponse { .. }))
-        .expect("sync answered");
+    let resp = ts.iter().find(|t| matches!(t.msg, Message::SyncResponse { .. })).expect("sync answered");
     assert!(wire::encode(&resp.msg).len() <= wire::MAX_FRAME);
 }
 
@@ -422,14 +316,7 @@ fn remote_dead_in_sync_becomes_suspicion() {
         incarnation: 0,
         status: MemberStatus::Dead,
     }];
-    a.handle_message(
-        addr(2),
-        Message::SyncResponse {
-            from: nid(2),
-            members,
-        },
-        t0,
-    );
+    a.handle_message(addr(2), Message::SyncResponse { from: nid(2), members }, t0);
     assert_eq!(status(&a, 3), Some((MemberStatus::Suspect, 0)));
 }
 
@@ -459,21 +346,15 @@ fn unanswered_probes_lead_to_suspect_then_dead() {
     while !pinged {
         now = a.poll_timeout().expect("timer");
         a.handle_timeout(now);
-        pinged = drain_transmits(&mut a).iter().any(
-            |t| matches!(t.msg, Message::Ping { target, .. } if target == nid(2)) && t.to == addr(2),
-        );
+        pinged = drain_transmits(&mut a)
+            .iter()
+            .any(|t| matches!(t.msg, Message::Ping { target, .. } if target == nid(2)) && t.to == addr(2));
     }
     let ev = run_alone(&mut a, now, Duration::from_secs(5));
-    let suspect_at = ev
-        .iter()
-        .find(|(_, e)| *e == MemberEvent::Suspect(nid(2)))
-        .map(|(t, _)| *t)
-        .expect("suspected");
-    let down_at = ev
-        .iter()
-        .find(|(_, e)| *e == MemberEvent::Down(nid(2)))
-        .map(|(t, _)| *t)
-        .expect("declared dead");
+    let suspect_at =
+        ev.iter().find(|(_, e)| *e == MemberEvent::Suspect(nid(2))).map(|(t, _)| *t).expect("suspected");
+    let down_at =
+        ev.iter().find(|(_, e)| *e == MemberEvent::Down(nid(2))).map(|(t, _)| *t).expect("declared dead");
     let cfg = MembershipConfig::default();
     assert!(suspect_at <= cfg.probe_interval + Duration::from_millis(1));
     // Two members: log10 N < 1, no confirmations expected -> the minimum timeout.
@@ -529,13 +410,7 @@ fn indirect_probe_is_relayed() {
     let mut relay = node(2, t0);
     relay.handle_message(
         addr(1),
-        Message::PingReq {
-            from: nid(1),
-            seq: 77,
-            target: nid(3),
-            target_addr: addr(3),
-            updates: vec![],
-        },
+        Message::PingReq { from: nid(1), seq: 77, target: nid(3), target_addr: addr(3), updates: vec![] },
         t0,
     );
     let ts = drain_transmits(&mut relay);
@@ -546,15 +421,7 @@ fn indirect_probe_is_relayed() {
         panic!("no relayed ping: {ts:?}");
     };
     assert_eq!(to, addr(3));
-    relay.handle_message(
-        addr(3),
-        Message::Ack {
-            from: nid(3),
-            seq,
-            updates: vec![],
-        },
-        t0,
-    );
+    relay.handle_message(addr(3), Message::Ack { from: nid(3), seq, updates: vec![] }, t0);
     let ts = drain_transmits(&mut relay);
     assert!(ts.iter().any(|t| t.to == addr(1)
         && matches!(t.msg, Message::IndirectAck { seq: 77, target, .. } if target == nid(3))));

@@ -14,7 +14,7 @@ mod tls;
 use auth::{Role, Token};
 use bytes::Bytes;
 use meshd_proto::NodeId;
-use meshd_proto::wire::{self, AuthHello, Frame, PROTOCOL_VERSION};
+use meshd_proto::wire::{self, AuthHello, Frame, PROTOCOL_VERSION, Query, StatusReply};
 use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
@@ -153,6 +153,8 @@ struct Inner {
     queues: Mutex<HashMap<SocketAddr, PeerQueue>>,
     events: mpsc::Sender<TransportEvent>,
     logged: Mutex<HashSet<(SocketAddr, String)>>,
+    /// The latest encoded [`StatusReply`], served to `meshd status` probes.
+    status: Mutex<Bytes>,
 }
 
 /// A node's QUIC endpoint. Cheap to clone.
@@ -206,6 +208,7 @@ impl Transport {
             queues: Mutex::new(HashMap::new()),
             events: tx,
             logged: Mutex::new(HashSet::new()),
+            status: Mutex::new(Bytes::from(wire::encode(&StatusReply::default()))),
         });
         tokio::spawn(accept_loop(inner.clone()));
         Ok((Transport { inner }, rx))
@@ -242,6 +245,32 @@ impl Transport {
         let start = Instant::now();
         let (_, node, observed) = connect(&self.inner, canonical(to)).await?;
         Ok(ProbeInfo { node, observed, rtt: start.elapsed() })
+    }
+
+    /// Sets what `meshd status` probes are told.
+    pub fn set_status(&self, reply: &StatusReply) {
+        *lock(&self.inner.status) = Bytes::from(wire::encode(reply));
+    }
+
+    /// Asks the meshd at `to` for its view of the mesh (this transport must be a probe:
+    /// run hash 0).
+    pub async fn query_status(&self, to: SocketAddr) -> Result<StatusReply, TransportError> {
+        let to = canonical(to);
+        let conn = match existing(&self.inner, to) {
+            Some(c) => c,
+            None => connect(&self.inner, to).await?.0,
+        };
+        let err = |reason: String| TransportError::Peer { addr: to, reason };
+        let fut = async {
+            let (mut send, mut recv) = conn.open_bi().await.map_err(|e| err(e.to_string()))?;
+            send.write_all(&wire::encode(&Query::Status)).await.map_err(|e| err(e.to_string()))?;
+            let _ = send.finish();
+            let body = recv.read_to_end(wire::MAX_FRAME).await.map_err(|e| err(e.to_string()))?;
+            wire::decode::<StatusReply>(&body).map_err(|e| err(format!("bad status reply: {e}")))
+        };
+        tokio::time::timeout(self.inner.cfg.connect_timeout, fut)
+            .await
+            .map_err(|_| err("no status answer in time".into()))?
     }
 
     /// Node ids of the currently connected, authenticated peers, by address.
@@ -466,13 +495,35 @@ async fn accept_loop(inner: Arc<Inner>) {
             // Half-open or silent handshakes are dropped after the connect timeout.
             match tokio::time::timeout(inner.cfg.connect_timeout, fut).await {
                 // A probe gets its answer and nothing else: no frame of it is read.
-                Ok(Some((conn, _, true))) => {
-                    let _ = tokio::time::timeout(inner.cfg.connect_timeout, conn.closed()).await;
-                }
+                Ok(Some((conn, _, true))) => serve_queries(&inner, conn).await,
                 Ok(Some((conn, node, false))) => register(&inner, conn, node, None),
                 _ => {}
             }
         });
+    }
+}
+
+/// Answers a probe connection's queries (a few at most) until it closes or idles.
+async fn serve_queries(inner: &Inner, conn: quinn::Connection) {
+    for _ in 0..16 {
+        let Ok(Ok((mut send, mut recv))) = tokio::time::timeout(inner.cfg.connect_timeout, conn.accept_bi()).await
+        else {
+            return;
+        };
+        let Ok(Ok(body)) = tokio::time::timeout(inner.cfg.connect_timeout, recv.read_to_end(64)).await else {
+            return;
+        };
+        match wire::decode::<Query>(&body) {
+            Ok(Query::Status) => {
+                let reply = lock(&inner.status).clone();
+                let _ = send.write_all(&reply).await;
+                let _ = send.finish();
+            }
+            Err(_) => {
+                conn.close(code::PROTOCOL.into(), b"bad query");
+                return;
+            }
+        }
     }
 }
 

@@ -1,0 +1,1 @@
+//! Ring allreduce schedule (placeholder while reduce.rs is built).

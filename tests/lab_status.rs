@@ -1,0 +1,43 @@
+//! Lab: `meshd status` shows the live members of a running mesh.
+
+mod lab;
+use lab::{Lab, meshd};
+use std::time::Duration;
+
+#[test]
+fn status_lists_every_member_with_role_state_and_rtt() {
+    if !lab::available() {
+        return;
+    }
+    let mut lab = Lab::new(3);
+    let peers = lab.peers();
+    let args = [meshd(), "run", "--nnodes", "3", "--peers", &peers, "--", "sleep", "6"];
+    let ks: Vec<usize> = (0..3).map(|i| lab.spawn(i, &args, &[("MESHD_TOKEN", "st")])).collect();
+    std::thread::sleep(Duration::from_secs(3));
+    let q = lab.spawn(0, &[meshd(), "status", "--json"], &[("MESHD_TOKEN", "st")]);
+    let (code, out, err) = lab.wait(q, Duration::from_secs(10));
+    assert_eq!(code, Some(0), "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"));
+    let members = v["members"].as_array().expect("members");
+    assert_eq!(members.len(), 3, "{v}");
+    let masters: Vec<_> = members.iter().filter(|m| m["role"] == "master").collect();
+    assert_eq!(masters.len(), 1, "{v}");
+    assert_eq!(masters[0]["addr"], "198.19.0.7");
+    for m in members {
+        assert_eq!(m["iface"], "eth1", "{m}");
+        assert_eq!(m["state"], "running", "{m}");
+        assert_eq!(m["health"], "alive", "{m}");
+        if m["addr"] != "198.19.0.30" {
+            assert!(m["rtt_ms"].as_f64().is_some_and(|r| r >= 0.0 && r < 1000.0), "{m}");
+        }
+    }
+    // Asked remotely, with the wrong token: refused, with the reason.
+    let q = lab.spawn(0, &[meshd(), "status", "--peers", "198.19.0.19"], &[("MESHD_TOKEN", "nope")]);
+    let (code, _, err) = lab.wait(q, Duration::from_secs(10));
+    assert_ne!(code, Some(0));
+    assert!(err.contains("different token"), "{err}");
+    for k in ks {
+        let (code, _, err) = lab.wait(k, Duration::from_secs(20));
+        assert_eq!(code, Some(0), "{err}");
+    }
+}
