@@ -32,10 +32,7 @@ struct Outcome {
 }
 
 fn parse_times(out: &str, tag: &str) -> Vec<f64> {
-    out.lines()
-        .filter_map(|l| l.split(tag).nth(1))
-        .filter_map(|t| t.trim().parse::<f64>().ok())
-        .collect()
+    out.lines().filter_map(|l| l.split(tag).nth(1)).filter_map(|t| t.trim().parse::<f64>().ok()).collect()
 }
 
 fn run_once(n: usize, torchrun: bool, fail: bool, limit: Duration) -> Outcome {
@@ -51,11 +48,41 @@ fn run_once(n: usize, torchrun: bool, fail: bool, limit: Duration) -> Outcome {
     for i in 0..n {
         let args: Vec<&str> = if torchrun {
             vec![
-                TORCH, "-m", "torch.distributed.run", "--nnodes", &nn, "--nproc_per_node", "2", "--rdzv_backend", "c10d",
-                "--rdzv_endpoint", &endpoint, "--rdzv_id", "bench", "--no_python", "sh", "-c", &script,
+                TORCH,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                &nn,
+                "--nproc_per_node",
+                "2",
+                "--rdzv_backend",
+                "c10d",
+                "--rdzv_endpoint",
+                &endpoint,
+                "--rdzv_id",
+                "bench",
+                "--no_python",
+                "sh",
+                "-c",
+                &script,
             ]
         } else {
-            vec![meshd(), "run", "--nnodes", &nn, "--peers", &peers, "--nproc-per-node", "2", "--grace", "1s", "--", "sh", "-c", &script]
+            vec![
+                meshd(),
+                "run",
+                "--nnodes",
+                &nn,
+                "--peers",
+                &peers,
+                "--nproc-per-node",
+                "2",
+                "--grace",
+                "1s",
+                "--",
+                "sh",
+                "-c",
+                &script,
+            ]
         };
         last_start = now_s();
         ks.push(lab.spawn(i, &args, &[("MESHD_LOG", "warn"), ("LOGLEVEL", "WARNING")]));
@@ -75,7 +102,8 @@ fn run_once(n: usize, torchrun: bool, fail: bool, limit: Duration) -> Outcome {
             eprintln!("launcher timed out:\n{out}\n{err}");
         }
     }
-    let launch = (starts.len() == 2 * n).then(|| starts.iter().cloned().fold(f64::MIN, f64::max) - last_start);
+    let launch =
+        (starts.len() == 2 * n).then(|| starts.iter().cloned().fold(f64::MIN, f64::max) - last_start);
     // Exit times are observed as each wait returns, in order; the last is an upper bound.
     let teardown = if fail {
         match (fail_at.first(), exits.iter().all(Option::is_some)) {
@@ -97,7 +125,11 @@ fn fmt(v: &[Option<f64>], limit: Duration) -> String {
     s.sort_by(|a, b| a.total_cmp(b));
     let med = s[s.len() / 2];
     let miss = v.len() - ok.len();
-    format!("{med:.2} s (median of {}{})", ok.len(), if miss > 0 { format!(", {miss} never") } else { String::new() })
+    format!(
+        "{med:.2} s (median of {}{})",
+        ok.len(),
+        if miss > 0 { format!(", {miss} never") } else { String::new() }
+    )
 }
 
 fn main() {
@@ -108,10 +140,21 @@ fn main() {
     if !lab::available() {
         return;
     }
-    let reps: usize = args.iter().position(|a| a == "--reps").and_then(|i| args.get(i + 1)).and_then(|s| s.parse().ok()).unwrap_or(3);
-    let has_torch = std::process::Command::new(TORCH).args(["-c", "import torch.distributed.run"]).status().is_ok_and(|s| s.success());
+    let reps: usize = args
+        .iter()
+        .position(|a| a == "--reps")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(3);
+    let has_torch = std::process::Command::new(TORCH)
+        .args(["-c", "import torch.distributed.run"])
+        .status()
+        .is_ok_and(|s| s.success());
     println!("launch benchmark: {reps} repetitions, 2 processes per host (median)");
-    println!("{:<6} {:<9} {:<34} {:<34}", "hosts", "launcher", "last start -> all ranks running", "rank failure -> all launchers exited");
+    println!(
+        "{:<6} {:<9} {:<34} {:<34}",
+        "hosts", "launcher", "last start -> all ranks running", "rank failure -> all launchers exited"
+    );
     for n in [3usize, 8] {
         for torchrun in [false, true] {
             if torchrun && !has_torch {
@@ -119,9 +162,11 @@ fn main() {
                 continue;
             }
             let limit = Duration::from_secs(if torchrun { 90 } else { 60 });
-            let launch: Vec<Option<f64>> = (0..reps).map(|_| run_once(n, torchrun, false, limit).launch).collect();
+            let launch: Vec<Option<f64>> =
+                (0..reps).map(|_| run_once(n, torchrun, false, limit).launch).collect();
             let tear_limit = Duration::from_secs(45);
-            let tear: Vec<Option<f64>> = (0..reps).map(|_| run_once(n, torchrun, true, tear_limit).teardown).collect();
+            let tear: Vec<Option<f64>> =
+                (0..reps).map(|_| run_once(n, torchrun, true, tear_limit).teardown).collect();
             println!(
                 "{n:<6} {:<9} {:<34} {:<34}",
                 if torchrun { "torchrun" } else { "meshd" },

@@ -4,6 +4,7 @@
 //! library (`meshd` crate). Errors reach the user as one line naming the cause.
 
 mod common;
+mod doctor;
 mod ifaces;
 mod run;
 mod status;
@@ -26,6 +27,8 @@ struct Cli {
 enum Cmd {
     /// Join the mesh, agree on master and ranks, start CMD on every node, supervise.
     Run(run::Args),
+    /// Same flags as run, no command: form the mesh, run the preflight, print one report.
+    Doctor(doctor::Args),
     /// Members of a running mesh: address, interface, GPUs, state, RTT, role, restarts.
     Status(status::Args),
     /// List interfaces; with --peers, show which one reaches each peer and the one meshd would choose.
@@ -47,6 +50,7 @@ fn main() -> ExitCode {
             Cmd::Ifaces(a) => ifaces::main(a).await,
             Cmd::Run(a) => run::main(a).await,
             Cmd::Status(a) => status::main(a).await,
+            Cmd::Doctor(a) => doctor::main(a).await,
         }
     });
     match res {

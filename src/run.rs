@@ -4,6 +4,7 @@ use crate::common::{self, NetArgs};
 use anyhow::{Context, Result, bail};
 use meshd::job::{self, JobConfig};
 use meshd::mesh::{Mesh, MeshConfig, stable_hash};
+use meshd::preflight::PreflightInput;
 use meshd::proto::membership::MembershipConfig;
 use meshd::proto::rendezvous::RdzvConfig;
 use std::process::ExitCode;
@@ -11,6 +12,16 @@ use std::time::Duration;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
+    #[command(flatten)]
+    pub job: JobArgs,
+    /// The command to start on every node, once per local process.
+    #[arg(last = true, required = true, value_name = "CMD")]
+    pub cmd: Vec<String>,
+}
+
+/// Options shared by `run` and `doctor`.
+#[derive(clap::Args, Debug)]
+pub struct JobArgs {
     /// Nodes to wait for: N, or MIN:MAX (start once MIN are present and no newcomer arrived for --settle).
     #[arg(long, env = "SLURM_NNODES")]
     pub nnodes: Option<String>,
@@ -46,15 +57,13 @@ pub struct Args {
     pub grace: Duration,
     #[command(flatten)]
     pub net: NetArgs,
-    /// The command to start on every node, once per local process.
-    #[arg(last = true, required = true, value_name = "CMD")]
-    pub cmd: Vec<String>,
 }
 
 /// Parses `300`, `300s`, `1500ms`, `5m`, `1h`.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
-    let (num, unit) = s.find(|c: char| !c.is_ascii_digit() && c != '.').map(|i| s.split_at(i)).unwrap_or((s, "s"));
+    let (num, unit) =
+        s.find(|c: char| !c.is_ascii_digit() && c != '.').map(|i| s.split_at(i)).unwrap_or((s, "s"));
     let n: f64 = num.parse().map_err(|_| format!("{s:?} is not a duration (try 300s, 5m, 1h)"))?;
     let secs = match unit {
         "ms" => n / 1000.0,
@@ -63,7 +72,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         "h" => n * 3600.0,
         _ => return Err(format!("{s:?}: unknown unit {unit:?} (use ms, s, m or h)")),
     };
-    if !secs.is_finite() || secs < 0.0 || secs > 1e7 {
+    if !secs.is_finite() || !(0.0..=1e7).contains(&secs) {
         return Err(format!("{s:?} is out of range"));
     }
     Ok(Duration::from_secs_f64(secs))
@@ -81,32 +90,45 @@ pub fn parse_nnodes(s: &str) -> Result<(u32, u32)> {
     Ok((min, max))
 }
 
-/// Processes per node: a number, or the visible GPUs (CUDA_VISIBLE_DEVICES, /dev/nvidiaN), else 1.
+/// Processes per node: a number, or the visible GPUs, else 1.
 pub fn nproc(spec: &str) -> Result<u32> {
     if spec != "auto" {
-        let n: u32 = spec.parse().ok().filter(|n| *n > 0).with_context(|| format!("--nproc-per-node {spec:?}: expected a positive number or auto"))?;
+        let n: u32 = spec
+            .parse()
+            .ok()
+            .filter(|n| *n > 0)
+            .with_context(|| format!("--nproc-per-node {spec:?}: expected a positive number or auto"))?;
         return Ok(n);
     }
-    if let Ok(v) = std::env::var("CUDA_VISIBLE_DEVICES") {
-        let n = v.split(',').filter(|s| !s.trim().is_empty() && s.trim() != "-1").count();
-        return Ok(n.max(1) as u32);
-    }
-    let n = std::fs::read_dir("/dev")
-        .map(|d| {
-            d.flatten()
-                .filter(|e| {
-                    let name = e.file_name();
-                    let name = name.to_string_lossy();
-                    name.strip_prefix("nvidia").is_some_and(|r| !r.is_empty() && r.chars().all(|c| c.is_ascii_digit()))
-                })
-                .count()
-        })
-        .unwrap_or(0);
-    Ok(n.max(1) as u32)
+    Ok(nproc_gpus().max(1))
 }
 
-pub async fn main(a: Args) -> Result<ExitCode> {
-    let nnodes = a.nnodes.as_deref().context("--nnodes is required (or SLURM_NNODES): how many nodes to wait for")?;
+/// Everything `run` and `doctor` need, from the flags.
+pub struct Prepared {
+    pub mesh: MeshConfig,
+    pub job: JobConfig,
+    pub run_id: String,
+}
+
+/// Shell-like rendering of a command for messages (shortened).
+pub fn show_cmd(cmd: &[String]) -> String {
+    let s = cmd
+        .iter()
+        .map(|a| {
+            if a.is_empty() || a.contains(|c: char| c.is_whitespace() || "'\"$`\\".contains(c)) {
+                format!("'{}'", a.replace('\'', "'\\''"))
+            } else {
+                a.clone()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ");
+    if s.chars().count() > 160 { format!("{}...", s.chars().take(157).collect::<String>()) } else { s }
+}
+
+pub fn prepare(a: &JobArgs, cmd: &[String]) -> Result<Prepared> {
+    let nnodes =
+        a.nnodes.as_deref().context("--nnodes is required (or SLURM_NNODES): how many nodes to wait for")?;
     let (min, max) = parse_nnodes(nnodes)?;
     let nproc = nproc(&a.nproc_per_node)?;
     let token = a.net.token()?;
@@ -114,14 +136,17 @@ pub async fn main(a: Args) -> Result<ExitCode> {
     if peers.is_empty() && max > 1 {
         bail!("--nnodes {nnodes} needs --peers (or SLURM_JOB_NODELIST): at least one other node's address");
     }
-    let cmd_hash = stable_hash(&a.cmd.iter().map(|s| s.as_bytes()).collect::<Vec<_>>());
+    let cmd_hash = stable_hash(&cmd.iter().map(|s| s.as_bytes()).collect::<Vec<_>>());
+    // The command is NOT part of the default run id: nodes started with different commands
+    // must meet, so that the preflight can refuse the launch and say which node differs.
     let run_id = a.run_id.clone().unwrap_or_else(|| {
         let mut p: Vec<&str> = a.peers.as_deref().unwrap_or("").split(',').map(str::trim).collect();
         p.sort();
         let fp = token.as_ref().map(|t| t.fingerprint()).unwrap_or(0).to_be_bytes();
-        format!("meshd-{:012x}", stable_hash(&[&fp, &cmd_hash.to_be_bytes(), p.join(",").as_bytes()]) >> 16)
+        format!("meshd-{:012x}", stable_hash(&[&fp, p.join(",").as_bytes()]) >> 16)
     });
-    let mesh_cfg = MeshConfig {
+    let gpus = nproc_gpus();
+    let mesh = MeshConfig {
         node: meshd::random_node_id(),
         port: a.net.port,
         token,
@@ -132,19 +157,59 @@ pub async fn main(a: Args) -> Result<ExitCode> {
         cmd_hash,
         membership: MembershipConfig::default(),
     };
-    let mut mesh = Mesh::start(mesh_cfg).await?;
-    let collective = if a.collective == "auto" { "nccl".to_string() } else { a.collective.clone() };
-    let cfg = JobConfig {
-        cmd: a.cmd.clone(),
+    let job = JobConfig {
+        cmd: cmd.to_vec(),
         nproc,
         max_restarts: a.max_restarts,
-        rdzv: RdzvConfig { min_nodes: min, max_nodes: max, settle: a.settle, ack_timeout: Duration::from_secs(3) },
+        rdzv: RdzvConfig {
+            min_nodes: min,
+            max_nodes: max,
+            settle: a.settle,
+            ack_timeout: Duration::from_secs(3),
+        },
         rdzv_timeout: a.rdzv_timeout,
         log_dir: a.log_dir.clone(),
-        collective,
+        preflight: PreflightInput {
+            cmd: if cmd.is_empty() { "(none: doctor)".into() } else { show_cmd(cmd) },
+            cmd_hash,
+            nproc,
+            gpus,
+            cuda_driver: 0,
+            nccl_version: 0,
+            forced: (a.collective != "auto").then(|| a.collective.clone()),
+            connect_timeout: Duration::from_secs(2),
+        },
         grace: a.grace,
     };
-    let outcome = job::run(&mut mesh, &cfg, &run_id).await;
+    Ok(Prepared { mesh, job, run_id })
+}
+
+/// GPUs visible on this host (/dev/nvidiaN; CUDA_VISIBLE_DEVICES narrows it).
+pub fn nproc_gpus() -> u32 {
+    let dev = std::fs::read_dir("/dev")
+        .map(|d| {
+            d.flatten()
+                .filter(|e| {
+                    let name = e.file_name();
+                    let name = name.to_string_lossy();
+                    name.strip_prefix("nvidia")
+                        .is_some_and(|r| !r.is_empty() && r.chars().all(|c| c.is_ascii_digit()))
+                })
+                .count() as u32
+        })
+        .unwrap_or(0);
+    match std::env::var("CUDA_VISIBLE_DEVICES") {
+        Ok(v) if dev > 0 => {
+            (v.split(',').filter(|s| !s.trim().is_empty() && s.trim() != "-1").count() as u32).min(dev)
+        }
+        _ => dev,
+    }
+}
+
+pub async fn main(a: Args) -> Result<ExitCode> {
+    let p = prepare(&a.job, &a.cmd)?;
+    let mut mesh = Mesh::start(p.mesh).await?;
+    let outcome = job::run(&mut mesh, &p.job, &p.run_id).await;
     mesh.shutdown().await;
     let outcome = outcome?;
     if outcome.code == 0 {

@@ -6,14 +6,20 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 /// Starts the same `meshd run` line on every host; returns (exit code, stdout, stderr) each.
-fn run_everywhere(lab: &mut Lab, extra: &[&str], cmd: &[&str], limit: Duration) -> Vec<(Option<i32>, String, String)> {
+fn run_everywhere(
+    lab: &mut Lab,
+    extra: &[&str],
+    cmd: &[&str],
+    limit: Duration,
+) -> Vec<(Option<i32>, String, String)> {
     let peers = lab.peers();
     let n = lab.hosts.len().to_string();
     let mut args = vec![meshd(), "run", "--nnodes", &n, "--peers", &peers, "--rdzv-timeout", "60s"];
     args.extend_from_slice(extra);
     args.push("--");
     args.extend_from_slice(cmd);
-    let ks: Vec<usize> = (0..lab.hosts.len()).map(|i| lab.spawn(i, &args, &[("MESHD_TOKEN", "lab-secret")])).collect();
+    let ks: Vec<usize> =
+        (0..lab.hosts.len()).map(|i| lab.spawn(i, &args, &[("MESHD_TOKEN", "lab-secret")])).collect();
     ks.into_iter().map(|k| lab.wait(k, limit)).collect()
 }
 
@@ -21,7 +27,12 @@ fn env_lines(out: &str) -> Vec<BTreeMap<String, String>> {
     // Each rank prints one line: "[rank N] K=V K=V ..."
     out.lines()
         .filter_map(|l| l.split_once("] ENV "))
-        .map(|(_, kv)| kv.split_whitespace().filter_map(|p| p.split_once('=')).map(|(k, v)| (k.to_string(), v.to_string())).collect())
+        .map(|(_, kv)| {
+            kv.split_whitespace()
+                .filter_map(|p| p.split_once('='))
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        })
         .collect()
 }
 
@@ -32,8 +43,11 @@ fn three_hosts_two_procs_get_the_exact_environment() {
     }
     let mut lab = Lab::new(3);
     let vars = "RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK NODE_RANK GROUP_WORLD_SIZE ROLE_NAME ROLE_RANK ROLE_WORLD_SIZE MASTER_ADDR MASTER_PORT TORCHELASTIC_RUN_ID TORCHELASTIC_RESTART_COUNT TORCHELASTIC_MAX_RESTARTS TORCH_NCCL_ASYNC_ERROR_HANDLING OMP_NUM_THREADS NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME MESHD_IFACE MESHD_NODE_ADDR MESHD_COLLECTIVE";
-    let script = format!("printf 'ENV'; for v in {vars}; do eval printf \"' %s=%s'\" $v \\\"\\${{$v}}\\\"; done; echo");
-    let res = run_everywhere(&mut lab, &["--nproc-per-node", "2"], &["sh", "-c", &script], Duration::from_secs(60));
+    let script = format!(
+        "printf 'ENV'; for v in {vars}; do eval printf \"' %s=%s'\" $v \\\"\\${{$v}}\\\"; done; echo"
+    );
+    let res =
+        run_everywhere(&mut lab, &["--nproc-per-node", "2"], &["sh", "-c", &script], Duration::from_secs(60));
     let mut all = Vec::new();
     for (i, (code, out, err)) in res.iter().enumerate() {
         assert_eq!(*code, Some(0), "host {i} failed:\n{err}");
@@ -86,11 +100,19 @@ fn one_failing_rank_stops_the_job_on_every_node() {
     // Rank 4 fails after a moment; every other rank would sleep for a minute.
     let script = "if [ \"$RANK\" = 4 ]; then sleep 1; exit 7; fi; sleep 60";
     let t = std::time::Instant::now();
-    let res = run_everywhere(&mut lab, &["--nproc-per-node", "2", "--grace", "2s"], &["sh", "-c", script], Duration::from_secs(45));
+    let res = run_everywhere(
+        &mut lab,
+        &["--nproc-per-node", "2", "--grace", "2s"],
+        &["sh", "-c", script],
+        Duration::from_secs(45),
+    );
     let took = t.elapsed();
     for (i, (code, _, err)) in res.iter().enumerate() {
         assert_eq!(*code, Some(1), "host {i} must exit 1:\n{err}");
-        assert!(err.contains("rank 4 (local rank 0)") && err.contains("exited with status 7"), "host {i} must name the rank:\n{err}");
+        assert!(
+            err.contains("rank 4 (local rank 0)") && err.contains("exited with status 7"),
+            "host {i} must name the rank:\n{err}"
+        );
     }
     assert!(took < Duration::from_secs(40), "teardown took {took:?}");
 }
@@ -104,18 +126,42 @@ fn wrong_token_is_refused_and_both_ends_say_so() {
     let peers = lab.peers();
     // Hosts 0 and 1 share a token and form a 2-node job; host 2 holds another token.
     let good = |lab: &mut Lab, i| {
-        lab.spawn(i, &[meshd(), "run", "--nnodes", "2", "--peers", &peers, "--rdzv-timeout", "30s", "--", "sh", "-c", "sleep 3"], &[("MESHD_TOKEN", "right")])
+        lab.spawn(
+            i,
+            &[
+                meshd(),
+                "run",
+                "--nnodes",
+                "2",
+                "--peers",
+                &peers,
+                "--rdzv-timeout",
+                "30s",
+                "--",
+                "sh",
+                "-c",
+                "sleep 3",
+            ],
+            &[("MESHD_TOKEN", "right")],
+        )
     };
     let a = good(&mut lab, 0);
     let b = good(&mut lab, 1);
-    let c = lab.spawn(2, &[meshd(), "run", "--nnodes", "3", "--peers", &peers, "--rdzv-timeout", "4s", "--", "true"], &[("MESHD_TOKEN", "wrong")]);
+    let c = lab.spawn(
+        2,
+        &[meshd(), "run", "--nnodes", "3", "--peers", &peers, "--rdzv-timeout", "4s", "--", "true"],
+        &[("MESHD_TOKEN", "wrong")],
+    );
     let (cc, _, cerr) = lab.wait(c, Duration::from_secs(30));
     let (ac, _, aerr) = lab.wait(a, Duration::from_secs(40));
     let (bc, _, berr) = lab.wait(b, Duration::from_secs(40));
     assert_eq!(ac, Some(0), "host 0: {aerr}");
     assert_eq!(bc, Some(0), "host 1: {berr}");
     assert_ne!(cc, Some(0), "the intruder must fail: {cerr}");
-    assert!(cerr.contains("failed authentication") && cerr.contains("different token"), "intruder's error:\n{cerr}");
+    assert!(
+        cerr.contains("failed authentication") && cerr.contains("different token"),
+        "intruder's error:\n{cerr}"
+    );
     assert!(
         [&aerr, &berr].iter().any(|e| e.contains("198.19.0.19") && e.contains("different token")),
         "a rightful node must name the intruder:\n{aerr}\n{berr}"
@@ -141,7 +187,10 @@ fn killed_node_stops_the_job_everywhere() {
     for (i, k) in ks.into_iter().enumerate().take(2) {
         let (code, _, err) = lab.wait(k, Duration::from_secs(30));
         assert_eq!(code, Some(1), "host {i} must fail, not hang:\n{err}");
-        assert!(err.contains("198.19.0.19") && err.contains("stopped answering"), "host {i} must name the dead node:\n{err}");
+        assert!(
+            err.contains("198.19.0.19") && err.contains("stopped answering"),
+            "host {i} must name the dead node:\n{err}"
+        );
     }
     eprintln!("FIGURE node-kill-to-exit: {:?}", t.elapsed());
 }
@@ -154,10 +203,19 @@ fn max_restarts_restarts_every_rank_and_succeeds() {
     let mut lab = Lab::new(3);
     let script = "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ] && [ \"$RANK\" = 3 ]; then exit 3; fi; \
                   if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then sleep 30; fi; echo RESTARTED count=$TORCHELASTIC_RESTART_COUNT";
-    let res = run_everywhere(&mut lab, &["--nproc-per-node", "2", "--max-restarts", "1", "--grace", "1s"], &["sh", "-c", script], Duration::from_secs(60));
+    let res = run_everywhere(
+        &mut lab,
+        &["--nproc-per-node", "2", "--max-restarts", "1", "--grace", "1s"],
+        &["sh", "-c", script],
+        Duration::from_secs(60),
+    );
     for (i, (code, out, err)) in res.iter().enumerate() {
         assert_eq!(*code, Some(0), "host {i}:\n{out}\n{err}");
-        assert_eq!(out.matches("RESTARTED count=1").count(), 2, "host {i} ranks must run again with count 1:\n{out}\n{err}");
+        assert_eq!(
+            out.matches("RESTARTED count=1").count(),
+            2,
+            "host {i} ranks must run again with count 1:\n{out}\n{err}"
+        );
         assert!(err.contains("restarting all ranks (1/1)"), "host {i}:\n{err}");
     }
 }
@@ -168,17 +226,27 @@ fn pytorch_ddp_over_gloo_ends_with_identical_parameters() {
         return;
     }
     let python = "/usr/bin/python3";
-    let has_torch = std::process::Command::new(python).args(["-c", "import torch"]).status().is_ok_and(|s| s.success());
-    assert!(has_torch, "Debian's python3-torch is required for this test (apt-get install python3-torch; .ci/run installs it)");
+    let has_torch =
+        std::process::Command::new(python).args(["-c", "import torch"]).status().is_ok_and(|s| s.success());
+    assert!(
+        has_torch,
+        "Debian's python3-torch is required for this test (apt-get install python3-torch; .ci/run installs it)"
+    );
     let mut lab = Lab::new(3);
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/ddp_gloo.py");
-    let res = run_everywhere(&mut lab, &["--nproc-per-node", "2"], &[python, script, "--steps", "15"], Duration::from_secs(180));
+    let res = run_everywhere(
+        &mut lab,
+        &["--nproc-per-node", "2"],
+        &[python, script, "--steps", "15"],
+        Duration::from_secs(180),
+    );
     let mut digests = Vec::new();
     for (i, (code, out, err)) in res.iter().enumerate() {
         assert_eq!(*code, Some(0), "host {i}:\n{out}\n{err}");
         for l in out.lines().filter(|l| l.contains("DDP rank=")) {
             assert!(l.contains("world=6") && l.contains("iface=eth1"), "{l}");
-            let d = l.split("params_sha256=").nth(1).and_then(|s| s.split_whitespace().next()).expect("digest");
+            let d =
+                l.split("params_sha256=").nth(1).and_then(|s| s.split_whitespace().next()).expect("digest");
             digests.push(d.to_string());
         }
     }

@@ -28,7 +28,7 @@ fn status_lists_every_member_with_role_state_and_rtt() {
         assert_eq!(m["state"], "running", "{m}");
         assert_eq!(m["health"], "alive", "{m}");
         if m["addr"] != "198.19.0.30" {
-            assert!(m["rtt_ms"].as_f64().is_some_and(|r| r >= 0.0 && r < 1000.0), "{m}");
+            assert!(m["rtt_ms"].as_f64().is_some_and(|r| (0.0..1000.0).contains(&r)), "{m}");
         }
     }
     // Asked remotely, with the wrong token: refused, with the reason.

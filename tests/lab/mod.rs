@@ -215,8 +215,8 @@ impl Lab {
     /// In host `i`: drop all TCP and all UDP except `port` (NCCL's sockets fail; meshd works).
     pub fn firewall_only_udp(&self, i: usize, port: u16) {
         let rules = format!(
-            "table inet mdlab {{ chain input {{ type filter hook input priority 0; policy accept; \
-             iifname \"lo\" accept; meta l4proto tcp drop; udp dport != {port} udp sport != {port} drop; }} }}"
+            "table inet mdlab {{\n chain input {{\n type filter hook input priority 0; policy accept;\n \
+             iifname \"lo\" accept\n meta l4proto tcp drop\n udp dport != {port} udp sport != {port} drop\n }}\n}}\n"
         );
         let o = Command::new("ip")
             .args(["netns", "exec", &self.hosts[i].ns, "nft", "-f", "-"])

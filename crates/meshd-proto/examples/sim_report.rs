@@ -8,8 +8,8 @@
 //! - detect: a random node (not the seed) crashes 10 s after convergence; time until every
 //!   other node sees it Dead (mean and worst over the trials);
 //! - false Dead: Down verdicts about running nodes during 60 s at 10 % datagram loss;
-//! - B/s/node: mean bytes sent per node per second, steady state without loss (20 s
-//!   window) and over the 60 s at 10 % loss.
+//! - B/s/node: mean bytes sent per node per second, steady state without loss (a 120 s
+//!   window: at least one scaled full sync per node at every size) and over the 60 s at 10 % loss.
 
 use meshd_proto::membership::MembershipConfig;
 use meshd_proto::sim::{Sim, SimConfig};
@@ -54,7 +54,7 @@ fn measure(n: usize, seed: u64, trials: usize) -> Row {
         sim.run_for(Duration::from_secs(10));
         if t == 0 {
             sim.reset_stats();
-            let window = Duration::from_secs(20);
+            let window = Duration::from_secs(120);
             sim.run_for(window);
             steady_bps = mean_bps(&sim, window);
         }

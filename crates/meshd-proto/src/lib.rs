@@ -12,12 +12,14 @@
 //! - [`meta`]: what a node says about itself (interfaces, GPUs, versions, job hash, state).
 //! - [`wire`]: the versioned, size-bounded postcard frames that travel between nodes.
 //! - [`membership`]: SWIM-style gossip membership with suspicion and rejoin.
+//! - [`preflight`]: what each node checked before launch, and the common verdict.
 //! - [`rendezvous`]: election of the master and the roster every node acknowledges.
 //! - [`sim`]: a deterministic network simulator over the real membership core.
 
 pub mod id;
 pub mod membership;
 pub mod meta;
+pub mod preflight;
 pub mod reduce;
 pub mod rendezvous;
 pub mod ring;

@@ -110,6 +110,22 @@ pub enum Message {
         /// Restart round.
         restart: u32,
     },
+    /// Any -> all after a commit: the TCP port this node listens on for the preflight.
+    PreflightHello {
+        /// Restart round.
+        restart: u32,
+        /// Ephemeral TCP port on the chosen interface.
+        tcp_port: u16,
+        /// The NCCL unique id (from the master only).
+        nccl_id: Option<Vec<u8>>,
+    },
+    /// Any -> all: what this node found in the preflight.
+    PreflightReport {
+        /// Restart round.
+        restart: u32,
+        /// The findings.
+        report: crate::preflight::NodeReport,
+    },
 }
 
 /// A candidate for the roster, as the membership layer sees it.

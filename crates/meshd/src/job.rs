@@ -11,6 +11,7 @@
 //! said it too), and exits 0 once every roster member is done.
 
 use crate::mesh::{Mesh, MeshError, MeshInput};
+use crate::preflight::{self, PreflightInput};
 use crate::supervisor::{self, RankSpec, Supervisor};
 use meshd_proto::membership::MemberEvent;
 use meshd_proto::rendezvous::{Message, RdzvConfig, Roster};
@@ -36,8 +37,8 @@ pub struct JobConfig {
     pub rdzv_timeout: Duration,
     /// Per-rank log files.
     pub log_dir: Option<PathBuf>,
-    /// `nccl` or `quic` (MESHD_COLLECTIVE).
-    pub collective: String,
+    /// What the preflight compares (and `--collective` when forced).
+    pub preflight: PreflightInput,
     /// SIGTERM to SIGKILL.
     pub grace: Duration,
 }
@@ -141,13 +142,54 @@ pub async fn run(mesh: &mut Mesh, cfg: &JobConfig, run_id: &str) -> Result<JobOu
             master.hostname,
             if restart > 0 { format!(", restart {restart}") } else { String::new() }
         );
+        let verdict = match preflight::run(mesh, &roster, &cfg.preflight, Duration::from_secs(20)).await {
+            Ok(v) => v,
+            Err(MeshError::Aborted(reason)) => {
+                return Ok(JobOutcome { code: 1, message: format!("job stopped before launch: {reason}") });
+            }
+            Err(e) => return Err(e),
+        };
+        for c in verdict.checks.iter().filter(|c| !c.ok) {
+            if c.fatal {
+                error!("preflight {}: {}", c.name, c.detail);
+            } else {
+                warn!("preflight {}: {}", c.name, c.detail);
+            }
+        }
+        if !verdict.ok {
+            let failed: Vec<String> = verdict
+                .checks
+                .iter()
+                .filter(|c| !c.ok && c.fatal)
+                .map(|c| format!("{} {}", c.name, c.detail))
+                .collect();
+            let forced_nccl = cfg.preflight.forced.as_deref() == Some("nccl");
+            let why = if failed.is_empty() && forced_nccl {
+                "--collective nccl was forced but TCP between the nodes fails".to_string()
+            } else {
+                failed.join("; ")
+            };
+            finish_together(mesh, &roster, Duration::from_secs(3)).await;
+            return Ok(JobOutcome { code: 1, message: format!("launch refused by the preflight: {why}") });
+        }
+        info!("preflight passed; collective: {}", verdict.collective);
         let user_has = |k: &str| std::env::var_os(k).is_some();
         let iface = mesh.choice().name.clone();
         let ranks: Vec<RankSpec> = (0..roster.members[node_rank].nproc)
             .map(|l| RankSpec {
                 global: roster.first_global_rank(node_rank) + l,
                 local: l,
-                env: rank_env(&roster, node_rank, l, &iface, mesh.addr().ip(), run_id, cfg.max_restarts, &cfg.collective, &user_has),
+                env: rank_env(
+                    &roster,
+                    node_rank,
+                    l,
+                    &iface,
+                    mesh.addr().ip(),
+                    run_id,
+                    cfg.max_restarts,
+                    &verdict.collective,
+                    &user_has,
+                ),
             })
             .collect();
         if let Some(d) = &cfg.log_dir {
@@ -163,14 +205,18 @@ pub async fn run(mesh: &mut Mesh, cfg: &JobConfig, run_id: &str) -> Result<JobOu
                 f
             }
             Err(e) => {
-                let reason = format!("node {} ({}): {e}", roster.members[node_rank].hostname, mesh.addr().ip());
+                let reason =
+                    format!("node {} ({}): {e}", roster.members[node_rank].hostname, mesh.addr().ip());
                 abort(mesh, &roster, None, &reason);
                 Some(Failure::Job(reason))
             }
         };
         match failure {
             None => {
-                return Ok(JobOutcome { code: 0, message: format!("job finished: all {} ranks exited 0", roster.world_size()) });
+                return Ok(JobOutcome {
+                    code: 0,
+                    message: format!("job finished: all {} ranks exited 0", roster.world_size()),
+                });
             }
             Some(Failure::Signal(m, code)) => return Ok(JobOutcome { code, message: m }),
             Some(Failure::Job(m)) if restart < cfg.max_restarts => {
@@ -187,10 +233,41 @@ pub async fn run(mesh: &mut Mesh, cfg: &JobConfig, run_id: &str) -> Result<JobOu
     }
 }
 
+/// Says `Done` and waits (bounded) until every roster member said it too, so that no node
+/// leaves while another still needs its last message.
+pub async fn finish_together(mesh: &mut Mesh, roster: &Roster, limit: Duration) {
+    let deadline = Instant::now() + limit;
+    let me = mesh.node();
+    let mut done: BTreeSet<NodeId> = [me].into_iter().collect();
+    let everyone: BTreeSet<NodeId> = roster.members.iter().map(|m| m.id).collect();
+    mesh.broadcast(roster, Message::Done { restart: roster.restart });
+    let mut resend = Instant::now() + Duration::from_millis(300);
+    while done != everyone && Instant::now() < deadline {
+        match mesh.next(Some(resend.min(deadline))).await {
+            None => return,
+            Some(MeshInput::Rdzv(from, Message::Done { restart })) if restart == roster.restart => {
+                done.insert(from);
+            }
+            Some(MeshInput::Member(MemberEvent::Down(id) | MemberEvent::Left(id))) => {
+                done.insert(id);
+            }
+            Some(MeshInput::Tick) => {
+                mesh.broadcast(roster, Message::Done { restart: roster.restart });
+                resend = Instant::now() + Duration::from_millis(300);
+            }
+            _ => {}
+        }
+    }
+    // Keep answering a moment so our last Done reaches everyone.
+    let linger = Instant::now() + Duration::from_millis(400);
+    while mesh.next(Some(linger)).await.is_some_and(|i| !matches!(i, MeshInput::Tick)) {}
+}
+
 fn abort(mesh: &mut Mesh, roster: &Roster, rank: Option<u32>, reason: &str) {
     let me = mesh.node();
     let hostname = roster.members.iter().find(|m| m.id == me).map(|m| m.hostname.clone()).unwrap_or_default();
-    let msg = Message::Abort { restart: roster.restart, node: me, hostname, rank, reason: reason.to_string() };
+    let msg =
+        Message::Abort { restart: roster.restart, node: me, hostname, rank, reason: reason.to_string() };
     mesh.broadcast(roster, msg);
     mesh.set_state(NodeState::Failed, roster.restart);
 }
@@ -224,19 +301,22 @@ async fn supervise(
             while mesh.next(Some(linger)).await.is_some_and(|i| !matches!(i, MeshInput::Tick)) {}
             return None;
         }
-        let tick = if local_done { resend + Duration::from_millis(500) } else { Instant::now() + Duration::from_secs(3600) };
+        let tick = if local_done {
+            resend + Duration::from_millis(500)
+        } else {
+            Instant::now() + Duration::from_secs(3600)
+        };
         tokio::select! {
             exit = sup.next_exit(), if !local_done => {
                 match exit {
-                    Some(e) if e.status.success() => {
-                        if sup.running() == 0 {
-                            local_done = true;
-                            done.insert(me);
-                            mesh.set_state(NodeState::Done, roster.restart);
-                            mesh.broadcast(roster, Message::Done { restart: roster.restart });
-                            resend = Instant::now();
-                        }
+                    Some(e) if e.status.success() && sup.running() == 0 => {
+                        local_done = true;
+                        done.insert(me);
+                        mesh.set_state(NodeState::Done, roster.restart);
+                        mesh.broadcast(roster, Message::Done { restart: roster.restart });
+                        resend = Instant::now();
                     }
+                    Some(e) if e.status.success() => {}
                     Some(e) => {
                         let reason = format!("rank {} (local rank {}) on {here} {}", e.global, e.local, supervisor::describe(&e.status));
                         error!("{reason}; stopping the job on every node");

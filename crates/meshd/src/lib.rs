@@ -11,6 +11,7 @@ pub mod interfaces;
 pub mod job;
 pub mod mesh;
 pub mod peers;
+pub mod preflight;
 pub mod supervisor;
 pub mod transport;
 

@@ -58,6 +58,9 @@ pub enum MeshError {
     /// The transport stopped.
     #[error("the mesh transport stopped")]
     Closed,
+    /// Another node stopped the job.
+    #[error("{0}")]
+    Aborted(String),
 }
 
 /// Something that happened in the mesh, for the job loop.
@@ -89,6 +92,7 @@ pub struct Mesh {
     /// The master of the current roster, once agreed (for `meshd status`).
     master: Option<NodeId>,
     status_at: Instant,
+    requeue: Vec<MeshInput>,
 }
 
 impl std::fmt::Debug for Mesh {
@@ -132,7 +136,8 @@ impl Mesh {
                 reason: "no other node listed: single-node job on loopback".into(),
             }
         } else {
-            interfaces::choose(&ifs, &reach, cfg.iface.as_deref()).map_err(|e| MeshError::Iface(e.to_string()))?
+            interfaces::choose(&ifs, &reach, cfg.iface.as_deref())
+                .map_err(|e| MeshError::Iface(e.to_string()))?
         };
         let run_hash = stable_hash(&[cfg.run_id.as_bytes()]);
         let mut tc = TransportConfig::new(cfg.node, cfg.port);
@@ -165,8 +170,7 @@ impl Mesh {
         };
         let now = Instant::now();
         let seed = stable_hash(&[&cfg.node.0]);
-        let mut membership =
-            Membership::new(cfg.node, addr, meta.clone(), cfg.membership.clone(), seed, now);
+        let mut membership = Membership::new(cfg.node, addr, meta.clone(), cfg.membership.clone(), seed, now);
         membership.add_seeds(&others, now);
         info!(node = %cfg.node, iface = %choice.name, addr = %addr, "joining: {}", choice.reason);
         if cfg.token.is_none() && !others.is_empty() {
@@ -189,6 +193,7 @@ impl Mesh {
             early: Vec::new(),
             master: None,
             status_at: Instant::now(),
+            requeue: Vec::new(),
         };
         mesh.flush();
         Ok(mesh)
@@ -380,7 +385,8 @@ impl Mesh {
     ) -> Result<Roster, MeshError> {
         let start = Instant::now();
         let deadline = start + timeout;
-        let mut core = Rendezvous::new(self.cfg.node, self.run_hash, restart, rdzv.clone(), master_port, start);
+        let mut core =
+            Rendezvous::new(self.cfg.node, self.run_hash, restart, rdzv.clone(), master_port, start);
         self.set_state(NodeState::Waiting, restart);
         core.handle_candidates(self.candidates(), start);
         for (from, m) in std::mem::take(&mut self.early) {
@@ -393,6 +399,9 @@ impl Mesh {
                 self.send(to, msg);
             }
             if let Some(RdzvEvent::Committed(roster)) = core.poll_event() {
+                for input in std::mem::take(&mut self.requeue).into_iter().rev() {
+                    self.pending.push_front(input);
+                }
                 return Ok(roster);
             }
             let wake = [core.poll_timeout(), Some(next_progress), Some(deadline)].into_iter().flatten().min();
@@ -401,6 +410,11 @@ impl Mesh {
             match input {
                 MeshInput::Rdzv(from, m) => match &m {
                     rendezvous::Message::Propose(r) if r.restart > restart => self.early.push((from, m)),
+                    // Faster nodes may begin the preflight (or even fail) before our commit
+                    // arrives: keep those for whoever reads the mesh next.
+                    rendezvous::Message::PreflightHello { .. }
+                    | rendezvous::Message::PreflightReport { .. }
+                    | rendezvous::Message::Abort { .. } => self.requeue.push(MeshInput::Rdzv(from, m)),
                     _ => core.handle_message(from, m, now),
                 },
                 MeshInput::Member(_) => {
@@ -416,7 +430,13 @@ impl Mesh {
                         .unwrap_or(restart);
                     if round > restart {
                         info!("joining restart round {round} of the running job");
-                        return Box::pin(self.rendezvous(round, rdzv, master_port, deadline.saturating_duration_since(now))).await;
+                        return Box::pin(self.rendezvous(
+                            round,
+                            rdzv,
+                            master_port,
+                            deadline.saturating_duration_since(now),
+                        ))
+                        .await;
                     }
                     core.handle_candidates(self.candidates(), now)
                 }
@@ -431,7 +451,11 @@ impl Mesh {
                 let expected = if min == max { format!("{min}") } else { format!("{min}:{max}") };
                 info!(
                     "waiting for nodes: {present}/{expected} present{}",
-                    if missing.is_empty() { String::new() } else { format!("; no answer yet from {}", missing.join(", ")) }
+                    if missing.is_empty() {
+                        String::new()
+                    } else {
+                        format!("; no answer yet from {}", missing.join(", "))
+                    }
                 );
                 next_progress = now + Duration::from_secs(5);
             }
@@ -442,10 +466,8 @@ impl Mesh {
                     .into_iter()
                     .filter(|m| !last_auth.keys().any(|a| m.contains(&a.to_string())))
                     .collect();
-                let mut msg = format!(
-                    "rendezvous timed out after {:?}: {present} of {min} nodes present",
-                    timeout
-                );
+                let mut msg =
+                    format!("rendezvous timed out after {:?}: {present} of {min} nodes present", timeout);
                 if !missing.is_empty() {
                     msg.push_str(&format!(
                         "; never answered: {} (is meshd running there with the same command, and UDP {} open?)",
@@ -455,7 +477,9 @@ impl Mesh {
                 }
                 for (a, r) in &last_auth {
                     match r.strip_prefix("it refused us: ") {
-                        Some(r) => msg.push_str(&format!("; {a} refused this node: failed authentication: {r}")),
+                        Some(r) => {
+                            msg.push_str(&format!("; {a} refused this node: failed authentication: {r}"))
+                        }
                         None => msg.push_str(&format!("; {a} failed authentication: {r}")),
                     }
                 }

@@ -78,7 +78,11 @@ pub struct Supervisor {
 
 impl Supervisor {
     /// Starts every rank. On a failure, the ranks already started are stopped.
-    pub async fn spawn(cmd: &[String], ranks: &[RankSpec], log_dir: Option<&Path>) -> Result<Supervisor, SpawnError> {
+    pub async fn spawn(
+        cmd: &[String],
+        ranks: &[RankSpec],
+        log_dir: Option<&Path>,
+    ) -> Result<Supervisor, SpawnError> {
         let (tx, rx) = mpsc::channel(ranks.len().max(1));
         let mut sup = Supervisor { running: Vec::new(), exits: rx };
         for r in ranks {
@@ -124,7 +128,12 @@ impl Supervisor {
                         // SAFETY: as above.
                         unsafe { libc::kill(-pid, libc::SIGKILL) };
                     }
-                    while tokio::time::timeout(Duration::from_secs(5), self.next_exit()).await.ok().flatten().is_some() {}
+                    while tokio::time::timeout(Duration::from_secs(5), self.next_exit())
+                        .await
+                        .ok()
+                        .flatten()
+                        .is_some()
+                    {}
                     break;
                 }
             }
@@ -132,10 +141,19 @@ impl Supervisor {
     }
 }
 
-fn start(cmd: &[String], r: &RankSpec, log_dir: Option<&Path>, tx: mpsc::Sender<RankExit>) -> std::io::Result<i32> {
+fn start(
+    cmd: &[String],
+    r: &RankSpec,
+    log_dir: Option<&Path>,
+    tx: mpsc::Sender<RankExit>,
+) -> std::io::Result<i32> {
     let (prog, args) = cmd.split_first().ok_or_else(|| std::io::Error::other("empty command"))?;
     let mut c = tokio::process::Command::new(prog);
-    c.args(args).envs(r.env.iter().map(|(k, v)| (k, v))).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    c.args(args)
+        .envs(r.env.iter().map(|(k, v)| (k, v)))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
     c.process_group(0);
     // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
     unsafe {
@@ -146,9 +164,16 @@ fn start(cmd: &[String], r: &RankSpec, log_dir: Option<&Path>, tx: mpsc::Sender<
     }
     let mut child = c.spawn()?;
     let pid = child.id().map(|p| p as i32).ok_or_else(|| std::io::Error::other("child has no pid"))?;
-    let files = log_dir.map(|d| (d.join(format!("rank{}.out", r.global)), d.join(format!("rank{}.err", r.global))));
-    let out = child.stdout.take().map(|o| tokio::spawn(pump(o, r.global, false, files.as_ref().map(|f| f.0.clone()))));
-    let err = child.stderr.take().map(|e| tokio::spawn(pump(e, r.global, true, files.as_ref().map(|f| f.1.clone()))));
+    let files =
+        log_dir.map(|d| (d.join(format!("rank{}.out", r.global)), d.join(format!("rank{}.err", r.global))));
+    let out = child
+        .stdout
+        .take()
+        .map(|o| tokio::spawn(pump(o, r.global, false, files.as_ref().map(|f| f.0.clone()))));
+    let err = child
+        .stderr
+        .take()
+        .map(|e| tokio::spawn(pump(e, r.global, true, files.as_ref().map(|f| f.1.clone()))));
     let (global, local) = (r.global, r.local);
     tokio::spawn(async move {
         let status = child.wait().await;
@@ -183,6 +208,10 @@ async fn pump(src: impl AsyncRead + Unpin, rank: u32, is_err: bool, file: Option
         let mut buf = Vec::with_capacity(prefix.len() + line.len());
         buf.extend_from_slice(prefix.as_bytes());
         buf.extend_from_slice(&line);
-        let _ = if is_err { std::io::stderr().lock().write_all(&buf) } else { std::io::stdout().lock().write_all(&buf) };
+        let _ = if is_err {
+            std::io::stderr().lock().write_all(&buf)
+        } else {
+            std::io::stdout().lock().write_all(&buf)
+        };
     }
 }

@@ -971,18 +971,25 @@ impl Membership {
         if self.members.len() < MAX_MEMBERS {
             return true;
         }
+        // O(1) refusal when nothing is evictable, so a flood of new ids against a full
+        // table of live members costs nothing per id.
+        if self.live_peers().len() + 1 >= self.members.len() {
+            return false;
+        }
+        let own = self.id;
         let victim = self
             .members
             .iter()
-            .filter(|(_, m)| !m.status.is_live())
+            .filter(|(id, m)| **id != own && !m.status.is_live())
             .min_by_key(|(_, m)| m.since)
             .map(|(id, _)| *id);
         match victim {
-            Some(id) if id != self.id => {
+            Some(id) => {
                 self.members.remove(&id);
+                self.suspicions.remove(&id);
                 true
             }
-            _ => false,
+            None => false,
         }
     }
 

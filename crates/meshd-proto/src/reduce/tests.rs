@@ -218,7 +218,10 @@ fn dtype_names_round_trip_and_spellings() {
         assert_eq!(DType::parse(s), Ok(d), "{s}");
     }
     assert_eq!(DType::parse("uint8"), Err(ReduceError::UnknownDType("uint8".into())));
-    assert_eq!([2, 2, 4, 4, 8, 8], [DType::F16, DType::BF16, DType::F32, DType::I32, DType::F64, DType::I64].map(DType::size));
+    assert_eq!(
+        [2, 2, 4, 4, 8, 8],
+        [DType::F16, DType::BF16, DType::F32, DType::I32, DType::F64, DType::I64].map(DType::size)
+    );
 }
 
 #[test]
@@ -289,7 +292,8 @@ fn min_max_propagate_nan_from_either_side() {
             }
         };
         for op in [ReduceOp::Min, ReduceOp::Max] {
-            for (a, b) in [(f32::NAN, 1.0), (1.0, f32::NAN), (f32::NAN, f32::NAN), (-f32::NAN, f32::INFINITY)] {
+            for (a, b) in [(f32::NAN, 1.0), (1.0, f32::NAN), (f32::NAN, f32::NAN), (-f32::NAN, f32::INFINITY)]
+            {
                 let mut acc = enc(a);
                 reduce_into(dtype, op, &mut acc, &enc(b)).expect("ok");
                 assert!(is_nan_elem(dtype, &acc), "{dtype} {op} {a} {b}");

@@ -74,7 +74,8 @@ fn global_ranks_form_a_permutation() {
     let mut seen = Vec::new();
     for n in 0..r.members.len() {
         for l in 0..r.members[n].nproc {
-            let env = rank_env(&r, n, l, "eth1", "127.0.0.1".parse().expect("ip"), "r", 0, "nccl", &|_| false);
+            let env =
+                rank_env(&r, n, l, "eth1", "127.0.0.1".parse().expect("ip"), "r", 0, "nccl", &|_| false);
             seen.push(get(&env, "RANK").expect("rank").parse::<u32>().expect("num"));
         }
     }

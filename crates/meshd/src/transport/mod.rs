@@ -506,7 +506,8 @@ async fn accept_loop(inner: Arc<Inner>) {
 /// Answers a probe connection's queries (a few at most) until it closes or idles.
 async fn serve_queries(inner: &Inner, conn: quinn::Connection) {
     for _ in 0..16 {
-        let Ok(Ok((mut send, mut recv))) = tokio::time::timeout(inner.cfg.connect_timeout, conn.accept_bi()).await
+        let Ok(Ok((mut send, mut recv))) =
+            tokio::time::timeout(inner.cfg.connect_timeout, conn.accept_bi()).await
         else {
             return;
         };

@@ -1,0 +1,282 @@
+//! The preflight: what every node found out before launch, and the verdict.
+//!
+//! After the roster is agreed, every node opens a TCP listener on an ephemeral port of its
+//! chosen interface (what NCCL and Gloo will need), tells the others its port, connects to
+//! every other node's listener and to MASTER_ADDR:MASTER_PORT, and broadcasts a
+//! [`NodeReport`]. [`evaluate`] turns all reports into the same [`Verdict`] on every node:
+//! a launch goes ahead only if the command, process counts, GPU counts and versions agree;
+//! blocked TCP does not stop it but selects the QUIC collective (`MESHD_COLLECTIVE=quic`)
+//! and names the pair that failed.
+
+use crate::id::NodeId;
+use crate::rendezvous::Roster;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// One TCP attempt from the reporting node.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TcpProbe {
+    /// Target node.
+    pub to: NodeId,
+    /// What was dialled ("198.19.0.7:41234").
+    pub target: String,
+    /// Connected.
+    pub ok: bool,
+    /// Error text when not.
+    pub detail: String,
+    /// What kind of port: "ephemeral", "master-port", "nccl-root".
+    pub what: String,
+}
+
+/// What one node reports.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct NodeReport {
+    /// TCP attempts made.
+    pub tcp: Vec<TcpProbe>,
+    /// Hash of the command line.
+    pub cmd_hash: u64,
+    /// The command line (shortened) for messages.
+    pub cmd: String,
+    /// Processes per node.
+    pub nproc: u32,
+    /// GPUs found through the CUDA driver.
+    pub gpus: u32,
+    /// CUDA driver version (0: none).
+    pub cuda_driver: u32,
+    /// NCCL version code (0: not loadable).
+    pub nccl_version: u32,
+    /// MTU of the chosen interface.
+    pub mtu: u32,
+    /// Chosen interface.
+    pub iface: String,
+}
+
+/// One line of the report.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Check {
+    /// Short name.
+    pub name: String,
+    /// Passed.
+    pub ok: bool,
+    /// What was found, in words (and what to do when it failed).
+    pub detail: String,
+    /// A failure that forbids the launch (a mismatch), as opposed to one that only selects
+    /// the QUIC collective or is a warning.
+    pub fatal: bool,
+}
+
+/// The verdict every node computes from the same reports.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Verdict {
+    /// Launch may go ahead.
+    pub ok: bool,
+    /// "nccl" when every TCP path works, else "quic".
+    pub collective: String,
+    /// Every check.
+    pub checks: Vec<Check>,
+}
+
+fn label(roster: &Roster, id: NodeId) -> String {
+    roster
+        .members
+        .iter()
+        .find(|m| m.id == id)
+        .map(|m| m.addr.ip().to_string())
+        .unwrap_or_else(|| id.to_string())
+}
+
+/// Checks that a per-node value agrees everywhere; lists who differs.
+fn agree<T: PartialEq + std::fmt::Display>(
+    roster: &Roster,
+    reports: &BTreeMap<NodeId, NodeReport>,
+    name: &str,
+    fatal: bool,
+    get: impl Fn(&NodeReport) -> T,
+) -> Check {
+    let mut groups: Vec<(T, Vec<String>)> = Vec::new();
+    for m in &roster.members {
+        let Some(r) = reports.get(&m.id) else { continue };
+        let v = get(r);
+        match groups.iter_mut().find(|(g, _)| *g == v) {
+            Some((_, who)) => who.push(label(roster, m.id)),
+            None => groups.push((v, vec![label(roster, m.id)])),
+        }
+    }
+    if groups.len() <= 1 {
+        let v = groups.first().map(|(v, _)| v.to_string()).unwrap_or_default();
+        return Check { name: name.into(), ok: true, detail: format!("same on every node: {v}"), fatal };
+    }
+    let detail =
+        groups.iter().map(|(v, who)| format!("{} on {}", v, who.join(", "))).collect::<Vec<_>>().join("; ");
+    Check { name: name.into(), ok: false, detail: format!("differs: {detail}"), fatal }
+}
+
+/// Turns every node's report into the verdict. `forced` is `--collective nccl|quic`.
+pub fn evaluate(roster: &Roster, reports: &BTreeMap<NodeId, NodeReport>, forced: Option<&str>) -> Verdict {
+    let mut checks = Vec::new();
+    let missing: Vec<String> =
+        roster.members.iter().filter(|m| !reports.contains_key(&m.id)).map(|m| label(roster, m.id)).collect();
+    checks.push(Check {
+        name: "mesh".into(),
+        ok: missing.is_empty(),
+        detail: if missing.is_empty() {
+            format!("all {} nodes answered on meshd's UDP port", roster.members.len())
+        } else {
+            format!("no preflight report from {}", missing.join(", "))
+        },
+        fatal: true,
+    });
+    let mut failed = Vec::new();
+    let mut tried = 0;
+    for (from, r) in reports {
+        for p in &r.tcp {
+            tried += 1;
+            if !p.ok {
+                failed.push(format!(
+                    "{} -> {} ({}, {}): {}",
+                    label(roster, *from),
+                    p.target,
+                    label(roster, p.to),
+                    p.what,
+                    p.detail
+                ));
+            }
+        }
+    }
+    let tcp_ok = failed.is_empty();
+    checks.push(Check {
+        name: "tcp".into(),
+        ok: tcp_ok,
+        detail: if tcp_ok {
+            format!("{tried} TCP connections between nodes (ephemeral ports, MASTER_PORT) all succeeded")
+        } else {
+            format!(
+                "{} of {tried} TCP connections failed: {}. NCCL and Gloo need TCP on ephemeral ports between \
+                 every pair of nodes: open TCP 1024-65535 between the nodes, or use the QUIC collective \
+                 (MESHD_COLLECTIVE=quic) that needs only meshd's UDP port",
+                failed.len(),
+                failed.join("; ")
+            )
+        },
+        fatal: false,
+    });
+    checks.push(agree(roster, reports, "command", true, |r| format!("`{}`", r.cmd)));
+    checks.push(agree(roster, reports, "processes per node", true, |r| r.nproc));
+    checks.push(agree(roster, reports, "gpus", true, |r| r.gpus));
+    checks.push(agree(roster, reports, "cuda driver", true, |r| r.cuda_driver));
+    checks.push(agree(roster, reports, "nccl version", true, |r| r.nccl_version));
+    let mut mtu = agree(roster, reports, "mtu", false, |r| r.mtu);
+    if !mtu.ok {
+        mtu.detail.push_str(" (warning: mismatched MTUs can stall large transfers)");
+    }
+    checks.push(mtu);
+    let collective = match forced {
+        Some(c) => c.to_string(),
+        None if tcp_ok => "nccl".into(),
+        None => "quic".into(),
+    };
+    let nccl_impossible = forced == Some("nccl") && !tcp_ok;
+    let ok = !nccl_impossible && checks.iter().all(|c| c.ok || !c.fatal);
+    Verdict { ok, collective, checks }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rendezvous::RosterMember;
+
+    fn roster(n: u128) -> Roster {
+        Roster {
+            run_hash: 1,
+            restart: 0,
+            epoch: 1,
+            master_port: 29500,
+            members: (1..=n)
+                .map(|i| RosterMember {
+                    id: NodeId::from_u128(i),
+                    addr: format!("198.19.0.{i}:29400").parse().expect("addr"),
+                    nproc: 2,
+                    hostname: String::new(),
+                })
+                .collect(),
+        }
+    }
+
+    fn report(n: u128, me: u128) -> NodeReport {
+        NodeReport {
+            tcp: (1..=n)
+                .filter(|i| *i != me)
+                .map(|i| TcpProbe {
+                    to: NodeId::from_u128(i),
+                    target: format!("198.19.0.{i}:40000"),
+                    ok: true,
+                    detail: String::new(),
+                    what: "ephemeral".into(),
+                })
+                .collect(),
+            cmd_hash: 7,
+            cmd: "python train.py".into(),
+            nproc: 2,
+            gpus: 8,
+            cuda_driver: 12080,
+            nccl_version: 22703,
+            mtu: 1500,
+            iface: "eth1".into(),
+        }
+    }
+
+    fn all(n: u128) -> BTreeMap<NodeId, NodeReport> {
+        (1..=n).map(|i| (NodeId::from_u128(i), report(n, i))).collect()
+    }
+
+    #[test]
+    fn open_network_is_nccl() {
+        let v = evaluate(&roster(3), &all(3), None);
+        assert!(v.ok, "{v:?}");
+        assert_eq!(v.collective, "nccl");
+    }
+
+    #[test]
+    fn blocked_tcp_selects_quic_and_names_the_pair() {
+        let mut reps = all(3);
+        let r = reps.get_mut(&NodeId::from_u128(2)).expect("r");
+        r.tcp[1].ok = false;
+        r.tcp[1].detail = "timed out".into();
+        let v = evaluate(&roster(3), &reps, None);
+        assert!(v.ok, "blocked TCP is not fatal: {v:?}");
+        assert_eq!(v.collective, "quic");
+        let tcp = v.checks.iter().find(|c| c.name == "tcp").expect("tcp");
+        assert!(tcp.detail.contains("198.19.0.2 -> 198.19.0.3:40000"), "{}", tcp.detail);
+        assert!(tcp.detail.contains("open TCP"), "{}", tcp.detail);
+        // Forcing NCCL on a network where it cannot work is refused.
+        assert!(!evaluate(&roster(3), &reps, Some("nccl")).ok);
+    }
+
+    #[test]
+    fn command_or_gpu_mismatch_is_fatal_and_says_who() {
+        let mut reps = all(3);
+        reps.get_mut(&NodeId::from_u128(3)).expect("r").cmd = "python train.py --epochs 4".into();
+        let v = evaluate(&roster(3), &reps, None);
+        assert!(!v.ok);
+        let c = v.checks.iter().find(|c| c.name == "command").expect("cmd");
+        assert!(c.detail.contains("`python train.py --epochs 4` on 198.19.0.3"), "{}", c.detail);
+        assert!(c.detail.contains("198.19.0.1, 198.19.0.2"), "{}", c.detail);
+        let mut reps = all(3);
+        reps.get_mut(&NodeId::from_u128(1)).expect("r").gpus = 4;
+        assert!(!evaluate(&roster(3), &reps, None).ok);
+    }
+
+    #[test]
+    fn mtu_mismatch_only_warns_and_missing_report_is_fatal() {
+        let mut reps = all(3);
+        reps.get_mut(&NodeId::from_u128(1)).expect("r").mtu = 9000;
+        let v = evaluate(&roster(3), &reps, None);
+        assert!(v.ok);
+        assert!(v.checks.iter().any(|c| c.name == "mtu" && !c.ok));
+        let mut reps = all(3);
+        reps.remove(&NodeId::from_u128(2));
+        let v = evaluate(&roster(3), &reps, None);
+        assert!(!v.ok);
+        assert!(v.checks[0].detail.contains("198.19.0.2"));
+    }
+}

@@ -1,0 +1,194 @@
+//! The preflight's IO: TCP listeners and connects between the roster's nodes, the report
+//! exchange, and the common verdict (computed by `meshd_proto::preflight::evaluate`).
+
+use crate::mesh::{Mesh, MeshError, MeshInput};
+use meshd_proto::NodeId;
+use meshd_proto::membership::MemberEvent;
+use meshd_proto::preflight::{self, NodeReport, TcpProbe, Verdict};
+use meshd_proto::rendezvous::{Message, Roster};
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+use tokio::net::{TcpListener, TcpStream};
+
+/// What this node contributes besides its TCP findings.
+#[derive(Clone, Debug, Default)]
+pub struct PreflightInput {
+    /// Command line (shortened) and its hash.
+    pub cmd: String,
+    /// Hash of the full command.
+    pub cmd_hash: u64,
+    /// Processes per node.
+    pub nproc: u32,
+    /// GPUs found.
+    pub gpus: u32,
+    /// CUDA driver version.
+    pub cuda_driver: u32,
+    /// NCCL version.
+    pub nccl_version: u32,
+    /// `--collective nccl|quic` when forced.
+    pub forced: Option<String>,
+    /// How long one TCP connect may take.
+    pub connect_timeout: Duration,
+}
+
+/// MTU of `iface` (0 if unknown).
+pub fn mtu(iface: &str) -> u32 {
+    std::fs::read_to_string(format!("/sys/class/net/{iface}/mtu"))
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+async fn accept_forever(l: TcpListener) {
+    while let Ok((s, _)) = l.accept().await {
+        drop(s);
+    }
+}
+
+async fn dial(to: NodeId, addr: SocketAddr, what: &str, limit: Duration) -> TcpProbe {
+    let res = tokio::time::timeout(limit, TcpStream::connect(addr)).await;
+    let (ok, detail) = match res {
+        Ok(Ok(_)) => (true, String::new()),
+        Ok(Err(e)) => (false, e.to_string()),
+        Err(_) => (false, format!("no answer within {limit:?} (packets dropped?)")),
+    };
+    TcpProbe { to, target: addr.to_string(), ok, detail, what: what.into() }
+}
+
+/// Runs the preflight for `roster` and returns the verdict (the same on every node).
+pub async fn run(
+    mesh: &mut Mesh,
+    roster: &Roster,
+    input: &PreflightInput,
+    timeout: Duration,
+) -> Result<Verdict, MeshError> {
+    let me = mesh.node();
+    let ip = mesh.addr().ip();
+    let restart = roster.restart;
+    let deadline = Instant::now() + timeout;
+    let io = |e: std::io::Error| MeshError::Iface(format!("preflight listener on {ip}: {e}"));
+    let listener = TcpListener::bind(SocketAddr::new(ip, 0)).await.map_err(io)?;
+    let port = listener.local_addr().map_err(io)?.port();
+    let mut tasks = vec![tokio::spawn(accept_forever(listener))];
+    let is_master = roster.master().map(|m| m.id) == Some(me);
+    let mut own_problem = None;
+    if is_master {
+        match TcpListener::bind(SocketAddr::new(ip, roster.master_port)).await {
+            Ok(l) => tasks.push(tokio::spawn(accept_forever(l))),
+            Err(e) => {
+                own_problem =
+                    Some(format!("MASTER_PORT {} cannot be bound on the master: {e}", roster.master_port))
+            }
+        }
+    }
+    mesh.broadcast(roster, Message::PreflightHello { restart, tcp_port: port, nccl_id: None });
+
+    let others: Vec<_> = roster.members.iter().filter(|m| m.id != me).cloned().collect();
+    let mut ports: BTreeMap<NodeId, u16> = BTreeMap::new();
+    let mut reports: BTreeMap<NodeId, NodeReport> = BTreeMap::new();
+    let mut aborted = None;
+    // Phase 1: everyone's listener port.
+    while ports.len() < others.len() && Instant::now() < deadline && aborted.is_none() {
+        match mesh.next(Some(deadline)).await {
+            None => return Err(MeshError::Closed),
+            Some(input) => handle(input, restart, roster, &mut ports, &mut reports, &mut aborted, mesh),
+        }
+    }
+    // Phase 2: dial every other node's ephemeral port and the master port, in parallel.
+    let limit = input.connect_timeout;
+    let mut dials = Vec::new();
+    for m in &others {
+        if let Some(p) = ports.get(&m.id) {
+            dials.push(tokio::spawn(dial(m.id, SocketAddr::new(m.addr.ip(), *p), "ephemeral port", limit)));
+        }
+        if roster.master().map(|x| x.id) == Some(m.id) {
+            dials.push(tokio::spawn(dial(
+                m.id,
+                SocketAddr::new(m.addr.ip(), roster.master_port),
+                "MASTER_PORT",
+                limit,
+            )));
+        }
+    }
+    let mut tcp = Vec::new();
+    for d in dials {
+        if let Ok(p) = d.await {
+            tcp.push(p);
+        }
+    }
+    if let Some(p) = own_problem {
+        tcp.push(TcpProbe {
+            to: me,
+            target: format!("{ip}:{}", roster.master_port),
+            ok: false,
+            detail: p,
+            what: "MASTER_PORT".into(),
+        });
+    }
+    let mine = NodeReport {
+        tcp,
+        cmd_hash: input.cmd_hash,
+        cmd: input.cmd.clone(),
+        nproc: input.nproc,
+        gpus: input.gpus,
+        cuda_driver: input.cuda_driver,
+        nccl_version: input.nccl_version,
+        mtu: mtu(&mesh.choice().name),
+        iface: mesh.choice().name.clone(),
+    };
+    reports.insert(me, mine.clone());
+    mesh.broadcast(roster, Message::PreflightReport { restart, report: mine });
+    // Phase 3: everyone's report.
+    while reports.len() < roster.members.len() && Instant::now() < deadline && aborted.is_none() {
+        match mesh.next(Some(deadline)).await {
+            None => return Err(MeshError::Closed),
+            Some(input) => handle(input, restart, roster, &mut ports, &mut reports, &mut aborted, mesh),
+        }
+    }
+    for t in tasks {
+        t.abort();
+    }
+    if let Some(reason) = aborted {
+        return Err(MeshError::Aborted(reason));
+    }
+    Ok(preflight::evaluate(roster, &reports, input.forced.as_deref()))
+}
+
+fn handle(
+    input: MeshInput,
+    restart: u32,
+    roster: &Roster,
+    ports: &mut BTreeMap<NodeId, u16>,
+    reports: &mut BTreeMap<NodeId, NodeReport>,
+    aborted: &mut Option<String>,
+    mesh: &mut Mesh,
+) {
+    let member = |id: NodeId| roster.node_rank(id).is_some();
+    match input {
+        MeshInput::Rdzv(from, Message::PreflightHello { restart: r, tcp_port, .. })
+            if r == restart && member(from) =>
+        {
+            ports.insert(from, tcp_port);
+        }
+        MeshInput::Rdzv(from, Message::PreflightReport { restart: r, report })
+            if r == restart && member(from) =>
+        {
+            reports.insert(from, report);
+        }
+        MeshInput::Rdzv(_, Message::Abort { restart: r, reason, .. }) if r == restart => {
+            *aborted = Some(reason)
+        }
+        MeshInput::Rdzv(from, m @ Message::Propose(_)) => mesh.defer(from, m),
+        MeshInput::Member(MemberEvent::Down(id) | MemberEvent::Left(id)) if member(id) => {
+            let who = roster
+                .members
+                .iter()
+                .find(|m| m.id == id)
+                .map(|m| m.addr.ip().to_string())
+                .unwrap_or_default();
+            *aborted = Some(format!("node {who} stopped answering during the preflight"));
+        }
+        _ => {}
+    }
+}

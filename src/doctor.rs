@@ -1,0 +1,77 @@
+//! `meshd doctor`: same flags as `run`, no command. Forms the mesh on every node, runs the
+//! preflight, prints one report, and exits 0 when a job would work.
+
+use crate::run::{self, JobArgs};
+use anyhow::Result;
+use meshd::job;
+use meshd::mesh::{Mesh, MeshError};
+use serde_json::json;
+use std::process::ExitCode;
+use std::time::Duration;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    pub job: JobArgs,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub async fn main(a: Args) -> Result<ExitCode> {
+    let p = run::prepare(&a.job, &[])?;
+    let mut mesh = Mesh::start(p.mesh).await?;
+    let result = async {
+        let master_port = job::free_tcp_port(mesh.addr().ip()).unwrap_or(29500);
+        let roster = mesh.rendezvous(0, p.job.rdzv.clone(), master_port, p.job.rdzv_timeout).await?;
+        mesh.set_master(roster.master().map(|m| m.id));
+        let verdict =
+            meshd::preflight::run(&mut mesh, &roster, &p.job.preflight, Duration::from_secs(20)).await?;
+        job::finish_together(&mut mesh, &roster, Duration::from_secs(3)).await;
+        Ok::<_, MeshError>((roster, verdict))
+    }
+    .await;
+    let iface = mesh.choice().clone();
+    mesh.shutdown().await;
+    let (roster, verdict) = result?;
+    let master = roster.master().map(|m| m.addr.ip().to_string()).unwrap_or_default();
+    if a.json {
+        let checks: Vec<_> = verdict
+            .checks
+            .iter()
+            .map(|c| json!({"name": c.name, "ok": c.ok, "detail": c.detail, "fatal": c.fatal}))
+            .collect();
+        println!(
+            "{}",
+            json!({
+                "ok": verdict.ok, "iface": iface.name, "addr": iface.addr.to_string(), "master": master,
+                "nodes": roster.members.iter().map(|m| m.addr.ip().to_string()).collect::<Vec<_>>(),
+                "collective": verdict.collective, "checks": checks,
+            })
+        );
+    } else {
+        println!(
+            "meshd doctor: {} nodes, master {master}, this node {} on {} ({})",
+            roster.members.len(),
+            iface.addr,
+            iface.name,
+            iface.reason
+        );
+        for c in &verdict.checks {
+            let mark = if c.ok {
+                "ok  "
+            } else if c.fatal {
+                "FAIL"
+            } else {
+                "warn"
+            };
+            println!("  [{mark}] {:<20} {}", c.name, c.detail);
+        }
+        println!("collective: {}", verdict.collective);
+        println!(
+            "{}",
+            if verdict.ok { "a job would work" } else { "a job would NOT start: fix the FAIL lines above" }
+        );
+    }
+    Ok(if verdict.ok { ExitCode::SUCCESS } else { ExitCode::from(1) })
+}

@@ -1,0 +1,94 @@
+//! Lab: the preflight (`meshd doctor`, and before every `meshd run`).
+
+mod lab;
+use lab::{Lab, meshd};
+use std::time::Duration;
+
+fn doctor_everywhere(lab: &mut Lab) -> Vec<serde_json::Value> {
+    let peers = lab.peers();
+    let args = [meshd(), "doctor", "--json", "--nnodes", "3", "--peers", &peers, "--rdzv-timeout", "30s"];
+    let ks: Vec<usize> = (0..3).map(|i| lab.spawn(i, &args, &[("MESHD_TOKEN", "doc")])).collect();
+    ks.into_iter()
+        .enumerate()
+        .map(|(i, k)| {
+            let (code, out, err) = lab.wait(k, Duration::from_secs(60));
+            assert_eq!(code, Some(0), "host {i}:\n{out}\n{err}");
+            serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("host {i}: {e}: {out}\n{err}"))
+        })
+        .collect()
+}
+
+#[test]
+fn doctor_reports_nccl_on_an_open_network() {
+    if !lab::available() {
+        return;
+    }
+    let mut lab = Lab::new(3);
+    for v in doctor_everywhere(&mut lab) {
+        assert_eq!(v["ok"], true, "{v}");
+        assert_eq!(v["collective"], "nccl", "{v}");
+        assert_eq!(v["iface"], "eth1", "{v}");
+        assert_eq!(v["master"], "198.19.0.7", "{v}");
+        let tcp =
+            v["checks"].as_array().expect("checks").iter().find(|c| c["name"] == "tcp").expect("tcp check");
+        assert_eq!(tcp["ok"], true, "{tcp}");
+    }
+}
+
+#[test]
+fn doctor_reports_quic_behind_a_one_port_firewall_and_names_the_path() {
+    if !lab::available() {
+        return;
+    }
+    let mut lab = Lab::new(3);
+    // Host 2 (198.19.0.19) drops all TCP and all UDP but meshd's port.
+    lab.firewall_only_udp(2, 29400);
+    for v in doctor_everywhere(&mut lab) {
+        assert_eq!(v["ok"], true, "a job still works, over QUIC: {v}");
+        assert_eq!(v["collective"], "quic", "{v}");
+        let tcp =
+            v["checks"].as_array().expect("checks").iter().find(|c| c["name"] == "tcp").expect("tcp check");
+        assert_eq!(tcp["ok"], false);
+        let d = tcp["detail"].as_str().expect("detail");
+        assert!(d.contains("-> 198.19.0.19:"), "names the blocked path: {d}");
+        assert!(d.contains("open TCP"), "says what to open: {d}");
+    }
+}
+
+#[test]
+fn launch_refused_when_one_node_runs_another_command() {
+    if !lab::available() {
+        return;
+    }
+    let mut lab = Lab::new(3);
+    let peers = lab.peers();
+    let ks: Vec<usize> = (0..3)
+        .map(|i| {
+            let epochs = if i == 2 { "4" } else { "3" };
+            let args = [
+                meshd(),
+                "run",
+                "--nnodes",
+                "3",
+                "--peers",
+                &peers,
+                "--",
+                "echo",
+                "train",
+                "--epochs",
+                epochs,
+            ];
+            lab.spawn(i, &args, &[("MESHD_TOKEN", "cmd")])
+        })
+        .collect();
+    for (i, k) in ks.into_iter().enumerate() {
+        let (code, out, err) = lab.wait(k, Duration::from_secs(60));
+        assert_eq!(code, Some(1), "host {i} must refuse:\n{out}\n{err}");
+        assert!(!out.contains("[rank"), "no rank may start: {out}");
+        assert!(err.contains("launch refused by the preflight"), "host {i}:\n{err}");
+        assert!(
+            err.contains("`echo train --epochs 4` on 198.19.0.19"),
+            "host {i} must say who differs:\n{err}"
+        );
+    }
+}
