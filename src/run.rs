@@ -34,7 +34,7 @@ pub struct JobArgs {
     /// Force the interface instead of choosing by probing.
     #[arg(long)]
     pub iface: Option<String>,
-    /// Separates jobs on the same network (default: derived from token, command and peers).
+    /// Separates jobs on the same network (default: derived from the token and SLURM_JOB_ID).
     #[arg(long)]
     pub run_id: Option<String>,
     /// Re-rendezvous and restart all ranks up to N times after a failure.
@@ -137,13 +137,14 @@ pub fn prepare(a: &JobArgs, cmd: &[String]) -> Result<Prepared> {
         bail!("--nnodes {nnodes} needs --peers (or SLURM_JOB_NODELIST): at least one other node's address");
     }
     let cmd_hash = stable_hash(&cmd.iter().map(|s| s.as_bytes()).collect::<Vec<_>>());
-    // The command is NOT part of the default run id: nodes started with different commands
-    // must meet, so that the preflight can refuse the launch and say which node differs.
+    // The default run id depends on the token (and SLURM's job id) only. Not on the peer
+    // list: nodes may each be given a different member to join through. Not on the command:
+    // nodes started with different commands must meet, so that the preflight can refuse the
+    // launch and say which node differs.
     let run_id = a.run_id.clone().unwrap_or_else(|| {
-        let mut p: Vec<&str> = a.peers.as_deref().unwrap_or("").split(',').map(str::trim).collect();
-        p.sort();
         let fp = token.as_ref().map(|t| t.fingerprint()).unwrap_or(0).to_be_bytes();
-        format!("meshd-{:012x}", stable_hash(&[&fp, p.join(",").as_bytes()]) >> 16)
+        let slurm = std::env::var("SLURM_JOB_ID").unwrap_or_default();
+        format!("meshd-{:012x}", stable_hash(&[&fp, slurm.as_bytes()]) >> 16)
     });
     let gpus = nproc_gpus();
     let mesh = MeshConfig {

@@ -465,27 +465,49 @@ mod f16c {
         std::arch::is_x86_feature_detected!("avx") && std::arch::is_x86_feature_detected!("f16c")
     }
 
-    /// One pass over whole 16-byte blocks (8 halves); evaluates to the bytes processed.
-    /// `$f` maps the widened `(acc, other)` lanes to the result lanes.
+    /// Eight halves from 16 bytes, widened to f32.
+    ///
+    /// # Safety
+    /// AVX and F16C; `src` is at least 16 bytes long.
+    #[inline]
+    #[target_feature(enable = "avx,f16c")]
+    unsafe fn load(src: &[u8]) -> __m256 {
+        debug_assert!(src.len() >= 16);
+        // SAFETY: 16 readable bytes (caller); the load has no alignment requirement.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(src.as_ptr().cast())) }
+    }
+
+    /// Narrows eight f32 to halves (nearest, ties to even) into 16 bytes; a NaN becomes
+    /// the portable path's quiet NaN (`0x7e00` with the sign), not F16C's payload copy.
+    ///
+    /// # Safety
+    /// AVX and F16C; `dst` is at least 16 bytes long.
+    #[inline]
+    #[target_feature(enable = "avx,f16c")]
+    unsafe fn store(dst: &mut [u8], r: __m256) {
+        debug_assert!(dst.len() >= 16);
+        // SAFETY: 16 writable bytes (caller); the store has no alignment requirement.
+        unsafe {
+            let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(r, r);
+            let quiet = _mm256_or_ps(
+                _mm256_and_ps(r, _mm256_set1_ps(-0.0)),
+                _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc0_0000)),
+            );
+            let r = _mm256_blendv_ps(r, quiet, nan);
+            _mm_storeu_si128(dst.as_mut_ptr().cast(), _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(r));
+        }
+    }
+
+    /// One pass over whole 16-byte blocks (8 halves) of `acc` and `other`, evaluating to
+    /// the bytes processed. `$body` maps the widened lanes `$a`, `$b` to result lanes.
     macro_rules! blocks {
         ($acc:expr, $other:expr, |$a:ident, $b:ident| $body:expr) => {{
             let mut ai = $acc.chunks_exact_mut(16);
-            let mut bi = $other.chunks_exact(16);
-            for (pa, pb) in (&mut ai).zip(&mut bi) {
-                // SAFETY: each chunk is exactly 16 bytes and unaligned loads and stores are
-                // used; the caller guarantees AVX and F16C.
+            for (pa, pb) in (&mut ai).zip($other.chunks_exact(16)) {
+                // SAFETY: both chunks are 16 bytes; the caller guarantees AVX and F16C.
                 unsafe {
-                    let $a = _mm256_cvtph_ps(_mm_loadu_si128(pa.as_ptr().cast()));
-                    let $b = _mm256_cvtph_ps(_mm_loadu_si128(pb.as_ptr().cast()));
-                    let r = $body;
-                    // NaN -> the portable path's quiet NaN 0x7e00 (with the sign).
-                    let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(r, r);
-                    let quiet = _mm256_or_ps(
-                        _mm256_and_ps(r, _mm256_set1_ps(-0.0)),
-                        _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc0_0000)),
-                    );
-                    let r = _mm256_blendv_ps(r, quiet, nan);
-                    _mm_storeu_si128(pa.as_mut_ptr().cast(), _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(r));
+                    let ($a, $b) = (load(pa), load(pb));
+                    store(pa, $body);
                 }
             }
             let rest = ai.into_remainder().len();
@@ -500,8 +522,8 @@ mod f16c {
     /// The CPU must support AVX and F16C ([`available`]).
     #[target_feature(enable = "avx,f16c")]
     pub(super) unsafe fn reduce(op: ReduceOp, acc: &mut [u8], other: &[u8]) -> usize {
-        let n = acc.len().min(other.len());
-        let (acc, other) = (&mut acc[..n], &other[..n]);
+        let len = acc.len().min(other.len());
+        let acc = &mut acc[..len];
         match op {
             ReduceOp::Sum | ReduceOp::Avg => blocks!(acc, other, |a, b| _mm256_add_ps(a, b)),
             // As the portable path: pick `a` when `a < b` or `a` is NaN, else `b`.
@@ -524,16 +546,13 @@ mod f16c {
     /// The CPU must support AVX and F16C ([`available`]).
     #[target_feature(enable = "avx,f16c")]
     pub(super) unsafe fn divide(buf: &mut [u8], n: f32) -> usize {
-        let zeros = [0u8; 16];
         let mut ai = buf.chunks_exact_mut(16);
-        let mut processed = 0;
         for pa in &mut ai {
-            let one = [(pa, &zeros)];
-            for (pa, _) in one {
-                processed += blocks!(pa, &zeros[..], |a, _b| _mm256_div_ps(a, _mm256_set1_ps(n)));
-            }
+            // SAFETY: the chunk is 16 bytes; the caller guarantees AVX and F16C.
+            unsafe { store(pa, _mm256_div_ps(load(pa), _mm256_set1_ps(n))) };
         }
-        processed
+        let rest = ai.into_remainder().len();
+        buf.len() - rest
     }
 }
 

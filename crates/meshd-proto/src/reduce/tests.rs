@@ -463,3 +463,50 @@ fn fast_narrowing_matches_reference() {
         }
     }
 }
+
+/// The F16C path against the portable one: every half as the accumulator, against
+/// shuffled partners (so NaN, Inf, subnormal and ordinary values meet each other), with a
+/// length that leaves a tail for the portable loop.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn f16c_path_matches_portable_path() {
+    if !f16c::available() {
+        eprintln!("CPU without F16C: only the portable path runs here");
+        return;
+    }
+    let mut rng = Rng::new(42);
+    let halves: Vec<u16> = (0..=u16::MAX).collect();
+    let all: Vec<u8> = halves.iter().flat_map(|h| h.to_le_bytes()).collect();
+    let len = all.len() - 6; // 3 elements of tail after the 8-element blocks
+    let check = |fast: &[u8], slow: &[u8], what: &str| {
+        for (i, (f, s)) in fast.chunks(2).zip(slow.chunks(2)).enumerate() {
+            let (f, s) = (u16::from_le_bytes([f[0], f[1]]), u16::from_le_bytes([s[0], s[1]]));
+            if f16_to_f32(s).is_nan() {
+                // Canonical quiet NaN on both paths; only the sign may differ (see f16c).
+                assert_eq!(f & 0x7fff, 0x7e00, "{what}: element {i}");
+                assert_eq!(s & 0x7fff, 0x7e00, "{what}: element {i}");
+            } else {
+                assert_eq!(f, s, "{what}: element {i}");
+            }
+        }
+    };
+    for round in 0..4 {
+        let mut partners = halves.clone();
+        rng.shuffle(&mut partners);
+        let other: Vec<u8> = partners.iter().flat_map(|h| h.to_le_bytes()).collect();
+        for op in ReduceOp::ALL {
+            let mut fast = all[..len].to_vec();
+            reduce_into(DType::F16, op, &mut fast, &other[..len]).expect("ok");
+            let mut slow = all[..len].to_vec();
+            float_op::<F16>(op, &mut slow, &other[..len]);
+            check(&fast, &slow, &format!("{op} round {round}"));
+        }
+    }
+    for n in [1, 2, 3, 7, 1000, u32::MAX] {
+        let mut fast = all[..len].to_vec();
+        finish_avg(DType::F16, &mut fast, n).expect("ok");
+        let mut slow = all[..len].to_vec();
+        map::<F16>(&mut slow, |x| x / n as f32);
+        check(&fast, &slow, &format!("finish_avg {n}"));
+    }
+}
