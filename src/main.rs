@@ -3,6 +3,7 @@
 //! Subcommands live in their own files; each parses its flags with clap and calls the
 //! library (`meshd` crate). Errors reach the user as one line naming the cause.
 
+mod bench;
 mod common;
 mod doctor;
 mod ifaces;
@@ -29,6 +30,9 @@ enum Cmd {
     Run(run::Args),
     /// Same flags as run, no command: form the mesh, run the preflight, print one report.
     Doctor(doctor::Args),
+    /// Benchmarks, identical on every node.
+    #[command(subcommand)]
+    Bench(bench::Which),
     /// Members of a running mesh: address, interface, GPUs, state, RTT, role, restarts.
     Status(status::Args),
     /// List interfaces; with --peers, show which one reaches each peer and the one meshd would choose.
@@ -51,6 +55,7 @@ fn main() -> ExitCode {
             Cmd::Run(a) => run::main(a).await,
             Cmd::Status(a) => status::main(a).await,
             Cmd::Doctor(a) => doctor::main(a).await,
+            Cmd::Bench(w) => bench::main(w).await,
         }
     });
     match res {

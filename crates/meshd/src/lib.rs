@@ -7,6 +7,7 @@
 //! - [`node`]: the actor that owns membership and rendezvous over the transport.
 //! - [`supervisor`]: spawning ranks with torchrun's environment, teardown.
 
+pub mod collective;
 pub mod interfaces;
 pub mod job;
 pub mod mesh;

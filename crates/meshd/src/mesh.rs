@@ -199,6 +199,11 @@ impl Mesh {
         Ok(mesh)
     }
 
+    /// The transport (for collectives that run beside the actor).
+    pub fn transport(&self) -> &Transport {
+        &self.transport
+    }
+
     /// The chosen interface and why.
     pub fn choice(&self) -> &Choice {
         &self.choice

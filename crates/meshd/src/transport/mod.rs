@@ -146,6 +146,24 @@ pub struct ProbeInfo {
 
 type PeerQueue = mpsc::Sender<(Bytes, bool)>;
 
+/// First byte of a unidirectional stream that carries bulk collective data rather than
+/// control frames. Control streams start with a big-endian length below 4 MiB, so their
+/// first byte is always 0x00.
+pub const DATA_TAG: u8 = 0xD0;
+
+/// A bulk data stream opened by a peer for collective operation `op`.
+#[derive(Debug)]
+pub struct DataStream {
+    /// Peer address (connection remote address).
+    pub from: SocketAddr,
+    /// Peer node id.
+    pub node: NodeId,
+    /// The operation it belongs to.
+    pub op: u64,
+    /// The stream, positioned after its header.
+    pub recv: quinn::RecvStream,
+}
+
 struct Inner {
     endpoint: quinn::Endpoint,
     cfg: TransportConfig,
@@ -155,6 +173,8 @@ struct Inner {
     logged: Mutex<HashSet<(SocketAddr, String)>>,
     /// The latest encoded [`StatusReply`], served to `meshd status` probes.
     status: Mutex<Bytes>,
+    data_tx: mpsc::Sender<DataStream>,
+    data_rx: Mutex<Option<mpsc::Receiver<DataStream>>>,
 }
 
 /// A node's QUIC endpoint. Cheap to clone.
@@ -189,7 +209,12 @@ impl Transport {
             .enable_segmentation_offload(cfg.gso)
             .max_concurrent_uni_streams(256u32.into())
             .max_concurrent_bidi_streams(4u32.into())
-            .datagram_receive_buffer_size(Some(1 << 20));
+            .datagram_receive_buffer_size(Some(1 << 20))
+            // Bulk collective data: windows large enough that a stream is not capped at
+            // window / RTT on a fast link.
+            .stream_receive_window((16u32 << 20).into())
+            .receive_window((64u32 << 20).into())
+            .send_window(64 << 20);
         let (server, client) = tls::configs(Arc::new(tc))?;
         let addr = SocketAddr::new(cfg.bind, cfg.port);
         let socket =
@@ -201,6 +226,7 @@ impl Transport {
                 .map_err(|source| TransportError::Bind { addr, source })?;
         endpoint.set_default_client_config(client);
         let (tx, rx) = mpsc::channel(4096);
+        let (data_tx, data_rx) = mpsc::channel(256);
         let inner = Arc::new(Inner {
             endpoint,
             cfg,
@@ -209,6 +235,8 @@ impl Transport {
             events: tx,
             logged: Mutex::new(HashSet::new()),
             status: Mutex::new(Bytes::from(wire::encode(&StatusReply::default()))),
+            data_tx,
+            data_rx: Mutex::new(Some(data_rx)),
         });
         tokio::spawn(accept_loop(inner.clone()));
         Ok((Transport { inner }, rx))
@@ -245,6 +273,27 @@ impl Transport {
         let start = Instant::now();
         let (_, node, observed) = connect(&self.inner, canonical(to)).await?;
         Ok(ProbeInfo { node, observed, rtt: start.elapsed() })
+    }
+
+    /// The receiver of incoming bulk data streams (once; later calls get `None`).
+    pub fn take_data_streams(&self) -> Option<mpsc::Receiver<DataStream>> {
+        lock(&self.inner.data_rx).take()
+    }
+
+    /// Opens a bulk data stream to `to` for collective operation `op`.
+    pub async fn open_data(&self, to: SocketAddr, op: u64) -> Result<quinn::SendStream, TransportError> {
+        let to = canonical(to);
+        let conn = match existing(&self.inner, to) {
+            Some(c) => c,
+            None => connect(&self.inner, to).await?.0,
+        };
+        let err = |reason: String| TransportError::Peer { addr: to, reason };
+        let mut s = conn.open_uni().await.map_err(|e| err(e.to_string()))?;
+        let mut head = [0u8; 9];
+        head[0] = DATA_TAG;
+        head[1..].copy_from_slice(&op.to_be_bytes());
+        s.write_all(&head).await.map_err(|e| err(e.to_string()))?;
+        Ok(s)
     }
 
     /// Sets what `meshd status` probes are told.
@@ -561,7 +610,22 @@ async fn read_streams(inner: Arc<Inner>, conn: quinn::Connection, node: NodeId) 
         };
         let inner = inner.clone();
         tokio::spawn(async move {
-            let Ok(buf) = recv.read_to_end(wire::MAX_FRAME + 4).await else { return };
+            let mut first = [0u8; 1];
+            if recv.read_exact(&mut first).await.is_err() {
+                return;
+            }
+            if first[0] == DATA_TAG {
+                let mut op = [0u8; 8];
+                if recv.read_exact(&mut op).await.is_ok() {
+                    let ds = DataStream { from, node, op: u64::from_be_bytes(op), recv };
+                    let _ = inner.data_tx.send(ds).await;
+                }
+                return;
+            }
+            let Ok(tail) = recv.read_to_end(wire::MAX_FRAME + 3).await else { return };
+            let mut buf = Vec::with_capacity(1 + tail.len());
+            buf.push(first[0]);
+            buf.extend_from_slice(&tail);
             let mut rest = &buf[..];
             while rest.len() >= 4 {
                 let mut p = [0u8; 4];

@@ -1,0 +1,84 @@
+//! The bootstrap root: probing it, and serving it from a dedicated child process.
+
+use crate::{NcclError, NcclLib, UniqueId};
+use std::fs::File;
+use std::io::{Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::os::fd::FromRawFd;
+use std::time::Duration;
+
+/// Eight bytes that are not a magic NCCL would use (ids carry a random magic; NCCL_COMM_ID
+/// uses a fixed one that differs from this).
+const PROBE_BYTES: [u8; 8] = *b"meshdprb";
+
+/// Probes an NCCL bootstrap root safely on every NCCL version: connects, sends 8 bytes that
+/// are not the magic (a bare connect+close kills the root before NCCL 2.27), then closes.
+/// `Ok(())` when the TCP connection was established and the bytes were sent.
+pub fn probe_root(root: SocketAddr, timeout: Duration) -> Result<(), NcclError> {
+    let err = |source| NcclError::Probe { root, source };
+    let timeout = if timeout.is_zero() { Duration::from_millis(1) } else { timeout };
+    let mut s = TcpStream::connect_timeout(&root, timeout).map_err(err)?;
+    s.set_write_timeout(Some(timeout)).map_err(err)?;
+    s.set_nodelay(true).map_err(err)?;
+    s.write_all(&PROBE_BYTES).map_err(err)?;
+    let _ = s.shutdown(Shutdown::Both);
+    Ok(())
+}
+
+/// Body of `meshd __nccl-root`: loads NCCL ([`NcclLib::load`]), gets a unique id (starting
+/// the bootstrap root in this process, on the interface `NCCL_SOCKET_IFNAME` names), prints
+/// exactly one line `NCCLID <256 hex>` to stdout and flushes, then blocks until stdin reaches
+/// EOF (the parent closed it or died) and returns 0. On failure prints
+/// `NCCLERR <one line message>` and returns 1.
+///
+/// While NCCL runs, file descriptor 1 is pointed at stderr, so that NCCL's own log lines
+/// (`NCCL_DEBUG`, written to stdout by default) cannot mix with the protocol line; the
+/// parent should still look for the line starting with `NCCLID ` or `NCCLERR `.
+pub fn serve_root_blocking() -> i32 {
+    let mut out = protocol_stdout();
+    let result = NcclLib::load().and_then(|lib| lib.unique_id().map(|b| (lib, UniqueId(b))));
+    match result {
+        Ok((_lib, id)) => {
+            if writeln!(out, "NCCLID {}", id.to_hex()).and_then(|()| out.flush()).is_err() {
+                return 1;
+            }
+            drop(out);
+            // Keep the process (and NCCL's root thread) alive until stdin closes.
+            let mut stdin = std::io::stdin().lock();
+            let mut buf = [0u8; 256];
+            loop {
+                match stdin.read(&mut buf) {
+                    Ok(0) => break,
+                    Ok(_) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(_) => break,
+                }
+            }
+            0
+        }
+        Err(e) => {
+            let msg = e.to_string().replace(['\n', '\r'], " ");
+            let _ = writeln!(out, "NCCLERR {msg}").and_then(|()| out.flush());
+            1
+        }
+    }
+}
+
+/// A writer on the original stdout, with fd 1 redirected to stderr from now on. Falls back
+/// to plain stdout if the descriptors cannot be duplicated.
+fn protocol_stdout() -> Box<dyn Write> {
+    let _ = std::io::stdout().flush();
+    // SAFETY: dup/dup2 on the process's standard descriptors; the new fd is owned by the
+    // returned File only.
+    unsafe {
+        let saved = libc::fcntl(1, libc::F_DUPFD_CLOEXEC, 3);
+        if saved < 0 {
+            return Box::new(std::io::stdout());
+        }
+        if libc::dup2(2, 1) < 0 {
+            libc::close(saved);
+            return Box::new(std::io::stdout());
+        }
+        Box::new(File::from_raw_fd(saved))
+    }
+}

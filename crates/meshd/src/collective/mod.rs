@@ -1,0 +1,7 @@
+//! Collectives that need only meshd's one UDP port: the inter-node ring allreduce
+//! ([`ring`]) and the node-local service that ranks reach through `MESHD_SOCKET`
+//! ([`service`]).
+
+pub mod ring;
+
+pub use ring::{CollectiveError, RingNet};

@@ -1,0 +1,219 @@
+//! The ring allreduce driver over the nodes' QUIC connections.
+//!
+//! For each operation, every node opens one unidirectional data stream to the next node in
+//! roster order and reads the one the previous node opened. Frames on the stream are
+//! `[transfer id u64][length u32][payload]`; which chunk to send or expect, and whether to
+//! reduce or copy it, comes from the sans-IO `meshd_proto::ring::RingState`. A reader task
+//! and a writer task keep both directions moving at once (a ring where every node blocks
+//! writing would deadlock), while this task owns the buffer and the state.
+
+use crate::transport::{DataStream, Transport, TransportError};
+use bytes::Bytes;
+use meshd_proto::reduce::{DType, ReduceOp};
+use meshd_proto::ring::{RingError, RingPlan, RingState};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+/// Collective failures.
+#[derive(Debug, thiserror::Error)]
+pub enum CollectiveError {
+    /// The schedule rejected something (a peer sent an unexpected chunk, bad sizes).
+    #[error("ring: {0}")]
+    Ring(#[from] RingError),
+    /// The link to a neighbour failed.
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    /// A neighbour's stream broke or closed early.
+    #[error("ring link with {peer} broke: {reason}")]
+    Link {
+        /// The neighbour.
+        peer: SocketAddr,
+        /// What happened.
+        reason: String,
+    },
+    /// A neighbour did not start the operation in time.
+    #[error("node {peer} did not join collective operation {op} within {timeout:?}")]
+    Timeout {
+        /// The neighbour.
+        peer: SocketAddr,
+        /// The operation.
+        op: u64,
+        /// How long we waited.
+        timeout: Duration,
+    },
+    /// Bad request from a local client.
+    #[error("{0}")]
+    Request(String),
+}
+
+/// The nodes of a job, in ring (= roster) order, and the link state for ring operations.
+#[derive(Debug)]
+pub struct RingNet {
+    transport: Transport,
+    rank: usize,
+    addrs: Vec<SocketAddr>,
+    incoming: mpsc::Receiver<DataStream>,
+    stash: HashMap<(SocketAddr, u64), quinn::RecvStream>,
+    /// Chunk size in bytes (pipelining grain).
+    pub chunk_bytes: usize,
+    /// How long to wait for a neighbour to start an operation.
+    pub join_timeout: Duration,
+}
+
+impl RingNet {
+    /// A ring over `addrs` (roster order) where this node is `rank`. `incoming` is the
+    /// transport's data-stream receiver.
+    pub fn new(transport: Transport, rank: usize, addrs: Vec<SocketAddr>, incoming: mpsc::Receiver<DataStream>) -> Self {
+        let chunk_bytes = std::env::var("MESHD_RING_CHUNK").ok().and_then(|v| v.parse().ok()).unwrap_or(1 << 20);
+        RingNet {
+            transport,
+            rank,
+            addrs,
+            incoming,
+            stash: HashMap::new(),
+            chunk_bytes,
+            join_timeout: Duration::from_secs(300),
+        }
+    }
+
+    /// Number of nodes.
+    pub fn world(&self) -> usize {
+        self.addrs.len()
+    }
+
+    /// This node's position.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    async fn stream_from(&mut self, peer: SocketAddr, op: u64) -> Result<quinn::RecvStream, CollectiveError> {
+        if let Some(s) = self.stash.remove(&(peer, op)) {
+            return Ok(s);
+        }
+        let deadline = tokio::time::Instant::now() + self.join_timeout;
+        loop {
+            let ds = tokio::time::timeout_at(deadline, self.incoming.recv())
+                .await
+                .map_err(|_| CollectiveError::Timeout { peer, op, timeout: self.join_timeout })?
+                .ok_or_else(|| CollectiveError::Link { peer, reason: "transport stopped".into() })?;
+            if ds.from == peer && ds.op == op {
+                return Ok(ds.recv);
+            }
+            // Another operation's stream (a faster neighbour is ahead): keep it, bounded.
+            if self.stash.len() < 1024 {
+                self.stash.insert((ds.from, ds.op), ds.recv);
+            }
+        }
+    }
+
+    /// In-place allreduce of `buf` (little-endian elements of `dtype`) across the nodes.
+    /// `op` is applied as given (`Avg` divides by the number of nodes).
+    pub async fn allreduce(&mut self, op_id: u64, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<(), CollectiveError> {
+        let n = self.addrs.len();
+        if buf.len() % dtype.size() != 0 {
+            return Err(CollectiveError::Request(format!(
+                "buffer of {} bytes is not a whole number of {} elements",
+                buf.len(),
+                dtype.name()
+            )));
+        }
+        if n <= 1 {
+            return Ok(());
+        }
+        let plan = RingPlan::new(n, self.rank, buf.len() / dtype.size(), dtype.size(), self.chunk_bytes)?;
+        let max_chunk = plan.chunk_bytes().max(dtype.size());
+        let mut state = RingState::new(plan);
+        let next = self.addrs[(self.rank + 1) % n];
+        let prev = self.addrs[(self.rank + n - 1) % n];
+        let send = self.transport.open_data(next, op_id).await?;
+        let recv = self.stream_from(prev, op_id).await?;
+
+        let (wtx, wrx) = mpsc::channel::<(u64, Bytes)>(64);
+        let writer = tokio::spawn(write_frames(send, wrx, next));
+        let (rtx, mut rrx) = mpsc::channel::<Result<(u64, Vec<u8>), CollectiveError>>(64);
+        let reader = tokio::spawn(read_frames(recv, rtx, prev, max_chunk));
+        let result = async {
+            loop {
+                while let Some(t) = state.poll_send() {
+                    let chunk = Bytes::copy_from_slice(&buf[t.range.clone()]);
+                    if wtx.send((t.id(), chunk)).await.is_err() {
+                        return Err(CollectiveError::Link { peer: next, reason: "writer stopped".into() });
+                    }
+                }
+                if state.is_done() {
+                    return Ok(());
+                }
+                let (id, payload) = rrx
+                    .recv()
+                    .await
+                    .ok_or_else(|| CollectiveError::Link { peer: prev, reason: "stream ended early".into() })??;
+                let action = state.on_received(id, payload.len())?;
+                action.apply(buf, &payload, dtype, op, n)?;
+            }
+        }
+        .await;
+        drop(wtx);
+        let w = writer.await.unwrap_or_else(|e| Err(CollectiveError::Link { peer: next, reason: e.to_string() }));
+        reader.abort();
+        result?;
+        w
+    }
+}
+
+async fn write_frames(
+    mut send: quinn::SendStream,
+    mut rx: mpsc::Receiver<(u64, Bytes)>,
+    peer: SocketAddr,
+) -> Result<(), CollectiveError> {
+    let link = |e: String| CollectiveError::Link { peer, reason: e };
+    while let Some((id, payload)) = rx.recv().await {
+        let mut head = [0u8; 12];
+        head[..8].copy_from_slice(&id.to_be_bytes());
+        head[8..].copy_from_slice(&(payload.len() as u32).to_be_bytes());
+        let mut parts = [Bytes::copy_from_slice(&head), payload];
+        send.write_all_chunks(&mut parts).await.map_err(|e| link(e.to_string()))?;
+    }
+    send.finish().map_err(|e| link(e.to_string()))?;
+    // Wait until the peer has everything (or gave up), so the stream is not reset early.
+    let _ = tokio::time::timeout(Duration::from_secs(30), send.stopped()).await;
+    Ok(())
+}
+
+async fn read_frames(
+    mut recv: quinn::RecvStream,
+    tx: mpsc::Sender<Result<(u64, Vec<u8>), CollectiveError>>,
+    peer: SocketAddr,
+    max_chunk: usize,
+) {
+    loop {
+        let mut head = [0u8; 12];
+        match recv.read_exact(&mut head).await {
+            Ok(()) => {}
+            Err(quinn::ReadExactError::FinishedEarly(0)) => return,
+            Err(e) => {
+                let _ = tx.send(Err(CollectiveError::Link { peer, reason: e.to_string() })).await;
+                return;
+            }
+        }
+        let mut id = [0u8; 8];
+        id.copy_from_slice(&head[..8]);
+        let mut len = [0u8; 4];
+        len.copy_from_slice(&head[8..]);
+        let len = u32::from_be_bytes(len) as usize;
+        if len > max_chunk {
+            let reason = format!("chunk of {len} bytes exceeds the {max_chunk}-byte chunk size");
+            let _ = tx.send(Err(CollectiveError::Link { peer, reason })).await;
+            return;
+        }
+        let mut payload = vec![0u8; len];
+        if let Err(e) = recv.read_exact(&mut payload).await {
+            let _ = tx.send(Err(CollectiveError::Link { peer, reason: e.to_string() })).await;
+            return;
+        }
+        if tx.send(Ok((u64::from_be_bytes(id), payload))).await.is_err() {
+            return;
+        }
+    }
+}

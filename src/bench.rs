@@ -1,0 +1,138 @@
+//! `meshd bench allreduce`: the same line on every node runs the QUIC ring allreduce
+//! across the mesh and prints an nccl-tests style table (size, time, algbw, busbw).
+
+use crate::run::{self, JobArgs};
+use anyhow::{Context, Result, bail};
+use meshd::collective::RingNet;
+use meshd::mesh::{Mesh, MeshInput};
+use meshd::proto::membership::MemberEvent;
+use meshd::proto::reduce::{DType, ReduceOp};
+use serde_json::json;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+#[derive(clap::Subcommand, Debug)]
+pub enum Which {
+    /// Ring allreduce over QUIC (float32 sum), sizes from 1 KiB to 256 MiB.
+    Allreduce(Args),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    pub job: JobArgs,
+    /// One size in bytes instead of the 1 KiB..256 MiB sweep.
+    #[arg(long)]
+    pub size: Option<usize>,
+    /// Timed iterations per size (default: more for small sizes).
+    #[arg(long)]
+    pub iters: Option<u32>,
+    /// Largest size of the sweep, in bytes.
+    #[arg(long, default_value_t = 256 << 20)]
+    pub max_size: usize,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug)]
+struct Row {
+    bytes: usize,
+    iters: u32,
+    time_s: f64,
+}
+
+async fn sweep(mut ring: RingNet, sizes: Vec<usize>, iters: Option<u32>) -> Result<Vec<Row>> {
+    let n = ring.world();
+    let rank = ring.rank();
+    let mut op = 0u64;
+    let mut rows = Vec::new();
+    let mut sync = vec![0u8; 8];
+    for bytes in sizes {
+        let elems = bytes / 4;
+        let mut buf = vec![0u8; elems * 4];
+        // Check the result once per size: every node contributes rank + 1.
+        for c in buf.chunks_exact_mut(4) {
+            c.copy_from_slice(&((rank + 1) as f32).to_le_bytes());
+        }
+        op += 1;
+        ring.allreduce(op, &mut buf, DType::F32, ReduceOp::Sum).await?;
+        let want = (n * (n + 1) / 2) as f32;
+        if let Some(bad) = buf.chunks_exact(4).position(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) != want) {
+            bail!("wrong allreduce result at element {bad} of {elems} ({bytes} bytes): expected {want}");
+        }
+        let iters = iters.unwrap_or_else(|| if bytes <= 1 << 20 { 20 } else { ((64usize << 20) / bytes).clamp(2, 20) as u32 });
+        op += 1;
+        ring.allreduce(op, &mut sync, DType::I64, ReduceOp::Sum).await?; // align the start
+        let t = Instant::now();
+        for _ in 0..iters {
+            op += 1;
+            ring.allreduce(op, &mut buf, DType::F32, ReduceOp::Sum).await?;
+        }
+        rows.push(Row { bytes: elems * 4, iters, time_s: t.elapsed().as_secs_f64() / iters as f64 });
+    }
+    Ok(rows)
+}
+
+pub async fn main(which: Which) -> Result<ExitCode> {
+    let Which::Allreduce(a) = which;
+    let p = run::prepare(&a.job, &["meshd-bench-allreduce".to_string()])?;
+    let mut mesh = Mesh::start(p.mesh).await?;
+    let incoming = mesh.transport().take_data_streams().context("data streams already taken")?;
+    let master_port = meshd::job::free_tcp_port(mesh.addr().ip()).unwrap_or(29500);
+    let roster = mesh.rendezvous(0, p.job.rdzv.clone(), master_port, p.job.rdzv_timeout).await?;
+    mesh.set_master(roster.master().map(|m| m.id));
+    let rank = roster.node_rank(mesh.node()).context("not in the roster")?;
+    let addrs: Vec<_> = roster.members.iter().map(|m| m.addr).collect();
+    let n = addrs.len();
+    let ring = RingNet::new(mesh.transport().clone(), rank, addrs, incoming);
+    let sizes: Vec<usize> = match a.size {
+        Some(s) => vec![s.max(4)],
+        None => std::iter::successors(Some(1024usize), |s| Some(s * 4)).take_while(|s| *s <= a.max_size).collect(),
+    };
+    let task = tokio::spawn(sweep(ring, sizes, a.iters));
+    tokio::pin!(task);
+    // Keep the mesh alive (answer probes) while the ring runs; a dead member ends the bench.
+    let rows = loop {
+        tokio::select! {
+            r = &mut task => break r.context("bench task")??,
+            input = mesh.next(None) => match input {
+                Some(MeshInput::Member(MemberEvent::Down(id) | MemberEvent::Left(id))) if roster.node_rank(id).is_some() => {
+                    bail!("node {id} stopped answering during the benchmark");
+                }
+                None => bail!("the mesh transport stopped"),
+                _ => {}
+            },
+        }
+    };
+    meshd::job::finish_together(&mut mesh, &roster, Duration::from_secs(3)).await;
+    mesh.shutdown().await;
+    let factor = if n > 1 { 2.0 * (n as f64 - 1.0) / n as f64 } else { 0.0 };
+    if a.json {
+        let results: Vec<_> = rows
+            .iter()
+            .map(|r| {
+                let alg = r.bytes as f64 / r.time_s / 1e9;
+                json!({"bytes": r.bytes, "iters": r.iters, "time_s": r.time_s, "algbw_gbs": alg, "busbw_gbs": alg * factor})
+            })
+            .collect();
+        println!("{}", json!({"nodes": n, "rank": rank, "dtype": "float32", "op": "sum", "results": results}));
+    } else {
+        println!("# meshd ring allreduce over QUIC: {n} nodes, this node rank {rank}, float32 sum");
+        println!("# {:>12} {:>10} {:>6} {:>12} {:>10} {:>10}", "size(B)", "count", "iters", "time(us)", "algbw", "busbw");
+        for r in &rows {
+            let alg = r.bytes as f64 / r.time_s / 1e9;
+            println!(
+                "  {:>12} {:>10} {:>6} {:>12.1} {:>10.3} {:>10.3}",
+                r.bytes,
+                r.bytes / 4,
+                r.iters,
+                r.time_s * 1e6,
+                alg,
+                alg * factor
+            );
+        }
+        println!("# algbw, busbw in GB/s; busbw = algbw * 2(n-1)/n");
+    }
+    Ok(ExitCode::SUCCESS)
+}
