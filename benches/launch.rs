@@ -46,6 +46,12 @@ fn run_once(n: usize, torchrun: bool, fail: bool, limit: Duration) -> Outcome {
     let mut ks = Vec::new();
     let mut last_start = 0.0;
     for i in 0..n {
+        // torchrun decides which agent hosts the c10d store by matching the endpoint against
+        // its host name; in the lab (as on many clouds) that fails, so the host of the
+        // endpoint must be told `is_host=true`: a per-node flag, the thing meshd removes.
+        // `--redirects 1 --tee 1` works around Debian's torch 1.13 on Python 3.11, whose
+        // default redirect setting (0) fails to parse (enum iteration changed in 3.11).
+        let conf = if lab.hosts[i].eth1 == master[0] { "is_host=true" } else { "is_host=false" };
         let args: Vec<&str> = if torchrun {
             vec![
                 TORCH,
@@ -61,6 +67,12 @@ fn run_once(n: usize, torchrun: bool, fail: bool, limit: Duration) -> Outcome {
                 &endpoint,
                 "--rdzv_id",
                 "bench",
+                "--rdzv_conf",
+                conf,
+                "--redirects",
+                "1",
+                "--tee",
+                "1",
                 "--no_python",
                 "sh",
                 "-c",
