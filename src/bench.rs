@@ -85,7 +85,7 @@ pub async fn main(which: Which) -> Result<ExitCode> {
     let rank = roster.node_rank(mesh.node()).context("not in the roster")?;
     let addrs: Vec<_> = roster.members.iter().map(|m| m.addr).collect();
     let n = addrs.len();
-    let ring = RingNet::new(mesh.transport().clone(), rank, addrs, incoming);
+    let ring = RingNet::new(mesh.transport().clone(), rank, addrs, std::sync::Arc::new(tokio::sync::Mutex::new(incoming)));
     let sizes: Vec<usize> = match a.size {
         Some(s) => vec![s.max(4)],
         None => std::iter::successors(Some(1024usize), |s| Some(s * 4)).take_while(|s| *s <= a.max_size).collect(),

@@ -18,6 +18,14 @@ pub fn probe_root(root: SocketAddr, timeout: Duration) -> Result<(), NcclError> 
     let err = |source| NcclError::Probe { root, source };
     let timeout = if timeout.is_zero() { Duration::from_millis(1) } else { timeout };
     let mut s = TcpStream::connect_timeout(&root, timeout).map_err(err)?;
+    // A dead root on this host can "answer" through a TCP self-connect (the kernel picked
+    // the freed port as our source port): that is no root.
+    if s.local_addr().ok() == Some(root) {
+        return Err(err(std::io::Error::new(
+            std::io::ErrorKind::ConnectionRefused,
+            "connected to itself: nothing listens there",
+        )));
+    }
     s.set_write_timeout(Some(timeout)).map_err(err)?;
     s.set_nodelay(true).map_err(err)?;
     s.write_all(&PROBE_BYTES).map_err(err)?;

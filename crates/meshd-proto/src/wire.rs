@@ -44,7 +44,28 @@ pub enum Frame {
     Gossip(membership::Message),
     /// Rendezvous: roster proposal, acknowledgement, commit.
     Rdzv(rendezvous::Message),
+    /// The job-wide key-value store: a value set on one node, copied to every node.
+    Store(StoreMsg),
 }
+
+/// Store replication between nodes.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum StoreMsg {
+    /// `key` now holds `value` (last writer wins).
+    Set {
+        /// Restart round the value belongs to.
+        restart: u32,
+        /// Key (at most [`MAX_STORE_KEY`] bytes).
+        key: String,
+        /// Value (at most [`MAX_STORE_VALUE`] bytes).
+        value: Vec<u8>,
+    },
+}
+
+/// Longest store key accepted.
+pub const MAX_STORE_KEY: usize = 1024;
+/// Largest store value accepted.
+pub const MAX_STORE_VALUE: usize = 1 << 20;
 
 /// A question asked on a probe connection (`meshd status`), on its own bidirectional stream.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -10,6 +10,8 @@
 //! Success: every local rank exited 0, this node says `Done` (repeated until every member
 //! said it too), and exits 0 once every roster member is done.
 
+use crate::collective::service::{self, Service, ServiceConfig};
+use crate::collective::RingNet;
 use crate::mesh::{Mesh, MeshError, MeshInput};
 use crate::preflight::{self, PreflightInput};
 use crate::supervisor::{self, RankSpec, Supervisor};
@@ -121,6 +123,10 @@ pub async fn run(mesh: &mut Mesh, cfg: &JobConfig, run_id: &str) -> Result<JobOu
     let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .map_err(|e| MeshError::Iface(format!("cannot watch SIGTERM: {e}")))?;
     let mut restart = 0u32;
+    // Bulk data streams of the QUIC ring, shared by every restart round's service.
+    let incoming = std::sync::Arc::new(tokio::sync::Mutex::new(
+        mesh.transport().take_data_streams().ok_or_else(|| MeshError::Iface("data streams already taken".into()))?,
+    ));
     loop {
         let master_port = free_tcp_port(mesh.addr().ip()).unwrap_or(29500);
         let roster = tokio::select! {
@@ -175,11 +181,26 @@ pub async fn run(mesh: &mut Mesh, cfg: &JobConfig, run_id: &str) -> Result<JobOu
         info!("preflight passed; collective: {}", verdict.collective);
         let user_has = |k: &str| std::env::var_os(k).is_some();
         let iface = mesh.choice().name.clone();
+        let addrs: Vec<SocketAddr> = roster.members.iter().map(|m| m.addr).collect();
+        let ring = RingNet::new(mesh.transport().clone(), node_rank, addrs.clone(), incoming.clone());
+        let svc_cfg = ServiceConfig {
+            path: service::default_path(run_id, mesh.addr().port()),
+            local_world: roster.members[node_rank].nproc,
+            first_global: roster.first_global_rank(node_rank),
+            world: roster.world_size(),
+            restart,
+            others: addrs.iter().copied().filter(|a| *a != mesh.addr()).collect(),
+        };
+        let svc = match Service::start(svc_cfg.clone(), ring, mesh.transport().clone()) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                warn!("cannot start the local service at {}: {e}; MESHD_SOCKET is not set", svc_cfg.path.display());
+                None
+            }
+        };
         let ranks: Vec<RankSpec> = (0..roster.members[node_rank].nproc)
-            .map(|l| RankSpec {
-                global: roster.first_global_rank(node_rank) + l,
-                local: l,
-                env: rank_env(
+            .map(|l| {
+                let mut env = rank_env(
                     &roster,
                     node_rank,
                     l,
@@ -189,7 +210,11 @@ pub async fn run(mesh: &mut Mesh, cfg: &JobConfig, run_id: &str) -> Result<JobOu
                     cfg.max_restarts,
                     &verdict.collective,
                     &user_has,
-                ),
+                );
+                if let Some(s) = &svc {
+                    env.push(("MESHD_SOCKET".into(), s.path().display().to_string()));
+                }
+                RankSpec { global: roster.first_global_rank(node_rank) + l, local: l, env }
             })
             .collect();
         if let Some(d) = &cfg.log_dir {
@@ -200,8 +225,9 @@ pub async fn run(mesh: &mut Mesh, cfg: &JobConfig, run_id: &str) -> Result<JobOu
         let failure = match Supervisor::spawn(&cfg.cmd, &ranks, cfg.log_dir.as_deref()).await {
             Ok(mut sup) => {
                 mesh.set_state(NodeState::Running, restart);
-                let f = supervise(mesh, &roster, &mut sup, &mut sigterm).await;
+                let f = supervise(mesh, &roster, &mut sup, svc.as_ref(), &mut sigterm).await;
                 sup.stop(cfg.grace).await;
+                drop(svc);
                 f
             }
             Err(e) => {
@@ -285,6 +311,7 @@ async fn supervise(
     mesh: &mut Mesh,
     roster: &Roster,
     sup: &mut Supervisor,
+    svc: Option<&Service>,
     sigterm: &mut tokio::signal::unix::Signal,
 ) -> Option<Failure> {
     let me = mesh.node();
@@ -338,6 +365,11 @@ async fn supervise(
                         done.insert(from);
                     }
                     Some(MeshInput::Rdzv(from, m @ Message::Propose(_))) => mesh.defer(from, m),
+                    Some(MeshInput::Store(_, m)) => {
+                        if let Some(s) = svc {
+                            s.remote_store(m, roster.restart);
+                        }
+                    }
                     Some(MeshInput::Member(MemberEvent::Down(id) | MemberEvent::Left(id))) if everyone.contains(&id) && !done.contains(&id) => {
                         let reason = format!("{} stopped answering (declared dead by the mesh)", describe_member(roster, id));
                         error!("{reason}; stopping the job on every node");

@@ -72,6 +72,8 @@ pub enum MeshInput {
     Member(MemberEvent),
     /// A peer failed authentication.
     AuthFailed(SocketAddr, String),
+    /// A store update from another node.
+    Store(NodeId, meshd_proto::wire::StoreMsg),
     /// The deadline given to [`Mesh::next`] passed.
     Tick,
 }
@@ -331,6 +333,7 @@ impl Mesh {
                         TransportEvent::Frame { from, node, frame } => match frame {
                             Frame::Gossip(m) => self.membership.handle_message(from, m, now),
                             Frame::Rdzv(m) => self.pending.push_back(MeshInput::Rdzv(node, m)),
+                            Frame::Store(m) => self.pending.push_back(MeshInput::Store(node, m)),
                         },
                         TransportEvent::AuthFailed { addr, reason } => {
                             self.pending.push_back(MeshInput::AuthFailed(addr, reason));
@@ -447,6 +450,12 @@ impl Mesh {
                 }
                 MeshInput::AuthFailed(addr, reason) => {
                     last_auth.insert(addr, reason);
+                }
+                // A faster node's ranks may already use the store: keep it for the job.
+                s @ MeshInput::Store(..) => {
+                    if self.requeue.len() < 4096 {
+                        self.requeue.push(s);
+                    }
                 }
                 MeshInput::Tick => core.handle_timeout(now),
             }

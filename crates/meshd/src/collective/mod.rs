@@ -3,5 +3,7 @@
 //! ([`service`]).
 
 pub mod ring;
+pub mod service;
 
 pub use ring::{CollectiveError, RingNet};
+pub use service::{Service, ServiceConfig};

@@ -13,8 +13,9 @@ use meshd_proto::reduce::{DType, ReduceOp};
 use meshd_proto::ring::{RingError, RingPlan, RingState};
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::mpsc;
+use tokio::sync::{Mutex, mpsc};
 
 /// Collective failures.
 #[derive(Debug, thiserror::Error)]
@@ -54,7 +55,7 @@ pub struct RingNet {
     transport: Transport,
     rank: usize,
     addrs: Vec<SocketAddr>,
-    incoming: mpsc::Receiver<DataStream>,
+    incoming: Arc<Mutex<mpsc::Receiver<DataStream>>>,
     stash: HashMap<(SocketAddr, u64), quinn::RecvStream>,
     /// Chunk size in bytes (pipelining grain).
     pub chunk_bytes: usize,
@@ -65,7 +66,12 @@ pub struct RingNet {
 impl RingNet {
     /// A ring over `addrs` (roster order) where this node is `rank`. `incoming` is the
     /// transport's data-stream receiver.
-    pub fn new(transport: Transport, rank: usize, addrs: Vec<SocketAddr>, incoming: mpsc::Receiver<DataStream>) -> Self {
+    pub fn new(
+        transport: Transport,
+        rank: usize,
+        addrs: Vec<SocketAddr>,
+        incoming: Arc<Mutex<mpsc::Receiver<DataStream>>>,
+    ) -> Self {
         let chunk_bytes = std::env::var("MESHD_RING_CHUNK").ok().and_then(|v| v.parse().ok()).unwrap_or(1 << 20);
         RingNet {
             transport,
@@ -93,8 +99,10 @@ impl RingNet {
             return Ok(s);
         }
         let deadline = tokio::time::Instant::now() + self.join_timeout;
+        let incoming = self.incoming.clone();
+        let mut incoming = incoming.lock().await;
         loop {
-            let ds = tokio::time::timeout_at(deadline, self.incoming.recv())
+            let ds = tokio::time::timeout_at(deadline, incoming.recv())
                 .await
                 .map_err(|_| CollectiveError::Timeout { peer, op, timeout: self.join_timeout })?
                 .ok_or_else(|| CollectiveError::Link { peer, reason: "transport stopped".into() })?;

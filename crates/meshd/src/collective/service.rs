@@ -1,0 +1,396 @@
+//! The node-local service ranks reach through `MESHD_SOCKET` (a Unix socket, owner-only).
+//!
+//! Hierarchical collectives: the local ranks of a node each hand their buffer to their
+//! node's meshd; meshd reduces them locally, runs the inter-node QUIC ring once per node,
+//! and hands the result back to every local rank. Ranks must issue collectives in the same
+//! order (as with NCCL/Gloo); the k-th collective of every local rank forms operation k.
+//!
+//! Wire format on the socket (the Python client in `python/meshd` speaks it): each
+//! message is `[u32 big-endian header length][JSON header][payload]`, the payload's length
+//! given by the header's `nbytes`. Requests: `hello`, `allreduce`, `broadcast`, `barrier`,
+//! `store_set`, `store_get`; replies carry `ok` and, on failure, `error` in words.
+
+use super::ring::RingNet;
+use crate::transport::Transport;
+use meshd_proto::reduce::{self, DType, ReduceOp};
+use meshd_proto::wire::{Frame, MAX_STORE_KEY, MAX_STORE_VALUE, StoreMsg};
+use serde_json::{Value, json};
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+use tracing::{debug, warn};
+
+/// Largest header accepted on the socket.
+const MAX_HEADER: usize = 64 << 10;
+/// Largest collective payload accepted (per call).
+const MAX_PAYLOAD: usize = 4 << 30;
+
+/// Where and for whom the service runs.
+#[derive(Clone, Debug)]
+pub struct ServiceConfig {
+    /// Socket path (MESHD_SOCKET).
+    pub path: PathBuf,
+    /// Processes on this node.
+    pub local_world: u32,
+    /// Global rank of local rank 0.
+    pub first_global: u32,
+    /// Total processes.
+    pub world: u32,
+    /// Restart round (separates operation ids and store values across restarts).
+    pub restart: u32,
+    /// Every other node (store replication).
+    pub others: Vec<SocketAddr>,
+}
+
+/// A running service; dropping it stops the tasks and removes the socket.
+#[derive(Debug)]
+pub struct Service {
+    path: PathBuf,
+    tasks: Vec<JoinHandle<()>>,
+    store_tx: mpsc::Sender<StoreReq>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+enum Kind {
+    AllReduce(DType, ReduceOp),
+    Broadcast(u32),
+    Barrier,
+}
+
+struct Part {
+    kind: Kind,
+    data: Vec<u8>,
+    global: u32,
+    reply: oneshot::Sender<Result<Vec<u8>, String>>,
+}
+
+struct CollReq {
+    local: u32,
+    seq: u64,
+    part: Part,
+}
+
+enum StoreReq {
+    Set(String, Vec<u8>, oneshot::Sender<()>),
+    Get(String, Duration, oneshot::Sender<Option<Vec<u8>>>),
+    Remote(String, Vec<u8>),
+}
+
+/// A default socket path for this job.
+pub fn default_path(run_id: &str, port: u16) -> PathBuf {
+    let dir = std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/tmp"));
+    let safe: String = run_id.chars().filter(|c| c.is_ascii_alphanumeric() || *c == '-').take(40).collect();
+    dir.join(format!("meshd-{safe}-{port}-{}.sock", std::process::id()))
+}
+
+impl Service {
+    /// Binds the socket (owner-only) and starts serving.
+    pub fn start(cfg: ServiceConfig, ring: RingNet, transport: Transport) -> std::io::Result<Service> {
+        let _ = std::fs::remove_file(&cfg.path);
+        let listener = UnixListener::bind(&cfg.path)?;
+        std::fs::set_permissions(&cfg.path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+        let (coll_tx, coll_rx) = mpsc::channel(1024);
+        let (store_tx, store_rx) = mpsc::channel(1024);
+        let tasks = vec![
+            tokio::spawn(accept(listener, cfg.clone(), coll_tx, store_tx.clone())),
+            tokio::spawn(collectives(cfg.clone(), ring, coll_rx)),
+            tokio::spawn(store(cfg.clone(), transport, store_rx)),
+        ];
+        Ok(Service { path: cfg.path, tasks, store_tx })
+    }
+
+    /// The socket path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// A store value set on another node.
+    pub fn remote_store(&self, msg: StoreMsg, restart: u32) {
+        let StoreMsg::Set { restart: r, key, value } = msg;
+        if r == restart && key.len() <= MAX_STORE_KEY && value.len() <= MAX_STORE_VALUE {
+            let _ = self.store_tx.try_send(StoreReq::Remote(key, value));
+        }
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+async fn accept(listener: UnixListener, cfg: ServiceConfig, coll: mpsc::Sender<CollReq>, store: mpsc::Sender<StoreReq>) {
+    while let Ok((stream, _)) = listener.accept().await {
+        let (cfg, coll, store) = (cfg.clone(), coll.clone(), store.clone());
+        tokio::spawn(async move {
+            if let Err(e) = client(stream, &cfg, coll, store).await {
+                debug!("local client: {e}");
+            }
+        });
+    }
+}
+
+async fn read_msg(s: &mut UnixStream) -> std::io::Result<Option<(Value, Vec<u8>)>> {
+    let mut len = [0u8; 4];
+    match s.read_exact(&mut len).await {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(e),
+    }
+    let n = u32::from_be_bytes(len) as usize;
+    if n > MAX_HEADER {
+        return Err(std::io::Error::other(format!("header of {n} bytes is too large")));
+    }
+    let mut head = vec![0u8; n];
+    s.read_exact(&mut head).await?;
+    let v: Value = serde_json::from_slice(&head).map_err(|e| std::io::Error::other(format!("bad header: {e}")))?;
+    let nbytes = v.get("nbytes").and_then(Value::as_u64).unwrap_or(0) as usize;
+    if nbytes > MAX_PAYLOAD {
+        return Err(std::io::Error::other(format!("payload of {nbytes} bytes is too large")));
+    }
+    let mut payload = vec![0u8; nbytes];
+    s.read_exact(&mut payload).await?;
+    Ok(Some((v, payload)))
+}
+
+async fn write_msg(s: &mut UnixStream, head: Value, payload: &[u8]) -> std::io::Result<()> {
+    let mut head = head;
+    head["nbytes"] = json!(payload.len());
+    let h = serde_json::to_vec(&head).map_err(std::io::Error::other)?;
+    s.write_all(&(h.len() as u32).to_be_bytes()).await?;
+    s.write_all(&h).await?;
+    s.write_all(payload).await?;
+    s.flush().await
+}
+
+async fn client(mut s: UnixStream, cfg: &ServiceConfig, coll: mpsc::Sender<CollReq>, store: mpsc::Sender<StoreReq>) -> std::io::Result<()> {
+    let mut seq = 0u64;
+    let mut me: Option<(u32, u32)> = None; // (global, local)
+    while let Some((req, payload)) = read_msg(&mut s).await? {
+        let op = req.get("op").and_then(Value::as_str).unwrap_or("").to_string();
+        let fail = |e: String| json!({"ok": false, "error": e});
+        let (head, body): (Value, Vec<u8>) = match op.as_str() {
+            "hello" => {
+                let rank = req.get("rank").and_then(Value::as_u64).unwrap_or(u64::MAX);
+                let lo = cfg.first_global as u64;
+                if rank < lo || rank >= lo + cfg.local_world as u64 {
+                    (fail(format!("rank {rank} is not a rank of this node (ranks {lo}..{})", lo + cfg.local_world as u64)), vec![])
+                } else {
+                    me = Some((rank as u32, (rank - lo) as u32));
+                    (json!({"ok": true, "world": cfg.world, "local_world": cfg.local_world}), vec![])
+                }
+            }
+            "allreduce" | "broadcast" | "barrier" => {
+                let Some((global, local)) = me else {
+                    write_msg(&mut s, fail("send hello first".into()), &[]).await?;
+                    continue;
+                };
+                match parse_kind(&op, &req, cfg.world) {
+                    Err(e) => (fail(e), vec![]),
+                    Ok(kind) => {
+                        let (tx, rx) = oneshot::channel();
+                        let part = Part { kind, data: payload, global, reply: tx };
+                        seq += 1;
+                        if coll.send(CollReq { local, seq, part }).await.is_err() {
+                            (fail("the node's collective engine stopped".into()), vec![])
+                        } else {
+                            match rx.await {
+                                Ok(Ok(data)) => (json!({"ok": true}), data),
+                                Ok(Err(e)) => (fail(e), vec![]),
+                                Err(_) => (fail("the collective was abandoned (job stopping?)".into()), vec![]),
+                            }
+                        }
+                    }
+                }
+            }
+            "store_set" => {
+                let key = req.get("key").and_then(Value::as_str).unwrap_or("").to_string();
+                if key.is_empty() || key.len() > MAX_STORE_KEY || payload.len() > MAX_STORE_VALUE {
+                    (fail(format!("store keys are 1..{MAX_STORE_KEY} bytes, values at most {MAX_STORE_VALUE}")), vec![])
+                } else {
+                    let (tx, rx) = oneshot::channel();
+                    let _ = store.send(StoreReq::Set(key, payload, tx)).await;
+                    let _ = rx.await;
+                    (json!({"ok": true}), vec![])
+                }
+            }
+            "store_get" => {
+                let key = req.get("key").and_then(Value::as_str).unwrap_or("").to_string();
+                let timeout = req.get("timeout").and_then(Value::as_f64).unwrap_or(30.0).clamp(0.0, 86_400.0);
+                let (tx, rx) = oneshot::channel();
+                let _ = store.send(StoreReq::Get(key.clone(), Duration::from_secs_f64(timeout), tx)).await;
+                match rx.await {
+                    Ok(Some(v)) => (json!({"ok": true}), v),
+                    _ => (fail(format!("store key {key:?} not set within {timeout} s")), vec![]),
+                }
+            }
+            other => (fail(format!("unknown request {other:?}")), vec![]),
+        };
+        write_msg(&mut s, head, &body).await?;
+    }
+    Ok(())
+}
+
+fn parse_kind(op: &str, req: &Value, world: u32) -> Result<Kind, String> {
+    match op {
+        "allreduce" => {
+            let dtype = DType::parse(req.get("dtype").and_then(Value::as_str).unwrap_or("float32")).map_err(|e| e.to_string())?;
+            let rop = ReduceOp::parse(req.get("reduce").and_then(Value::as_str).unwrap_or("sum")).map_err(|e| e.to_string())?;
+            Ok(Kind::AllReduce(dtype, rop))
+        }
+        "broadcast" => {
+            let root = req.get("root").and_then(Value::as_u64).unwrap_or(0);
+            if root >= world as u64 {
+                return Err(format!("broadcast root {root} is not a rank (world size {world})"));
+            }
+            Ok(Kind::Broadcast(root as u32))
+        }
+        _ => Ok(Kind::Barrier),
+    }
+}
+
+fn describe(k: &Kind, len: usize) -> String {
+    match k {
+        Kind::AllReduce(d, o) => format!("allreduce {} {} of {len} bytes", d.name(), o.name()),
+        Kind::Broadcast(r) => format!("broadcast from {r} of {len} bytes"),
+        Kind::Barrier => "barrier".into(),
+    }
+}
+
+async fn collectives(cfg: ServiceConfig, mut ring: RingNet, mut rx: mpsc::Receiver<CollReq>) {
+    let n = cfg.local_world as usize;
+    let mut slots: BTreeMap<u64, Vec<Option<Part>>> = BTreeMap::new();
+    let mut next = 1u64;
+    while let Some(req) = rx.recv().await {
+        if req.seq < next || req.local as usize >= n || slots.len() > 4096 {
+            let _ = req.part.reply.send(Err("collective out of order".into()));
+            continue;
+        }
+        let slot = slots.entry(req.seq).or_insert_with(|| (0..n).map(|_| None).collect());
+        slot[req.local as usize] = Some(req.part);
+        while slots.get(&next).is_some_and(|s| s.iter().all(Option::is_some)) {
+            let Some(parts) = slots.remove(&next) else { break };
+            let parts: Vec<Part> = parts.into_iter().flatten().collect();
+            let op_id = ((cfg.restart as u64) << 40) | next;
+            run_one(&cfg, &mut ring, op_id, parts).await;
+            next += 1;
+        }
+    }
+}
+
+async fn run_one(cfg: &ServiceConfig, ring: &mut RingNet, op_id: u64, parts: Vec<Part>) {
+    let kind = parts[0].kind.clone();
+    let len = parts[0].data.len();
+    if let Some(bad) = parts.iter().find(|p| p.kind != kind || p.data.len() != len) {
+        let msg = format!(
+            "local ranks disagree on collective #{}: rank {} calls {}, rank {} calls {}",
+            op_id & ((1 << 40) - 1),
+            parts[0].global,
+            describe(&kind, len),
+            bad.global,
+            describe(&bad.kind, bad.data.len())
+        );
+        for p in parts {
+            let _ = p.reply.send(Err(msg.clone()));
+        }
+        return;
+    }
+    let result = reduce_parts(cfg, ring, op_id, &kind, &parts).await;
+    for p in parts {
+        let _ = p.reply.send(result.clone());
+    }
+}
+
+async fn reduce_parts(cfg: &ServiceConfig, ring: &mut RingNet, op_id: u64, kind: &Kind, parts: &[Part]) -> Result<Vec<u8>, String> {
+    let (dtype, op, mut acc, trim) = match kind {
+        Kind::AllReduce(d, o) => (*d, *o, parts[0].data.clone(), None),
+        // Broadcast as a byte-exact sum: the root's bytes plus zeros from everyone else,
+        // as wrapping int64 additions (identity on the root's bits).
+        Kind::Broadcast(root) => {
+            let len = parts[0].data.len();
+            let mut b = vec![0u8; len.div_ceil(8) * 8];
+            if let Some(p) = parts.iter().find(|p| p.global == *root) {
+                b[..len].copy_from_slice(&p.data);
+            }
+            (DType::I64, ReduceOp::Sum, b, Some(len))
+        }
+        Kind::Barrier => (DType::I64, ReduceOp::Sum, vec![0u8; 8], Some(0)),
+    };
+    let ring_op = if op == ReduceOp::Avg { ReduceOp::Sum } else { op };
+    if matches!(kind, Kind::AllReduce(..)) {
+        for p in &parts[1..] {
+            reduce::reduce_into(dtype, ring_op, &mut acc, &p.data).map_err(|e| e.to_string())?;
+        }
+    }
+    ring.allreduce(op_id, &mut acc, dtype, ring_op).await.map_err(|e| e.to_string())?;
+    if op == ReduceOp::Avg {
+        reduce::finish_avg(dtype, &mut acc, cfg.world).map_err(|e| e.to_string())?;
+    }
+    if let Some(t) = trim {
+        acc.truncate(t);
+    }
+    Ok(acc)
+}
+
+async fn store(cfg: ServiceConfig, transport: Transport, mut rx: mpsc::Receiver<StoreReq>) {
+    let mut map: HashMap<String, Vec<u8>> = HashMap::new();
+    let mut waiters: Vec<(String, tokio::time::Instant, oneshot::Sender<Option<Vec<u8>>>)> = Vec::new();
+    loop {
+        let next_deadline = waiters.iter().map(|w| w.1).min();
+        let sleep = async {
+            match next_deadline {
+                Some(d) => tokio::time::sleep_until(d).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            req = rx.recv() => {
+                let Some(req) = req else { return };
+                match req {
+                    StoreReq::Set(key, value, done) => {
+                        let msg = Frame::Store(StoreMsg::Set { restart: cfg.restart, key: key.clone(), value: value.clone() });
+                        for peer in &cfg.others {
+                            transport.send(*peer, &msg, true);
+                        }
+                        map.insert(key, value);
+                        let _ = done.send(());
+                    }
+                    StoreReq::Remote(key, value) => {
+                        map.insert(key, value);
+                    }
+                    StoreReq::Get(key, timeout, reply) => {
+                        if let Some(v) = map.get(&key) {
+                            let _ = reply.send(Some(v.clone()));
+                        } else if waiters.len() < 65536 {
+                            waiters.push((key, tokio::time::Instant::now() + timeout, reply));
+                        } else {
+                            warn!("too many pending store_get calls");
+                            let _ = reply.send(None);
+                        }
+                    }
+                }
+            }
+            _ = sleep => {}
+        }
+        let now = tokio::time::Instant::now();
+        let mut keep = Vec::with_capacity(waiters.len());
+        for (k, d, reply) in waiters.drain(..) {
+            if let Some(v) = map.get(&k) {
+                let _ = reply.send(Some(v.clone()));
+            } else if now >= d {
+                let _ = reply.send(None);
+            } else {
+                keep.push((k, d, reply));
+            }
+        }
+        waiters = keep;
+    }
+}

@@ -1,0 +1,73 @@
+"""Checks meshd's collectives from every rank; prints `COLLECTIVES OK rank=R` on success.
+
+    meshd run --nnodes 3 --peers ... --nproc-per-node 2 -- python3 examples/collectives_check.py
+"""
+import array
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+import meshd  # noqa: E402
+
+c = meshd.connect()
+rank, world = c.rank, c.world_size
+
+# array.array of float64: sum of (rank + 1) over all ranks, odd length
+n = 1001
+a = array.array("d", [rank + 1.0] * n)
+c.allreduce(a, op="sum")
+want = world * (world + 1) / 2
+assert all(x == want for x in a), (a[:3], want)
+
+# int64 max and min
+b = array.array("q", [rank] * 7)
+c.allreduce(b, op="max")
+assert list(b) == [world - 1] * 7, list(b)
+b = array.array("q", [rank + 10] * 3)
+c.allreduce(b, op="min")
+assert list(b) == [10] * 3, list(b)
+
+try:
+    import numpy as np
+
+    x = np.full(12345, rank, dtype=np.float32)
+    c.allreduce(x, op="avg")
+    assert np.allclose(x, (world - 1) / 2), x[:3]
+    y = np.arange(5, dtype=np.int32) * (rank + 1)
+    c.allreduce(y)
+    assert (y == np.arange(5, dtype=np.int32) * (world * (world + 1) // 2)).all(), y
+except ImportError:
+    pass
+
+try:
+    import torch
+
+    t = torch.full((1000,), float(rank), dtype=torch.bfloat16)
+    c.allreduce(t, op="max")
+    assert (t == float(world - 1)).all(), t[:3]
+    h = torch.ones(77, dtype=torch.float16)
+    c.allreduce(h, op="sum")
+    assert (h == float(world)).all(), h[:3]
+except ImportError:
+    pass
+
+# broadcast from the last rank: byte-exact
+payload = bytearray(os.urandom(37)) if rank == world - 1 else bytearray(37)
+c.broadcast(payload, root=world - 1)
+c.store_set(f"bcast-{rank}", bytes(payload))
+c.barrier()
+first = c.store_get("bcast-0", timeout=30)
+assert first == bytes(payload), "ranks disagree on the broadcast"
+
+# store across ranks and nodes
+c.store_set(f"hello-{rank}", f"from {rank}")
+for r in range(world):
+    assert c.store_get(f"hello-{r}", timeout=30) == f"from {r}".encode()
+try:
+    c.store_get("never-set", timeout=0.2)
+    raise AssertionError("store_get of a missing key must time out")
+except meshd.MeshdError as e:
+    assert "not set" in str(e), e
+
+c.barrier()
+print(f"COLLECTIVES OK rank={rank} world={world}", flush=True)

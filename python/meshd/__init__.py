@@ -1,0 +1,211 @@
+"""meshd's Python client: collectives that need only meshd's one UDP port.
+
+Inside a job started by ``meshd run``, every rank reaches its node's meshd through the
+Unix socket in ``MESHD_SOCKET``; meshd reduces the node's ranks locally and runs a ring
+allreduce over QUIC between the nodes. Standard library only; numpy arrays and CPU torch
+tensors are used in place when those packages are present.
+
+    import meshd
+    c = meshd.connect()                 # reads MESHD_SOCKET, RANK, WORLD_SIZE
+    c.allreduce(buf, op="sum")          # in place, across all ranks of the job
+    c.broadcast(buf, root=0)
+    c.barrier()
+    c.store_set("key", b"value"); c.store_get("key", timeout=30.0)
+"""
+
+import json
+import os
+import socket
+import struct
+
+__all__ = ["connect", "Client", "MeshdError"]
+
+_MAX_HEADER = 64 << 10
+
+# Buffer-protocol format characters -> meshd dtype names.
+_FORMATS = {"f": "float32", "d": "float64", "e": "float16", "i": "int32", "q": "int64"}
+_NUMPY = {"float32": "float32", "float64": "float64", "float16": "float16", "int32": "int32", "int64": "int64"}
+_TORCH = {
+    "torch.float32": "float32",
+    "torch.float64": "float64",
+    "torch.float16": "float16",
+    "torch.bfloat16": "bfloat16",
+    "torch.int32": "int32",
+    "torch.int64": "int64",
+}
+_OPS = ("sum", "avg", "min", "max")
+
+
+class MeshdError(RuntimeError):
+    """A request meshd refused or could not complete; the message says why."""
+
+
+def _as_bytes_view(buf, dtype=None):
+    """Returns (writable byte memoryview, dtype name, finisher) for a supported buffer."""
+    mod = type(buf).__module__
+    if mod.startswith("torch"):
+        import torch
+
+        name = _TORCH.get(str(buf.dtype))
+        if name is None:
+            raise TypeError(f"unsupported torch dtype {buf.dtype}; use one of {sorted(_TORCH)}")
+        if buf.device.type != "cpu":
+            # CUDA tensors are staged through host memory.
+            host = buf.detach().to("cpu", copy=True).contiguous()
+            view, _, fin = _as_bytes_view(host)
+
+            def finish():
+                fin()
+                buf.copy_(host)
+
+            return view, name, finish
+        if not buf.is_contiguous():
+            raise ValueError("tensor must be contiguous (call .contiguous() and copy back)")
+        t = buf.detach()
+        if t.dtype == torch.bfloat16:
+            t = t.view(torch.int16)  # numpy has no bfloat16: move the same bytes
+        arr = t.numpy()
+        return memoryview(arr).cast("B"), name, lambda: None
+    if mod.startswith("numpy"):
+        name = _NUMPY.get(str(buf.dtype))
+        if name is None:
+            raise TypeError(f"unsupported numpy dtype {buf.dtype}; use one of {sorted(_NUMPY)}")
+        if not buf.flags["C_CONTIGUOUS"] or not buf.flags["WRITEABLE"]:
+            raise ValueError("array must be C-contiguous and writeable")
+        return memoryview(buf).cast("B"), name, lambda: None
+    view = memoryview(buf)
+    if view.readonly:
+        raise ValueError("buffer is read-only; pass a bytearray, array, numpy array or tensor")
+    if not view.c_contiguous:
+        raise ValueError("buffer must be contiguous")
+    fmt = view.format.lstrip("@=<")
+    if dtype is None:
+        if fmt in ("l",) and view.itemsize == 8:
+            dtype = "int64"
+        elif fmt in ("l",) and view.itemsize == 4:
+            dtype = "int32"
+        else:
+            dtype = _FORMATS.get(fmt)
+    if dtype is None:
+        dtype = "float32"  # raw bytes (bytearray): float32 unless told otherwise
+    return view.cast("B"), dtype, lambda: None
+
+
+class Client:
+    """A connection from one rank to its node's meshd."""
+
+    def __init__(self, path=None, rank=None, world_size=None):
+        self.path = path or os.environ.get("MESHD_SOCKET")
+        if not self.path:
+            raise MeshdError(
+                "MESHD_SOCKET is not set: start this program with `meshd run` "
+                "(or pass the socket path)"
+            )
+        self.rank = int(rank if rank is not None else os.environ.get("RANK", "0"))
+        self.world_size = int(world_size if world_size is not None else os.environ.get("WORLD_SIZE", "1"))
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._sock.connect(self.path)
+        except OSError as e:
+            raise MeshdError(f"cannot reach meshd at {self.path}: {e}") from e
+        head, _ = self._call({"op": "hello", "rank": self.rank})
+        self.world_size = int(head.get("world", self.world_size))
+        self.local_world_size = int(head.get("local_world", 1))
+
+    # -- framing ------------------------------------------------------------------
+    def _send(self, head, payload=b""):
+        head = dict(head)
+        head["nbytes"] = len(payload)
+        h = json.dumps(head).encode()
+        self._sock.sendall(struct.pack(">I", len(h)) + h)
+        if len(payload):
+            self._sock.sendall(payload)
+
+    def _recv_exact(self, view):
+        got = 0
+        n = len(view)
+        while got < n:
+            k = self._sock.recv_into(view[got:], n - got)
+            if k == 0:
+                raise MeshdError("meshd closed the connection (job stopping?)")
+            got += k
+
+    def _recv(self, into=None):
+        raw = bytearray(4)
+        self._recv_exact(memoryview(raw))
+        (hl,) = struct.unpack(">I", raw)
+        if hl > _MAX_HEADER:
+            raise MeshdError(f"reply header of {hl} bytes is too large")
+        hb = bytearray(hl)
+        self._recv_exact(memoryview(hb))
+        head = json.loads(hb)
+        n = int(head.get("nbytes", 0))
+        if into is not None and n == len(into):
+            self._recv_exact(into)
+            return head, None
+        body = bytearray(n)
+        if n:
+            self._recv_exact(memoryview(body))
+        return head, bytes(body)
+
+    def _call(self, head, payload=b"", into=None):
+        self._send(head, payload)
+        reply, body = self._recv(into)
+        if not reply.get("ok"):
+            raise MeshdError(reply.get("error", "meshd refused the request"))
+        return reply, body
+
+    # -- collectives --------------------------------------------------------------
+    def allreduce(self, buf, op="sum", dtype=None):
+        """Reduces ``buf`` in place across every rank of the job (sum, avg, min, max)."""
+        if op not in _OPS:
+            raise ValueError(f"op must be one of {_OPS}, not {op!r}")
+        view, name, finish = _as_bytes_view(buf, dtype)
+        self._call({"op": "allreduce", "dtype": name, "reduce": op}, view, into=view)
+        finish()
+        return buf
+
+    def broadcast(self, buf, root=0):
+        """Copies ``buf`` of rank ``root`` into ``buf`` of every rank, in place."""
+        view, _, finish = _as_bytes_view(buf, "int64")
+        self._call({"op": "broadcast", "root": int(root)}, view, into=view)
+        finish()
+        return buf
+
+    def barrier(self):
+        """Returns once every rank of the job called barrier()."""
+        self._call({"op": "barrier"})
+
+    # -- store ---------------------------------------------------------------------
+    def store_set(self, key, value):
+        """Sets ``key`` to ``value`` (bytes or str) for every rank of the job."""
+        if isinstance(value, str):
+            value = value.encode()
+        self._call({"op": "store_set", "key": str(key)}, bytes(value))
+
+    def store_get(self, key, timeout=30.0):
+        """Waits up to ``timeout`` seconds for ``key`` and returns its value (bytes)."""
+        _, body = self._call({"op": "store_get", "key": str(key), "timeout": float(timeout)})
+        return body
+
+    def close(self):
+        self._sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+_default = None
+
+
+def connect(path=None):
+    """Connects this rank to its node's meshd (once; later calls return the same client)."""
+    global _default
+    if path is not None:
+        return Client(path)
+    if _default is None:
+        _default = Client()
+    return _default
