@@ -58,10 +58,14 @@ async fn sweep(mut ring: RingNet, sizes: Vec<usize>, iters: Option<u32>) -> Resu
         op += 1;
         ring.allreduce(op, &mut buf, DType::F32, ReduceOp::Sum).await?;
         let want = (n * (n + 1) / 2) as f32;
-        if let Some(bad) = buf.chunks_exact(4).position(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) != want) {
+        if let Some(bad) =
+            buf.chunks_exact(4).position(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) != want)
+        {
             bail!("wrong allreduce result at element {bad} of {elems} ({bytes} bytes): expected {want}");
         }
-        let iters = iters.unwrap_or_else(|| if bytes <= 1 << 20 { 20 } else { ((64usize << 20) / bytes).clamp(2, 20) as u32 });
+        let iters = iters.unwrap_or_else(|| {
+            if bytes <= 1 << 20 { 20 } else { ((64usize << 20) / bytes).clamp(2, 20) as u32 }
+        });
         op += 1;
         ring.allreduce(op, &mut sync, DType::I64, ReduceOp::Sum).await?; // align the start
         let t = Instant::now();
@@ -85,10 +89,17 @@ pub async fn main(which: Which) -> Result<ExitCode> {
     let rank = roster.node_rank(mesh.node()).context("not in the roster")?;
     let addrs: Vec<_> = roster.members.iter().map(|m| m.addr).collect();
     let n = addrs.len();
-    let ring = RingNet::new(mesh.transport().clone(), rank, addrs, std::sync::Arc::new(tokio::sync::Mutex::new(incoming)));
+    let ring = RingNet::new(
+        mesh.transport().clone(),
+        rank,
+        addrs,
+        std::sync::Arc::new(tokio::sync::Mutex::new(incoming)),
+    );
     let sizes: Vec<usize> = match a.size {
         Some(s) => vec![s.max(4)],
-        None => std::iter::successors(Some(1024usize), |s| Some(s * 4)).take_while(|s| *s <= a.max_size).collect(),
+        None => {
+            std::iter::successors(Some(1024usize), |s| Some(s * 4)).take_while(|s| *s <= a.max_size).collect()
+        }
     };
     let task = tokio::spawn(sweep(ring, sizes, a.iters));
     tokio::pin!(task);
@@ -116,10 +127,16 @@ pub async fn main(which: Which) -> Result<ExitCode> {
                 json!({"bytes": r.bytes, "iters": r.iters, "time_s": r.time_s, "algbw_gbs": alg, "busbw_gbs": alg * factor})
             })
             .collect();
-        println!("{}", json!({"nodes": n, "rank": rank, "dtype": "float32", "op": "sum", "results": results}));
+        println!(
+            "{}",
+            json!({"nodes": n, "rank": rank, "dtype": "float32", "op": "sum", "results": results})
+        );
     } else {
         println!("# meshd ring allreduce over QUIC: {n} nodes, this node rank {rank}, float32 sum");
-        println!("# {:>12} {:>10} {:>6} {:>12} {:>10} {:>10}", "size(B)", "count", "iters", "time(us)", "algbw", "busbw");
+        println!(
+            "# {:>12} {:>10} {:>6} {:>12} {:>10} {:>10}",
+            "size(B)", "count", "iters", "time(us)", "algbw", "busbw"
+        );
         for r in &rows {
             let alg = r.bytes as f64 / r.time_s / 1e9;
             println!(

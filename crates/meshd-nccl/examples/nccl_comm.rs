@@ -60,7 +60,8 @@ fn reexec_with_shim(lib: &Path) -> String {
 
 fn run() -> Result<(), (u8, String)> {
     let bad_env = |m: String| (2, m);
-    let hex = std::env::var("MESHD_NCCL_UNIQUE_ID").map_err(|_| bad_env("MESHD_NCCL_UNIQUE_ID is not set".into()))?;
+    let hex = std::env::var("MESHD_NCCL_UNIQUE_ID")
+        .map_err(|_| bad_env("MESHD_NCCL_UNIQUE_ID is not set".into()))?;
     let id = meshd_nccl::UniqueId::from_hex(&hex).map_err(|e| bad_env(e.to_string()))?;
     let rank = env_usize("RANK", None).map_err(bad_env)?;
     let world = env_usize("WORLD_SIZE", None).map_err(bad_env)?;
@@ -106,7 +107,10 @@ fn run() -> Result<(), (u8, String)> {
     let result = match out {
         Ok(r) => r?,
         Err(p) => {
-            let msg = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
+            let msg = p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
             return Err((3, format!("cudarc panicked: {}", msg.unwrap_or_default())));
         }
     };

@@ -66,12 +66,7 @@ impl UniqueId {
                 let mut a = [0u8; 16];
                 a.copy_from_slice(&b[16..32]);
                 let scope = u32::from_ne_bytes([b[32], b[33], b[34], b[35]]);
-                Some(SocketAddr::V6(SocketAddrV6::new(
-                    Ipv6Addr::from(a),
-                    port,
-                    flowinfo,
-                    scope,
-                )))
+                Some(SocketAddr::V6(SocketAddrV6::new(Ipv6Addr::from(a), port, flowinfo, scope)))
             }
             _ => None,
         }
@@ -125,10 +120,7 @@ fn hex_val(c: u8) -> Option<u8> {
 impl fmt::Debug for UniqueId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let hex = self.to_hex();
-        f.debug_struct("UniqueId")
-            .field("root", &self.root())
-            .field("head", &&hex[..80])
-            .finish()
+        f.debug_struct("UniqueId").field("root", &self.root()).field("head", &&hex[..80]).finish()
     }
 }
 
@@ -200,9 +192,7 @@ mod tests {
         b[8..10].copy_from_slice(&10u16.to_ne_bytes());
         b[10..12].copy_from_slice(&[0xA1, 0x12]); // 41234
         b[12..16].copy_from_slice(&[0, 0, 0, 0]);
-        b[16..32].copy_from_slice(&[
-            0xfd, 0x00, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x07,
-        ]);
+        b[16..32].copy_from_slice(&[0xfd, 0x00, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x07]);
         b[32..36].copy_from_slice(&3u32.to_ne_bytes());
         let id = UniqueId(b);
         match id.root() {

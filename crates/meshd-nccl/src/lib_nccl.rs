@@ -129,7 +129,8 @@ impl NcclLib {
 
         // SAFETY: the symbol is libnccl's `ncclResult_t ncclGetVersion(int*)`; transmuting a
         // non-null data pointer from dlsym to a C function pointer is how dlsym is used.
-        let get_version: GetVersionFn = unsafe { std::mem::transmute::<*mut c_void, GetVersionFn>(get_version) };
+        let get_version: GetVersionFn =
+            unsafe { std::mem::transmute::<*mut c_void, GetVersionFn>(get_version) };
         // SAFETY: as above, `ncclResult_t ncclGetUniqueId(ncclUniqueId*)`, the id being 128
         // bytes with alignment 1 (`char internal[128]`).
         let get_unique_id: GetUniqueIdFn =
@@ -190,7 +191,11 @@ fn dlerror_text() -> String {
     // on this thread; it is copied at once.
     unsafe {
         let e = libc::dlerror();
-        if e.is_null() { "unknown dlopen error".to_owned() } else { CStr::from_ptr(e).to_string_lossy().into_owned() }
+        if e.is_null() {
+            "unknown dlopen error".to_owned()
+        } else {
+            CStr::from_ptr(e).to_string_lossy().into_owned()
+        }
     }
 }
 

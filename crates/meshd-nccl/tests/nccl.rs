@@ -25,7 +25,8 @@ fn nccl_lib_path(test: &str) -> Option<PathBuf> {
             // Straight to fd 2, not eprintln!: the harness captures the print macros of
             // passing tests, and this line must be seen.
             let _ = writeln!(std::io::stderr(), "\n*** {msg} ***");
-            let required = std::env::var("MESHD_REQUIRE_NCCL").map(|v| !v.is_empty() && v != "0").unwrap_or(false);
+            let required =
+                std::env::var("MESHD_REQUIRE_NCCL").map(|v| !v.is_empty() && v != "0").unwrap_or(false);
             assert!(!required, "MESHD_REQUIRE_NCCL is set but MESHD_NCCL_LIB is not: {msg}");
             None
         }
@@ -114,7 +115,12 @@ fn real_nccl_version_unique_id_and_probe() {
 
     let id = UniqueId(lib.unique_id().expect("ncclGetUniqueId"));
     let root = check_root(id.root());
-    eprintln!("NCCL {} ({}) at {}: id root {root}", lib.version_string(), lib.version(), lib.path().display());
+    eprintln!(
+        "NCCL {} ({}) at {}: id root {root}",
+        lib.version_string(),
+        lib.version(),
+        lib.path().display()
+    );
     // The root lives as long as this process: probing (several times) must keep it alive.
     for _ in 0..3 {
         probe_root(root, Duration::from_secs(5)).expect("probe root");
@@ -238,7 +244,15 @@ fn load_without_env_searches_everywhere_or_finds_one() {
     let line = protocol_line(&mut child);
     eprintln!("load() without MESHD_NCCL_LIB: {line}");
     if let Some(msg) = line.strip_prefix("NCCLERR ") {
-        for needle in ["libnccl not found", "MESHD_NCCL_LIB", "libnccl.so.2", "python3", "/nonexistent-venv", "CONDA_PREFIX", "pip install nvidia-nccl-cu12"] {
+        for needle in [
+            "libnccl not found",
+            "MESHD_NCCL_LIB",
+            "libnccl.so.2",
+            "python3",
+            "/nonexistent-venv",
+            "CONDA_PREFIX",
+            "pip install nvidia-nccl-cu12",
+        ] {
             assert!(msg.contains(needle), "missing {needle:?} in {msg}");
         }
         assert_eq!(wait_exit(&mut child, Duration::from_secs(10)).code(), Some(1));
@@ -299,7 +313,10 @@ fn cuda_info_never_panics() {
             };
             if !driver_present {
                 assert!(matches!(e, NcclError::NoDriver { .. }), "{e:?}");
-                assert!(e.to_string().starts_with("libcuda.so.1 not found: no NVIDIA driver on this host"), "{e}");
+                assert!(
+                    e.to_string().starts_with("libcuda.so.1 not found: no NVIDIA driver on this host"),
+                    "{e}"
+                );
             }
         }
     }

@@ -10,8 +10,8 @@
 //! Success: every local rank exited 0, this node says `Done` (repeated until every member
 //! said it too), and exits 0 once every roster member is done.
 
-use crate::collective::service::{self, Service, ServiceConfig};
 use crate::collective::RingNet;
+use crate::collective::service::{self, Service, ServiceConfig};
 use crate::mesh::{Mesh, MeshError, MeshInput};
 use crate::preflight::{self, PreflightInput};
 use crate::supervisor::{self, RankSpec, Supervisor};
@@ -125,7 +125,9 @@ pub async fn run(mesh: &mut Mesh, cfg: &JobConfig, run_id: &str) -> Result<JobOu
     let mut restart = 0u32;
     // Bulk data streams of the QUIC ring, shared by every restart round's service.
     let incoming = std::sync::Arc::new(tokio::sync::Mutex::new(
-        mesh.transport().take_data_streams().ok_or_else(|| MeshError::Iface("data streams already taken".into()))?,
+        mesh.transport()
+            .take_data_streams()
+            .ok_or_else(|| MeshError::Iface("data streams already taken".into()))?,
     ));
     loop {
         let master_port = free_tcp_port(mesh.addr().ip()).unwrap_or(29500);
@@ -194,7 +196,10 @@ pub async fn run(mesh: &mut Mesh, cfg: &JobConfig, run_id: &str) -> Result<JobOu
         let svc = match Service::start(svc_cfg.clone(), ring, mesh.transport().clone()) {
             Ok(s) => Some(s),
             Err(e) => {
-                warn!("cannot start the local service at {}: {e}; MESHD_SOCKET is not set", svc_cfg.path.display());
+                warn!(
+                    "cannot start the local service at {}: {e}; MESHD_SOCKET is not set",
+                    svc_cfg.path.display()
+                );
                 None
             }
         };

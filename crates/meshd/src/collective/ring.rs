@@ -72,7 +72,8 @@ impl RingNet {
         addrs: Vec<SocketAddr>,
         incoming: Arc<Mutex<mpsc::Receiver<DataStream>>>,
     ) -> Self {
-        let chunk_bytes = std::env::var("MESHD_RING_CHUNK").ok().and_then(|v| v.parse().ok()).unwrap_or(1 << 20);
+        let chunk_bytes =
+            std::env::var("MESHD_RING_CHUNK").ok().and_then(|v| v.parse().ok()).unwrap_or(1 << 20);
         RingNet {
             transport,
             rank,
@@ -118,7 +119,13 @@ impl RingNet {
 
     /// In-place allreduce of `buf` (little-endian elements of `dtype`) across the nodes.
     /// `op` is applied as given (`Avg` divides by the number of nodes).
-    pub async fn allreduce(&mut self, op_id: u64, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<(), CollectiveError> {
+    pub async fn allreduce(
+        &mut self,
+        op_id: u64,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError> {
         let n = self.addrs.len();
         if buf.len() % dtype.size() != 0 {
             return Err(CollectiveError::Request(format!(
@@ -153,17 +160,18 @@ impl RingNet {
                 if state.is_done() {
                     return Ok(());
                 }
-                let (id, payload) = rrx
-                    .recv()
-                    .await
-                    .ok_or_else(|| CollectiveError::Link { peer: prev, reason: "stream ended early".into() })??;
+                let (id, payload) = rrx.recv().await.ok_or_else(|| CollectiveError::Link {
+                    peer: prev,
+                    reason: "stream ended early".into(),
+                })??;
                 let action = state.on_received(id, payload.len())?;
                 action.apply(buf, &payload, dtype, op, n)?;
             }
         }
         .await;
         drop(wtx);
-        let w = writer.await.unwrap_or_else(|e| Err(CollectiveError::Link { peer: next, reason: e.to_string() }));
+        let w =
+            writer.await.unwrap_or_else(|e| Err(CollectiveError::Link { peer: next, reason: e.to_string() }));
         reader.abort();
         result?;
         w

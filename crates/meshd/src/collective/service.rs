@@ -127,7 +127,12 @@ impl Drop for Service {
     }
 }
 
-async fn accept(listener: UnixListener, cfg: ServiceConfig, coll: mpsc::Sender<CollReq>, store: mpsc::Sender<StoreReq>) {
+async fn accept(
+    listener: UnixListener,
+    cfg: ServiceConfig,
+    coll: mpsc::Sender<CollReq>,
+    store: mpsc::Sender<StoreReq>,
+) {
     while let Ok((stream, _)) = listener.accept().await {
         let (cfg, coll, store) = (cfg.clone(), coll.clone(), store.clone());
         tokio::spawn(async move {
@@ -151,7 +156,8 @@ async fn read_msg(s: &mut UnixStream) -> std::io::Result<Option<(Value, Vec<u8>)
     }
     let mut head = vec![0u8; n];
     s.read_exact(&mut head).await?;
-    let v: Value = serde_json::from_slice(&head).map_err(|e| std::io::Error::other(format!("bad header: {e}")))?;
+    let v: Value =
+        serde_json::from_slice(&head).map_err(|e| std::io::Error::other(format!("bad header: {e}")))?;
     let nbytes = v.get("nbytes").and_then(Value::as_u64).unwrap_or(0) as usize;
     if nbytes > MAX_PAYLOAD {
         return Err(std::io::Error::other(format!("payload of {nbytes} bytes is too large")));
@@ -171,7 +177,12 @@ async fn write_msg(s: &mut UnixStream, head: Value, payload: &[u8]) -> std::io::
     s.flush().await
 }
 
-async fn client(mut s: UnixStream, cfg: &ServiceConfig, coll: mpsc::Sender<CollReq>, store: mpsc::Sender<StoreReq>) -> std::io::Result<()> {
+async fn client(
+    mut s: UnixStream,
+    cfg: &ServiceConfig,
+    coll: mpsc::Sender<CollReq>,
+    store: mpsc::Sender<StoreReq>,
+) -> std::io::Result<()> {
     let mut seq = 0u64;
     let mut me: Option<(u32, u32)> = None; // (global, local)
     while let Some((req, payload)) = read_msg(&mut s).await? {
@@ -182,7 +193,13 @@ async fn client(mut s: UnixStream, cfg: &ServiceConfig, coll: mpsc::Sender<CollR
                 let rank = req.get("rank").and_then(Value::as_u64).unwrap_or(u64::MAX);
                 let lo = cfg.first_global as u64;
                 if rank < lo || rank >= lo + cfg.local_world as u64 {
-                    (fail(format!("rank {rank} is not a rank of this node (ranks {lo}..{})", lo + cfg.local_world as u64)), vec![])
+                    (
+                        fail(format!(
+                            "rank {rank} is not a rank of this node (ranks {lo}..{})",
+                            lo + cfg.local_world as u64
+                        )),
+                        vec![],
+                    )
                 } else {
                     me = Some((rank as u32, (rank - lo) as u32));
                     (json!({"ok": true, "world": cfg.world, "local_world": cfg.local_world}), vec![])
@@ -205,7 +222,9 @@ async fn client(mut s: UnixStream, cfg: &ServiceConfig, coll: mpsc::Sender<CollR
                             match rx.await {
                                 Ok(Ok(data)) => (json!({"ok": true}), data),
                                 Ok(Err(e)) => (fail(e), vec![]),
-                                Err(_) => (fail("the collective was abandoned (job stopping?)".into()), vec![]),
+                                Err(_) => {
+                                    (fail("the collective was abandoned (job stopping?)".into()), vec![])
+                                }
                             }
                         }
                     }
@@ -214,7 +233,12 @@ async fn client(mut s: UnixStream, cfg: &ServiceConfig, coll: mpsc::Sender<CollR
             "store_set" => {
                 let key = req.get("key").and_then(Value::as_str).unwrap_or("").to_string();
                 if key.is_empty() || key.len() > MAX_STORE_KEY || payload.len() > MAX_STORE_VALUE {
-                    (fail(format!("store keys are 1..{MAX_STORE_KEY} bytes, values at most {MAX_STORE_VALUE}")), vec![])
+                    (
+                        fail(format!(
+                            "store keys are 1..{MAX_STORE_KEY} bytes, values at most {MAX_STORE_VALUE}"
+                        )),
+                        vec![],
+                    )
                 } else {
                     let (tx, rx) = oneshot::channel();
                     let _ = store.send(StoreReq::Set(key, payload, tx)).await;
@@ -242,8 +266,10 @@ async fn client(mut s: UnixStream, cfg: &ServiceConfig, coll: mpsc::Sender<CollR
 fn parse_kind(op: &str, req: &Value, world: u32) -> Result<Kind, String> {
     match op {
         "allreduce" => {
-            let dtype = DType::parse(req.get("dtype").and_then(Value::as_str).unwrap_or("float32")).map_err(|e| e.to_string())?;
-            let rop = ReduceOp::parse(req.get("reduce").and_then(Value::as_str).unwrap_or("sum")).map_err(|e| e.to_string())?;
+            let dtype = DType::parse(req.get("dtype").and_then(Value::as_str).unwrap_or("float32"))
+                .map_err(|e| e.to_string())?;
+            let rop = ReduceOp::parse(req.get("reduce").and_then(Value::as_str).unwrap_or("sum"))
+                .map_err(|e| e.to_string())?;
             Ok(Kind::AllReduce(dtype, rop))
         }
         "broadcast" => {
@@ -309,7 +335,13 @@ async fn run_one(cfg: &ServiceConfig, ring: &mut RingNet, op_id: u64, parts: Vec
     }
 }
 
-async fn reduce_parts(cfg: &ServiceConfig, ring: &mut RingNet, op_id: u64, kind: &Kind, parts: &[Part]) -> Result<Vec<u8>, String> {
+async fn reduce_parts(
+    cfg: &ServiceConfig,
+    ring: &mut RingNet,
+    op_id: u64,
+    kind: &Kind,
+    parts: &[Part],
+) -> Result<Vec<u8>, String> {
     let (dtype, op, mut acc, trim) = match kind {
         Kind::AllReduce(d, o) => (*d, *o, parts[0].data.clone(), None),
         // Broadcast as a byte-exact sum: the root's bytes plus zeros from everyone else,
@@ -340,9 +372,12 @@ async fn reduce_parts(cfg: &ServiceConfig, ring: &mut RingNet, op_id: u64, kind:
     Ok(acc)
 }
 
+/// A pending `store_get`: key, deadline, where to answer.
+type Waiter = (String, tokio::time::Instant, oneshot::Sender<Option<Vec<u8>>>);
+
 async fn store(cfg: ServiceConfig, transport: Transport, mut rx: mpsc::Receiver<StoreReq>) {
     let mut map: HashMap<String, Vec<u8>> = HashMap::new();
-    let mut waiters: Vec<(String, tokio::time::Instant, oneshot::Sender<Option<Vec<u8>>>)> = Vec::new();
+    let mut waiters: Vec<Waiter> = Vec::new();
     loop {
         let next_deadline = waiters.iter().map(|w| w.1).min();
         let sleep = async {
