@@ -67,5 +67,7 @@ then
 fi
 
 # The library is all we need: drop the wheel to save disk (the library is the cache).
+say "$(basename "$wheel"): wheel $(( $(stat -c %s "$wheel") / 1048576 )) MiB, libnccl.so.2 $(( $(stat -c %s "$lib") / 1048576 )) MiB"
 rm -f "$wheel"
+rmdir "$wheels" 2>/dev/null || true
 printf '%s\n' "$lib"

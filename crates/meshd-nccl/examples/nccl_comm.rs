@@ -71,20 +71,31 @@ fn run() -> Result<(), (u8, String)> {
     }
     println!("rank {rank}/{world} (local {local_rank}): root {:?}", id.root());
 
+    // cudarc must open the same libnccl the root uses: $MESHD_NCCL_LIB when set, else
+    // whatever cudarc finds, else what NcclLib::load() finds (through a shim).
+    let explicit = std::env::var_os("MESHD_NCCL_LIB").filter(|v| !v.is_empty()).map(PathBuf::from);
+    if std::env::var_os("MESHD_NCCL_SHIMMED").is_none() {
+        // SAFETY: is_culib_present only tries dlopen on cudarc's candidate names.
+        let cudarc_finds = unsafe { cudarc::nccl::sys::is_culib_present() };
+        let target = match explicit {
+            Some(p) => Some(p),
+            None if cudarc_finds => None,
+            None => Some(meshd_nccl::NcclLib::load().map_err(|e| (1, e.to_string()))?.path().to_path_buf()),
+        };
+        if let Some(lib) = target {
+            println!("exposing {} to cudarc as libnccl.so", lib.display());
+            return Err((1, reexec_with_shim(&lib)));
+        }
+    }
+    let v = std::panic::catch_unwind(cudarc::nccl::result::get_nccl_version)
+        .map_err(|_| (1, "cudarc cannot load libnccl (see the panic above)".to_owned()))?
+        .map_err(|e| (3, format!("ncclGetVersion failed: ncclResult_t {}", e.0 as i64)))?;
+    println!("cudarc loaded NCCL {v}");
+
     let info = meshd_nccl::cuda_info().map_err(|e| (1, format!("no CUDA driver: {e}")))?;
     println!("CUDA driver {} with {} device(s)", info.driver_version, info.devices);
     if local_rank >= info.devices as usize {
         return Err((1, format!("LOCAL_RANK {local_rank} but only {} CUDA device(s)", info.devices)));
-    }
-
-    // SAFETY: is_culib_present only tries dlopen on cudarc's candidate names.
-    if !unsafe { cudarc::nccl::sys::is_culib_present() } {
-        if std::env::var_os("MESHD_NCCL_SHIMMED").is_some() {
-            return Err((1, "cudarc still cannot open libnccl.so after the shim".into()));
-        }
-        let lib = meshd_nccl::NcclLib::load().map_err(|e| (1, e.to_string()))?;
-        println!("using {} (NCCL {}) through a libnccl.so shim", lib.path().display(), lib.version_string());
-        return Err((1, reexec_with_shim(&PathBuf::from(lib.path()))));
     }
 
     let out = std::panic::catch_unwind(move || -> Result<Vec<f32>, (u8, String)> {

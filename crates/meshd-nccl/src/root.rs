@@ -39,9 +39,12 @@ pub fn probe_root(root: SocketAddr, timeout: Duration) -> Result<(), NcclError> 
 /// EOF (the parent closed it or died) and returns 0. On failure prints
 /// `NCCLERR <one line message>` and returns 1.
 ///
-/// While NCCL runs, file descriptor 1 is pointed at stderr, so that NCCL's own log lines
-/// (`NCCL_DEBUG`, written to stdout by default) cannot mix with the protocol line; the
-/// parent should still look for the line starting with `NCCLID ` or `NCCLERR `.
+/// The parent must hand the child a pipe as stdin (`/dev/null` means an immediate EOF, and
+/// the root would die at once) and keep its write end open until every rank has
+/// initialised. Before NCCL is called, file descriptor 1 is pointed at stderr for the rest
+/// of the process, so NCCL's own log lines (`NCCL_DEBUG` writes to stdout by default)
+/// cannot mix with the protocol line, which goes to the original stdout. NCCL may log to
+/// stderr (e.g. a `wrong magic` warning for each [`probe_root`] on NCCL < 2.27).
 pub fn serve_root_blocking() -> i32 {
     let mut out = protocol_stdout();
     let result = NcclLib::load().and_then(|lib| lib.unique_id().map(|b| (lib, UniqueId(b))));

@@ -1,0 +1,75 @@
+//! Custom rendezvous with the meshd library, without the CLI: join a mesh from seeds and a
+//! token, await the agreed roster (master, ranks, addresses), then use the same QUIC
+//! endpoint for a ring allreduce.
+//!
+//! Run the same line for each node (here two nodes on loopback):
+//!
+//! ```sh
+//! cargo run --example custom_rendezvous -- 127.0.0.1:29701,127.0.0.1:29702 29701 &
+//! cargo run --example custom_rendezvous -- 127.0.0.1:29701,127.0.0.1:29702 29702
+//! ```
+
+use meshd::collective::RingNet;
+use meshd::mesh::{Mesh, MeshConfig};
+use meshd::proto::membership::MembershipConfig;
+use meshd::proto::reduce::{DType, ReduceOp};
+use meshd::proto::rendezvous::RdzvConfig;
+use meshd::transport::auth::Token;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().collect();
+    let peers_arg = args.get(1).cloned().unwrap_or_else(|| "127.0.0.1:29701,127.0.0.1:29702".into());
+    let port: u16 = args.get(2).and_then(|p| p.parse().ok()).unwrap_or(29701);
+    let specs = meshd::peers::parse(&peers_arg)?;
+    let (peers, _unresolved) = meshd::peers::resolve(&specs, port);
+    let n = peers.len() as u32;
+
+    // 1. Join: any one reachable member is enough; the token authenticates every link.
+    let mut mesh = Mesh::start(MeshConfig {
+        node: meshd::random_node_id(),
+        port,
+        token: Some(Token::new("example-secret")),
+        run_id: "custom-rendezvous-example".into(),
+        peers,
+        iface: None,
+        nproc: 1,
+        cmd_hash: 0,
+        membership: MembershipConfig::default(),
+    })
+    .await?;
+    let incoming = mesh.transport().take_data_streams().ok_or("data streams taken")?;
+
+    // 2. Await the roster: the same on every node, master = lowest address.
+    let rdzv = RdzvConfig { min_nodes: n, max_nodes: n, ..RdzvConfig::default() };
+    let roster = mesh.rendezvous(0, rdzv, 29500, Duration::from_secs(60)).await?;
+    let rank = roster.node_rank(mesh.node()).ok_or("not in roster")?;
+    println!(
+        "node rank {rank} of {}, master {}",
+        roster.members.len(),
+        roster.master().map(|m| m.addr.to_string()).unwrap_or_default()
+    );
+
+    // 3. Use the same QUIC endpoint for a ring allreduce; keep pumping the mesh meanwhile
+    //    so membership probes are answered.
+    let addrs = roster.members.iter().map(|m| m.addr).collect();
+    let mut ring = RingNet::new(mesh.transport().clone(), rank, addrs, Arc::new(tokio::sync::Mutex::new(incoming)));
+    let work = tokio::spawn(async move {
+        let mut buf: Vec<u8> = (0..1000).flat_map(|_| ((rank + 1) as f32).to_le_bytes()).collect();
+        ring.allreduce(1, &mut buf, DType::F32, ReduceOp::Sum).await.map(|_| buf)
+    });
+    tokio::pin!(work);
+    let buf = loop {
+        tokio::select! {
+            r = &mut work => break r??,
+            _ = mesh.next(None) => {}
+        }
+    };
+    let first = f32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]);
+    println!("allreduce sum over {} nodes: {first}", roster.members.len());
+    meshd::job::finish_together(&mut mesh, &roster, Duration::from_secs(3)).await;
+    mesh.shutdown().await;
+    Ok(())
+}
