@@ -55,7 +55,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // 3. Use the same QUIC endpoint for a ring allreduce; keep pumping the mesh meanwhile
     //    so membership probes are answered.
     let addrs = roster.members.iter().map(|m| m.addr).collect();
-    let mut ring = RingNet::new(mesh.transport().clone(), rank, addrs, Arc::new(tokio::sync::Mutex::new(incoming)));
+    let mut ring =
+        RingNet::new(mesh.transport().clone(), rank, addrs, Arc::new(tokio::sync::Mutex::new(incoming)));
     let work = tokio::spawn(async move {
         let mut buf: Vec<u8> = (0..1000).flat_map(|_| ((rank + 1) as f32).to_le_bytes()).collect();
         ring.allreduce(1, &mut buf, DType::F32, ReduceOp::Sum).await.map(|_| buf)

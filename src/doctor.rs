@@ -25,9 +25,10 @@ pub async fn main(a: Args) -> Result<ExitCode> {
         let master_port = job::free_tcp_port(mesh.addr().ip()).unwrap_or(29500);
         let roster = mesh.rendezvous(0, p.job.rdzv.clone(), master_port, p.job.rdzv_timeout).await?;
         mesh.set_master(roster.master().map(|m| m.id));
-        let verdict =
-            meshd::preflight::run(&mut mesh, &roster, &p.job.preflight, Duration::from_secs(20)).await?;
+        let (outcome, root) = job::preflight_round(&mut mesh, &roster, &p.job.preflight).await?;
+        let verdict = outcome.verdict;
         job::finish_together(&mut mesh, &roster, Duration::from_secs(3)).await;
+        drop(root);
         Ok::<_, MeshError>((roster, verdict))
     }
     .await;

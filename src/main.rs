@@ -40,6 +40,10 @@ enum Cmd {
 }
 
 fn main() -> ExitCode {
+    // The NCCL root child (see meshd::nccl_root): no runtime, no logging on stdout.
+    if std::env::args().nth(1).as_deref() == Some("__nccl-root") {
+        return ExitCode::from(meshd_nccl::serve_root_blocking().clamp(0, 255) as u8);
+    }
     let cli = Cli::parse();
     common::init_tracing();
     let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {

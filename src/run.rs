@@ -146,7 +146,20 @@ pub fn prepare(a: &JobArgs, cmd: &[String]) -> Result<Prepared> {
         let slurm = std::env::var("SLURM_JOB_ID").unwrap_or_default();
         format!("meshd-{:012x}", stable_hash(&[&fp, slurm.as_bytes()]) >> 16)
     });
-    let gpus = nproc_gpus();
+    let (nccl_version, nccl_note) = match meshd_nccl::NcclLib::load() {
+        Ok(lib) => {
+            tracing::debug!("NCCL {} from {}", lib.version_string(), lib.path().display());
+            (lib.version(), String::new())
+        }
+        Err(e) => {
+            tracing::info!("NCCL is not available, so MESHD_NCCL_UNIQUE_ID will not be set: {e}");
+            (0, e.to_string())
+        }
+    };
+    let (gpus, cuda_driver) = match meshd_nccl::cuda_info() {
+        Ok(c) => (c.devices, c.driver_version),
+        Err(_) => (nproc_gpus(), 0),
+    };
     let mesh = MeshConfig {
         node: meshd::random_node_id(),
         port: a.net.port,
@@ -175,10 +188,12 @@ pub fn prepare(a: &JobArgs, cmd: &[String]) -> Result<Prepared> {
             cmd_hash,
             nproc,
             gpus,
-            cuda_driver: 0,
-            nccl_version: 0,
+            cuda_driver,
+            nccl_version,
             forced: (a.collective != "auto").then(|| a.collective.clone()),
             connect_timeout: Duration::from_secs(2),
+            nccl_id: None,
+            nccl_note,
         },
         grace: a.grace,
     };

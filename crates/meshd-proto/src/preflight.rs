@@ -49,6 +49,10 @@ pub struct NodeReport {
     pub mtu: u32,
     /// Chosen interface.
     pub iface: String,
+    /// Root address of the NCCL unique id, as decoded by the master ("" without an id).
+    pub nccl_root: String,
+    /// Why there is no NCCL id, when there is none ("" otherwise).
+    pub nccl_note: String,
 }
 
 /// One line of the report.
@@ -165,6 +169,35 @@ pub fn evaluate(roster: &Roster, reports: &BTreeMap<NodeId, NodeReport>, forced:
     checks.push(agree(roster, reports, "gpus", true, |r| r.gpus));
     checks.push(agree(roster, reports, "cuda driver", true, |r| r.cuda_driver));
     checks.push(agree(roster, reports, "nccl version", true, |r| r.nccl_version));
+    if let Some(master) = roster.master() {
+        if let Some(r) = reports.get(&master.id) {
+            let ip = master.addr.ip().to_string();
+            let root_ip = r.nccl_root.rsplit_once(':').map(|(h, _)| h.trim_matches(['[', ']'])).unwrap_or("");
+            let (ok, detail) = if r.nccl_root.is_empty() {
+                (
+                    false,
+                    format!(
+                        "no NCCL unique id: {}",
+                        if r.nccl_note.is_empty() { "libnccl not loaded" } else { &r.nccl_note }
+                    ),
+                )
+            } else if root_ip == ip {
+                (
+                    true,
+                    format!(
+                        "root {} is on the master's chosen interface (probed from every node in the tcp check)",
+                        r.nccl_root
+                    ),
+                )
+            } else {
+                (
+                    false,
+                    format!("root {} is not the master's address {ip} on the chosen interface", r.nccl_root),
+                )
+            };
+            checks.push(Check { name: "nccl id".into(), ok, detail, fatal: false });
+        }
+    }
     let mut mtu = agree(roster, reports, "mtu", false, |r| r.mtu);
     if !mtu.ok {
         mtu.detail.push_str(" (warning: mismatched MTUs can stall large transfers)");
@@ -222,6 +255,8 @@ mod tests {
             nccl_version: 22703,
             mtu: 1500,
             iface: "eth1".into(),
+            nccl_root: format!("198.19.0.{}:40001", if me == 1 { 1 } else { 0 }),
+            nccl_note: String::new(),
         }
     }
 
@@ -264,6 +299,25 @@ mod tests {
         let mut reps = all(3);
         reps.get_mut(&NodeId::from_u128(1)).expect("r").gpus = 4;
         assert!(!evaluate(&roster(3), &reps, None).ok);
+    }
+
+    #[test]
+    fn nccl_root_must_be_the_masters_address() {
+        let v = evaluate(&roster(3), &all(3), None);
+        let c = v.checks.iter().find(|c| c.name == "nccl id").expect("nccl id");
+        assert!(c.ok, "{c:?}");
+        let mut reps = all(3);
+        reps.get_mut(&NodeId::from_u128(1)).expect("r").nccl_root = "198.18.0.4:5000".into();
+        let v = evaluate(&roster(3), &reps, None);
+        let c = v.checks.iter().find(|c| c.name == "nccl id").expect("nccl id");
+        assert!(!c.ok && c.detail.contains("198.18.0.4:5000"), "{c:?}");
+        let mut reps = all(3);
+        let m = reps.get_mut(&NodeId::from_u128(1)).expect("r");
+        m.nccl_root.clear();
+        m.nccl_note = "libnccl not found".into();
+        let v = evaluate(&roster(3), &reps, None);
+        assert!(v.ok, "a missing NCCL is not fatal");
+        assert!(v.checks.iter().any(|c| c.name == "nccl id" && c.detail.contains("libnccl not found")));
     }
 
     #[test]

@@ -13,6 +13,7 @@
 use crate::collective::RingNet;
 use crate::collective::service::{self, Service, ServiceConfig};
 use crate::mesh::{Mesh, MeshError, MeshInput};
+use crate::nccl_root::NcclRoot;
 use crate::preflight::{self, PreflightInput};
 use crate::supervisor::{self, RankSpec, Supervisor};
 use meshd_proto::membership::MemberEvent;
@@ -150,13 +151,14 @@ pub async fn run(mesh: &mut Mesh, cfg: &JobConfig, run_id: &str) -> Result<JobOu
             master.hostname,
             if restart > 0 { format!(", restart {restart}") } else { String::new() }
         );
-        let verdict = match preflight::run(mesh, &roster, &cfg.preflight, Duration::from_secs(20)).await {
+        let (outcome, nccl_root) = match preflight_round(mesh, &roster, &cfg.preflight).await {
             Ok(v) => v,
             Err(MeshError::Aborted(reason)) => {
                 return Ok(JobOutcome { code: 1, message: format!("job stopped before launch: {reason}") });
             }
             Err(e) => return Err(e),
         };
+        let verdict = outcome.verdict;
         for c in verdict.checks.iter().filter(|c| !c.ok) {
             if c.fatal {
                 error!("preflight {}: {}", c.name, c.detail);
@@ -219,6 +221,12 @@ pub async fn run(mesh: &mut Mesh, cfg: &JobConfig, run_id: &str) -> Result<JobOu
                 if let Some(s) = &svc {
                     env.push(("MESHD_SOCKET".into(), s.path().display().to_string()));
                 }
+                if let Some(id) = &outcome.nccl_id {
+                    env.push((
+                        "MESHD_NCCL_UNIQUE_ID".into(),
+                        id.iter().map(|b| format!("{b:02x}")).collect(),
+                    ));
+                }
                 RankSpec { global: roster.first_global_rank(node_rank) + l, local: l, env }
             })
             .collect();
@@ -233,6 +241,7 @@ pub async fn run(mesh: &mut Mesh, cfg: &JobConfig, run_id: &str) -> Result<JobOu
                 let f = supervise(mesh, &roster, &mut sup, svc.as_ref(), &mut sigterm).await;
                 sup.stop(cfg.grace).await;
                 drop(svc);
+                drop(nccl_root);
                 f
             }
             Err(e) => {
@@ -262,6 +271,35 @@ pub async fn run(mesh: &mut Mesh, cfg: &JobConfig, run_id: &str) -> Result<JobOu
             }
         }
     }
+}
+
+/// The preflight of one round; the master first creates the round's NCCL id in a root
+/// process that must outlive every rank's init (keep the returned [`NcclRoot`] until the
+/// round ends).
+pub async fn preflight_round(
+    mesh: &mut Mesh,
+    roster: &Roster,
+    input: &PreflightInput,
+) -> Result<(preflight::Outcome, Option<NcclRoot>), MeshError> {
+    let mut pin = input.clone();
+    let is_master = roster.master().map(|m| m.id) == Some(mesh.node());
+    let root = if is_master && pin.nccl_note.is_empty() {
+        match NcclRoot::spawn(&mesh.choice().name, Duration::from_secs(20)).await {
+            Ok(r) => {
+                pin.nccl_id = Some(r.id.clone());
+                Some(r)
+            }
+            Err(e) => {
+                warn!("no NCCL unique id: {e}");
+                pin.nccl_note = e;
+                None
+            }
+        }
+    } else {
+        None
+    };
+    let outcome = preflight::run(mesh, roster, &pin, Duration::from_secs(20)).await?;
+    Ok((outcome, root))
 }
 
 /// Says `Done` and waits (bounded) until every roster member said it too, so that no node

@@ -11,6 +11,7 @@ pub mod collective;
 pub mod interfaces;
 pub mod job;
 pub mod mesh;
+pub mod nccl_root;
 pub mod peers;
 pub mod preflight;
 pub mod supervisor;

@@ -30,6 +30,19 @@ pub struct PreflightInput {
     pub forced: Option<String>,
     /// How long one TCP connect may take.
     pub connect_timeout: Duration,
+    /// The NCCL unique id this node created (the master only).
+    pub nccl_id: Option<Vec<u8>>,
+    /// Why there is no id, when the master has none.
+    pub nccl_note: String,
+}
+
+/// The verdict and the NCCL id every rank gets.
+#[derive(Clone, Debug)]
+pub struct Outcome {
+    /// The same on every node.
+    pub verdict: Verdict,
+    /// The master's NCCL unique id (128 bytes), if it has one.
+    pub nccl_id: Option<Vec<u8>>,
 }
 
 /// MTU of `iface` (0 if unknown).
@@ -62,7 +75,7 @@ pub async fn run(
     roster: &Roster,
     input: &PreflightInput,
     timeout: Duration,
-) -> Result<Verdict, MeshError> {
+) -> Result<Outcome, MeshError> {
     let me = mesh.node();
     let ip = mesh.addr().ip();
     let restart = roster.restart;
@@ -82,7 +95,9 @@ pub async fn run(
             }
         }
     }
-    mesh.broadcast(roster, Message::PreflightHello { restart, tcp_port: port, nccl_id: None });
+    let hello_id = if is_master { input.nccl_id.clone() } else { None };
+    mesh.broadcast(roster, Message::PreflightHello { restart, tcp_port: port, nccl_id: hello_id });
+    let mut nccl_id = if is_master { input.nccl_id.clone() } else { None };
 
     let others: Vec<_> = roster.members.iter().filter(|m| m.id != me).cloned().collect();
     let mut ports: BTreeMap<NodeId, u16> = BTreeMap::new();
@@ -92,7 +107,9 @@ pub async fn run(
     while ports.len() < others.len() && Instant::now() < deadline && aborted.is_none() {
         match mesh.next(Some(deadline)).await {
             None => return Err(MeshError::Closed),
-            Some(input) => handle(input, restart, roster, &mut ports, &mut reports, &mut aborted, mesh),
+            Some(input) => {
+                handle(input, restart, roster, &mut ports, &mut reports, &mut nccl_id, &mut aborted, mesh)
+            }
         }
     }
     // Phase 2: dial every other node's ephemeral port and the master port, in parallel.
@@ -110,6 +127,23 @@ pub async fn run(
                 limit,
             )));
         }
+    }
+    let root = nccl_id
+        .as_ref()
+        .and_then(|b| <[u8; 128]>::try_from(b.as_slice()).ok())
+        .and_then(|b| meshd_nccl::UniqueId(b).root());
+    if let (Some(root), Some(master)) = (root, roster.master()) {
+        let master_id = master.id;
+        dials.push(tokio::spawn(async move {
+            // NCCL's root is probed the way that is safe on every NCCL version.
+            let r = tokio::task::spawn_blocking(move || meshd_nccl::probe_root(root, limit)).await;
+            let (ok, detail) = match r {
+                Ok(Ok(())) => (true, String::new()),
+                Ok(Err(e)) => (false, e.to_string()),
+                Err(e) => (false, e.to_string()),
+            };
+            TcpProbe { to: master_id, target: root.to_string(), ok, detail, what: "NCCL id root".into() }
+        }));
     }
     let mut tcp = Vec::new();
     for d in dials {
@@ -136,6 +170,8 @@ pub async fn run(
         nccl_version: input.nccl_version,
         mtu: mtu(&mesh.choice().name),
         iface: mesh.choice().name.clone(),
+        nccl_root: if is_master { root.map(|r| r.to_string()).unwrap_or_default() } else { String::new() },
+        nccl_note: if is_master { input.nccl_note.clone() } else { String::new() },
     };
     reports.insert(me, mine.clone());
     mesh.broadcast(roster, Message::PreflightReport { restart, report: mine });
@@ -143,7 +179,9 @@ pub async fn run(
     while reports.len() < roster.members.len() && Instant::now() < deadline && aborted.is_none() {
         match mesh.next(Some(deadline)).await {
             None => return Err(MeshError::Closed),
-            Some(input) => handle(input, restart, roster, &mut ports, &mut reports, &mut aborted, mesh),
+            Some(input) => {
+                handle(input, restart, roster, &mut ports, &mut reports, &mut nccl_id, &mut aborted, mesh)
+            }
         }
     }
     for t in tasks {
@@ -152,24 +190,29 @@ pub async fn run(
     if let Some(reason) = aborted {
         return Err(MeshError::Aborted(reason));
     }
-    Ok(preflight::evaluate(roster, &reports, input.forced.as_deref()))
+    Ok(Outcome { verdict: preflight::evaluate(roster, &reports, input.forced.as_deref()), nccl_id })
 }
 
+#[allow(clippy::too_many_arguments)]
 fn handle(
     input: MeshInput,
     restart: u32,
     roster: &Roster,
     ports: &mut BTreeMap<NodeId, u16>,
     reports: &mut BTreeMap<NodeId, NodeReport>,
+    nccl_id: &mut Option<Vec<u8>>,
     aborted: &mut Option<String>,
     mesh: &mut Mesh,
 ) {
     let member = |id: NodeId| roster.node_rank(id).is_some();
     match input {
-        MeshInput::Rdzv(from, Message::PreflightHello { restart: r, tcp_port, .. })
+        MeshInput::Rdzv(from, Message::PreflightHello { restart: r, tcp_port, nccl_id: id })
             if r == restart && member(from) =>
         {
             ports.insert(from, tcp_port);
+            if roster.master().map(|m| m.id) == Some(from) && id.as_ref().is_some_and(|b| b.len() == 128) {
+                *nccl_id = id;
+            }
         }
         MeshInput::Rdzv(from, Message::PreflightReport { restart: r, report })
             if r == restart && member(from) =>

@@ -1,0 +1,147 @@
+//! Allreduce benchmark on the 3-host lab, side by side in one run:
+//! meshd's QUIC ring (`meshd bench allreduce`), PyTorch Gloo's allreduce (launched by
+//! meshd run), and one TCP stream (iperf3) between two of the hosts.
+//! Run as root: `cargo bench --bench allreduce` (`-- --size BYTES` to change 64 MiB).
+
+#[path = "../tests/lab/mod.rs"]
+mod lab;
+
+use lab::{Lab, meshd};
+use std::time::Duration;
+
+fn field(line: &str, key: &str) -> Option<f64> {
+    line.split_whitespace().find_map(|kv| kv.strip_prefix(key)).and_then(|v| v.parse().ok())
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.iter().any(|a| a == "--list" || a == "--test") || !lab::available() {
+        return;
+    }
+    let size: usize = args
+        .iter()
+        .position(|a| a == "--size")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(64 << 20);
+    let sz = size.to_string();
+    let mut lab = Lab::new(3);
+    let peers = lab.peers();
+    println!("allreduce benchmark: 3 lab hosts, float32, {size} bytes (busbw = algbw x 2(n-1)/n)");
+
+    // 1. meshd's ring over QUIC.
+    let bench = [
+        meshd(),
+        "bench",
+        "allreduce",
+        "--json",
+        "--nnodes",
+        "3",
+        "--peers",
+        &peers,
+        "--size",
+        &sz,
+        "--iters",
+        "5",
+    ];
+    let ks: Vec<usize> = (0..3).map(|i| lab.spawn(i, &bench, &[("MESHD_LOG", "warn")])).collect();
+    let mut meshd_bus = Vec::new();
+    for k in ks {
+        let (code, out, err) = lab.wait(k, Duration::from_secs(300));
+        if code != Some(0) {
+            println!("meshd bench failed: {err}");
+            continue;
+        }
+        if let Ok(v) = serde_json::from_str::<serde_json::Value>(out.trim()) {
+            if let Some(b) = v["results"][0]["busbw_gbs"].as_f64() {
+                meshd_bus.push(b);
+            }
+        }
+    }
+    // Small-message latency: 8 bytes.
+    let small = [
+        meshd(),
+        "bench",
+        "allreduce",
+        "--json",
+        "--nnodes",
+        "3",
+        "--peers",
+        &peers,
+        "--size",
+        "8",
+        "--iters",
+        "50",
+    ];
+    let ks: Vec<usize> = (0..3).map(|i| lab.spawn(i, &small, &[("MESHD_LOG", "warn")])).collect();
+    let mut meshd_lat = Vec::new();
+    for k in ks {
+        let (_, out, _) = lab.wait(k, Duration::from_secs(120));
+        if let Ok(v) = serde_json::from_str::<serde_json::Value>(out.trim()) {
+            if let Some(t) = v["results"][0]["time_s"].as_f64() {
+                meshd_lat.push(t);
+            }
+        }
+    }
+
+    // 2. Gloo (PyTorch), one process per host, launched by meshd run.
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/gloo_allreduce_bench.py");
+    let gloo = [
+        meshd(),
+        "run",
+        "--nnodes",
+        "3",
+        "--peers",
+        &peers,
+        "--nproc-per-node",
+        "1",
+        "--",
+        "/usr/bin/python3",
+        script,
+        "--size",
+        &sz,
+    ];
+    let ks: Vec<usize> = (0..3).map(|i| lab.spawn(i, &gloo, &[("MESHD_LOG", "warn")])).collect();
+    let (mut gloo_bus, mut gloo_lat) = (Vec::new(), Vec::new());
+    for k in ks {
+        let (_, out, _) = lab.wait(k, Duration::from_secs(300));
+        for l in out.lines().filter(|l| l.contains("GLOO ")) {
+            match field(l, "bytes=") {
+                Some(b) if b <= 8.0 => gloo_lat.extend(field(l, "time_s=")),
+                Some(_) => gloo_bus.extend(field(l, "busbw_gbs=")),
+                None => {}
+            }
+        }
+    }
+
+    // 3. One TCP stream (iperf3) host 0 -> host 1.
+    let server = lab.spawn(1, &["iperf3", "-s", "-1"], &[]);
+    std::thread::sleep(Duration::from_millis(500));
+    let (_, out, _) =
+        lab.run(0, &["iperf3", "-c", &lab.hosts[1].eth1.clone(), "-t", "3", "-J"], Duration::from_secs(30));
+    let _ = lab.wait(server, Duration::from_secs(10));
+    let tcp = serde_json::from_str::<serde_json::Value>(&out)
+        .ok()
+        .and_then(|v| v["end"]["sum_received"]["bits_per_second"].as_f64())
+        .map(|b| b / 8e9);
+
+    let mean = |v: &[f64]| if v.is_empty() { None } else { Some(v.iter().sum::<f64>() / v.len() as f64) };
+    let show = |x: Option<f64>| x.map(|x| format!("{x:.3}")).unwrap_or_else(|| "n/a".into());
+    println!("{:<34} {:>12} {:>16}", "", "busbw GB/s", "8-byte time (us)");
+    println!(
+        "{:<34} {:>12} {:>16}",
+        "meshd ring over QUIC",
+        show(mean(&meshd_bus)),
+        show(mean(&meshd_lat).map(|t| t * 1e6))
+    );
+    println!(
+        "{:<34} {:>12} {:>16}",
+        "PyTorch Gloo (TCP)",
+        show(mean(&gloo_bus)),
+        show(mean(&gloo_lat).map(|t| t * 1e6))
+    );
+    println!("{:<34} {:>12} {:>16}", "one TCP stream, iperf3 (GB/s)", show(tcp), "");
+    if let (Some(m), Some(g)) = (mean(&meshd_bus), mean(&gloo_bus)) {
+        println!("meshd / Gloo busbw ratio: {:.2}", m / g);
+    }
+}

@@ -1,0 +1,49 @@
+//! The NCCL unique id's root process.
+//!
+//! `ncclGetUniqueId` starts the bootstrap root thread in the calling process and picks its
+//! interface once, from NCCL_SOCKET_IFNAME, at the process's first NCCL call. So the master
+//! runs it in a child (`meshd __nccl-root`) started with `NCCL_SOCKET_IFNAME==IFACE`; the
+//! child prints the id and stays alive while its stdin pipe is open, which is as long as
+//! this [`NcclRoot`] lives: the whole launch round, so every rank's init finds the root.
+
+use std::process::Stdio;
+use std::time::Duration;
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+/// A running root: the id and the child that serves it.
+#[derive(Debug)]
+pub struct NcclRoot {
+    /// The 128-byte unique id.
+    pub id: Vec<u8>,
+    _child: tokio::process::Child,
+}
+
+impl NcclRoot {
+    /// Starts `meshd __nccl-root` bound to `iface` and waits (bounded) for its id.
+    pub async fn spawn(iface: &str, timeout: Duration) -> Result<NcclRoot, String> {
+        let exe = std::env::current_exe().map_err(|e| format!("cannot find the meshd executable: {e}"))?;
+        let mut cmd = tokio::process::Command::new(exe);
+        cmd.arg("__nccl-root")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .kill_on_drop(true);
+        if std::env::var_os("NCCL_SOCKET_IFNAME").is_none() {
+            cmd.env("NCCL_SOCKET_IFNAME", format!("={iface}"));
+        }
+        let mut child = cmd.spawn().map_err(|e| format!("cannot start the NCCL root process: {e}"))?;
+        let stdout = child.stdout.take().ok_or("no stdout from the NCCL root process")?;
+        let mut lines = BufReader::new(stdout).lines();
+        let line = tokio::time::timeout(timeout, lines.next_line())
+            .await
+            .map_err(|_| format!("the NCCL root process gave no id within {timeout:?}"))?
+            .map_err(|e| e.to_string())?
+            .ok_or("the NCCL root process exited without an id")?;
+        if let Some(hex) = line.strip_prefix("NCCLID ") {
+            let id = meshd_nccl::UniqueId::from_hex(hex.trim()).map_err(|e| e.to_string())?;
+            Ok(NcclRoot { id: id.0.to_vec(), _child: child })
+        } else {
+            Err(line.strip_prefix("NCCLERR ").unwrap_or(&line).to_string())
+        }
+    }
+}
