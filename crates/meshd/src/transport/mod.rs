@@ -210,6 +210,11 @@ impl Transport {
             .max_concurrent_uni_streams(256u32.into())
             .max_concurrent_bidi_streams(4u32.into())
             .datagram_receive_buffer_size(Some(1 << 20))
+            // Nodes start at about the same time, so the first Initial to a peer that is
+            // not listening yet is lost; with quinn's default 333 ms initial RTT the
+            // retransmit (and so the whole rendezvous) waits about a second. Cluster links
+            // are sub-millisecond: start the estimate at 30 ms.
+            .initial_rtt(Duration::from_millis(30))
             // Bulk collective data: windows large enough that a stream is not capped at
             // window / RTT on a fast link.
             .stream_receive_window((16u32 << 20).into())
