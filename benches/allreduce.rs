@@ -48,9 +48,11 @@ fn main() {
         &sz,
         "--iters",
         "5",
+        "--ceiling",
     ];
     let ks: Vec<usize> = (0..3).map(|i| lab.spawn(i, &bench, &[("MESHD_LOG", "warn")])).collect();
     let mut meshd_bus = Vec::new();
+    let mut ceiling = Vec::new();
     for k in ks {
         let (code, out, err) = lab.wait(k, Duration::from_secs(300));
         if code != Some(0) {
@@ -60,6 +62,9 @@ fn main() {
         if let Ok(v) = serde_json::from_str::<serde_json::Value>(out.trim()) {
             if let Some(b) = v["results"][0]["busbw_gbs"].as_f64() {
                 meshd_bus.push(b);
+            }
+            if let Some(c) = v["ceiling_gbs"].as_f64() {
+                ceiling.push(c);
             }
         }
     }
@@ -139,6 +144,7 @@ fn main() {
         show(mean(&meshd_bus)),
         show(mean(&meshd_lat).map(|t| t * 1e6))
     );
+    println!("{:<34} {:>12} {:>16}", "bare quinn ring (per link)", show(mean(&ceiling)), "");
     println!(
         "{:<34} {:>12} {:>16}",
         "PyTorch Gloo (TCP)",
@@ -146,6 +152,9 @@ fn main() {
         show(mean(&gloo_lat).map(|t| t * 1e6))
     );
     println!("{:<34} {:>12} {:>16}", "one TCP stream, iperf3 (GB/s)", show(tcp), "");
+    if let (Some(m), Some(c)) = (mean(&meshd_bus), mean(&ceiling)) {
+        println!("meshd ring / bare quinn ring: {:.2}", m / c);
+    }
     if let (Some(m), Some(g)) = (mean(&meshd_bus), mean(&gloo_bus)) {
         println!("meshd / Gloo busbw ratio: {:.2}", m / g);
     }

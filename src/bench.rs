@@ -33,6 +33,9 @@ pub struct Args {
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
+    /// Also measure the bare QUIC ring (no framing, no reduction): the transport's ceiling.
+    #[arg(long)]
+    pub ceiling: bool,
 }
 
 #[derive(Debug)]
@@ -42,7 +45,12 @@ struct Row {
     time_s: f64,
 }
 
-async fn sweep(mut ring: RingNet, sizes: Vec<usize>, iters: Option<u32>) -> Result<Vec<Row>> {
+async fn sweep(
+    mut ring: RingNet,
+    sizes: Vec<usize>,
+    iters: Option<u32>,
+    ceiling: bool,
+) -> Result<(Vec<Row>, Option<f64>)> {
     let n = ring.world();
     let rank = ring.rank();
     let mut op = 0u64;
@@ -75,7 +83,19 @@ async fn sweep(mut ring: RingNet, sizes: Vec<usize>, iters: Option<u32>) -> Resu
         }
         rows.push(Row { bytes: elems * 4, iters, time_s: t.elapsed().as_secs_f64() / iters as f64 });
     }
-    Ok(rows)
+    // The bare ring: the bytes one link carries in an allreduce of the largest size.
+    let ceil = if ceiling && n > 1 {
+        let largest = rows.last().map(|r| r.bytes).unwrap_or(0);
+        let per_link = largest * 2 * (n - 1) / n;
+        op += 1;
+        ring.allreduce(op, &mut sync, DType::I64, ReduceOp::Sum).await?;
+        op += 1;
+        let t = ring.stream_ceiling(op, per_link).await?;
+        Some(per_link as f64 / t.as_secs_f64() / 1e9)
+    } else {
+        None
+    };
+    Ok((rows, ceil))
 }
 
 pub async fn main(which: Which) -> Result<ExitCode> {
@@ -101,10 +121,10 @@ pub async fn main(which: Which) -> Result<ExitCode> {
             std::iter::successors(Some(1024usize), |s| Some(s * 4)).take_while(|s| *s <= a.max_size).collect()
         }
     };
-    let task = tokio::spawn(sweep(ring, sizes, a.iters));
+    let task = tokio::spawn(sweep(ring, sizes, a.iters, a.ceiling));
     tokio::pin!(task);
     // Keep the mesh alive (answer probes) while the ring runs; a dead member ends the bench.
-    let rows = loop {
+    let (rows, ceiling) = loop {
         tokio::select! {
             r = &mut task => break r.context("bench task")??,
             input = mesh.next(None) => match input {
@@ -150,6 +170,9 @@ pub async fn main(which: Which) -> Result<ExitCode> {
             );
         }
         println!("# algbw, busbw in GB/s; busbw = algbw * 2(n-1)/n");
+        if let Some(c) = ceiling {
+            println!("# bare QUIC ring (no framing, no reduction), per link: {c:.3} GB/s");
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -46,8 +46,20 @@ fn three_hosts_two_procs_get_the_exact_environment() {
     let script = format!(
         "printf 'ENV'; for v in {vars}; do eval printf \"' %s=%s'\" $v \\\"\\${{$v}}\\\"; done; echo"
     );
-    let res =
-        run_everywhere(&mut lab, &["--nproc-per-node", "2"], &["sh", "-c", &script], Duration::from_secs(60));
+    let logs = std::env::temp_dir().join(format!("meshd-logdir-{}", std::process::id()));
+    let logs_s = logs.display().to_string();
+    let res = run_everywhere(
+        &mut lab,
+        &["--nproc-per-node", "2", "--log-dir", &logs_s],
+        &["sh", "-c", &script],
+        Duration::from_secs(60),
+    );
+    // --log-dir: each rank's stdout also lands in DIR/rankN.out.
+    for r in 0..6 {
+        let f = std::fs::read_to_string(logs.join(format!("rank{r}.out"))).unwrap_or_default();
+        assert!(f.contains(&format!("ENV RANK={r} ")), "rank{r}.out: {f:?}");
+    }
+    let _ = std::fs::remove_dir_all(&logs);
     let mut all = Vec::new();
     for (i, (code, out, err)) in res.iter().enumerate() {
         assert_eq!(*code, Some(0), "host {i} failed:\n{err}");

@@ -178,6 +178,47 @@ impl RingNet {
     }
 }
 
+impl RingNet {
+    /// The transport's own ceiling for a ring: every node streams `bytes` to the next node
+    /// while reading as many from the previous one, with no framing, no reduction and no
+    /// copies (one shared buffer is sent repeatedly). A ring allreduce of S bytes moves
+    /// 2(n-1)/n x S per link, so compare its busbw with `bytes / time` of this.
+    pub async fn stream_ceiling(&mut self, op_id: u64, bytes: usize) -> Result<Duration, CollectiveError> {
+        let n = self.addrs.len();
+        if n <= 1 {
+            return Ok(Duration::ZERO);
+        }
+        let next = self.addrs[(self.rank + 1) % n];
+        let prev = self.addrs[(self.rank + n - 1) % n];
+        let start = tokio::time::Instant::now();
+        let mut send = self.transport.open_data(next, op_id).await?;
+        let mut recv = self.stream_from(prev, op_id).await?;
+        let block = Bytes::from(vec![0x5au8; 1 << 20]);
+        let writer = tokio::spawn(async move {
+            let mut left = bytes;
+            while left > 0 {
+                let b = block.slice(..left.min(block.len()));
+                left -= b.len();
+                send.write_chunk(b).await.map_err(|e| e.to_string())?;
+            }
+            send.finish().map_err(|e| e.to_string())
+        });
+        let mut got = 0usize;
+        while got < bytes {
+            match recv.read_chunk(usize::MAX, true).await {
+                Ok(Some(c)) => got += c.bytes.len(),
+                Ok(None) => break,
+                Err(e) => return Err(CollectiveError::Link { peer: prev, reason: e.to_string() }),
+            }
+        }
+        writer
+            .await
+            .map_err(|e| CollectiveError::Link { peer: next, reason: e.to_string() })?
+            .map_err(|reason| CollectiveError::Link { peer: next, reason })?;
+        Ok(start.elapsed())
+    }
+}
+
 async fn write_frames(
     mut send: quinn::SendStream,
     mut rx: mpsc::Receiver<(u64, Bytes)>,
@@ -191,9 +232,10 @@ async fn write_frames(
         let mut parts = [Bytes::copy_from_slice(&head), payload];
         send.write_all_chunks(&mut parts).await.map_err(|e| link(e.to_string()))?;
     }
+    // Finishing is enough: quinn still delivers (and retransmits) a finished stream after
+    // it is dropped. Waiting for the peer's ACK here would add its delayed-ACK timer
+    // (25 ms) to every operation.
     send.finish().map_err(|e| link(e.to_string()))?;
-    // Wait until the peer has everything (or gave up), so the stream is not reset early.
-    let _ = tokio::time::timeout(Duration::from_secs(30), send.stopped()).await;
     Ok(())
 }
 
@@ -223,10 +265,22 @@ async fn read_frames(
             let _ = tx.send(Err(CollectiveError::Link { peer, reason })).await;
             return;
         }
-        let mut payload = vec![0u8; len];
-        if let Err(e) = recv.read_exact(&mut payload).await {
-            let _ = tx.send(Err(CollectiveError::Link { peer, reason: e.to_string() })).await;
-            return;
+        // Take quinn's received chunks as they are and copy once into the payload (no
+        // zero-fill of a fresh buffer first).
+        let mut payload = Vec::with_capacity(len);
+        while payload.len() < len {
+            match recv.read_chunk(len - payload.len(), true).await {
+                Ok(Some(c)) => payload.extend_from_slice(&c.bytes),
+                Ok(None) => {
+                    let reason = format!("stream ended inside a {len}-byte chunk");
+                    let _ = tx.send(Err(CollectiveError::Link { peer, reason })).await;
+                    return;
+                }
+                Err(e) => {
+                    let _ = tx.send(Err(CollectiveError::Link { peer, reason: e.to_string() })).await;
+                    return;
+                }
+            }
         }
         if tx.send(Ok((u64::from_be_bytes(id), payload))).await.is_err() {
             return;

@@ -195,6 +195,31 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// Large UDP socket buffers: bursts of a ring allreduce otherwise overflow the default
+/// ~200 KiB and turn into loss. `SO_*BUFFORCE` (root) lifts the sysctl cap; without the
+/// privilege the plain options still raise the buffers up to it.
+fn set_socket_buffers(socket: &std::net::UdpSocket, bytes: i32) {
+    use std::os::fd::AsRawFd;
+    let fd = socket.as_raw_fd();
+    for (force, plain) in [(libc::SO_RCVBUFFORCE, libc::SO_RCVBUF), (libc::SO_SNDBUFFORCE, libc::SO_SNDBUF)] {
+        for opt in [force, plain] {
+            // SAFETY: setsockopt on a socket we own, with a valid pointer to an i32 and its size.
+            let rc = unsafe {
+                libc::setsockopt(
+                    fd,
+                    libc::SOL_SOCKET,
+                    opt,
+                    (&bytes as *const i32).cast(),
+                    std::mem::size_of::<i32>() as libc::socklen_t,
+                )
+            };
+            if rc == 0 {
+                break;
+            }
+        }
+    }
+}
+
 /// IPv4-mapped IPv6 addresses compare as IPv4.
 pub fn canonical(a: SocketAddr) -> SocketAddr {
     SocketAddr::new(a.ip().to_canonical(), a.port())
@@ -224,6 +249,7 @@ impl Transport {
         let addr = SocketAddr::new(cfg.bind, cfg.port);
         let socket =
             std::net::UdpSocket::bind(addr).map_err(|source| TransportError::Bind { addr, source })?;
+        set_socket_buffers(&socket, 16 << 20);
         let runtime =
             quinn::default_runtime().ok_or_else(|| TransportError::Tls("no async runtime".into()))?;
         let mut endpoint =
