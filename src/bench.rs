@@ -149,7 +149,7 @@ pub async fn main(which: Which) -> Result<ExitCode> {
             .collect();
         println!(
             "{}",
-            json!({"nodes": n, "rank": rank, "dtype": "float32", "op": "sum", "results": results})
+            json!({"nodes": n, "rank": rank, "dtype": "float32", "op": "sum", "results": results, "ceiling_gbs": ceiling})
         );
     } else {
         println!("# meshd ring allreduce over QUIC: {n} nodes, this node rank {rank}, float32 sum");
