@@ -54,12 +54,13 @@ fn every_rank_gets_the_same_checked_nccl_id_rooted_on_eth1() {
         "-c",
         "echo NCCLID $MESHD_NCCL_UNIQUE_ID",
     ];
-    let ks: Vec<usize> = (0..3)
-        .map(|i| lab.spawn(i, &args, &[("MESHD_NCCL_LIB", &libpath), ("MESHD_TOKEN", "nccl")]))
-        .collect();
+    let res = lab.run_on_all(
+        &args,
+        &[("MESHD_NCCL_LIB", &libpath), ("MESHD_TOKEN", "nccl")],
+        Duration::from_secs(60),
+    );
     let mut ids = Vec::new();
-    for (i, k) in ks.into_iter().enumerate() {
-        let (code, out, err) = lab.wait(k, Duration::from_secs(60));
+    for (i, (code, out, err)) in res.into_iter().enumerate() {
         assert_eq!(code, Some(0), "host {i}:\n{out}\n{err}");
         for l in out.lines().filter_map(|l| l.split("NCCLID ").nth(1)) {
             ids.push(l.trim().to_string());
@@ -81,11 +82,12 @@ fn doctor_checks_the_nccl_root_from_every_host() {
     let mut lab = Lab::new(3);
     let peers = lab.peers();
     let args = [meshd(), "doctor", "--json", "--nnodes", "3", "--peers", &peers];
-    let ks: Vec<usize> = (0..3)
-        .map(|i| lab.spawn(i, &args, &[("MESHD_NCCL_LIB", &libpath), ("MESHD_TOKEN", "nccl")]))
-        .collect();
-    for (i, k) in ks.into_iter().enumerate() {
-        let (code, out, err) = lab.wait(k, Duration::from_secs(60));
+    let res = lab.run_on_all(
+        &args,
+        &[("MESHD_NCCL_LIB", &libpath), ("MESHD_TOKEN", "nccl")],
+        Duration::from_secs(60),
+    );
+    for (i, (code, out, err)) in res.into_iter().enumerate() {
         assert_eq!(code, Some(0), "host {i}:\n{out}\n{err}");
         let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"));
         let checks = v["checks"].as_array().expect("checks");

@@ -7,11 +7,10 @@ use std::time::Duration;
 fn doctor_everywhere(lab: &mut Lab) -> Vec<serde_json::Value> {
     let peers = lab.peers();
     let args = [meshd(), "doctor", "--json", "--nnodes", "3", "--peers", &peers, "--rdzv-timeout", "30s"];
-    let ks: Vec<usize> = (0..3).map(|i| lab.spawn(i, &args, &[("MESHD_TOKEN", "doc")])).collect();
-    ks.into_iter()
+    lab.run_on_all(&args, &[("MESHD_TOKEN", "doc")], Duration::from_secs(60))
+        .into_iter()
         .enumerate()
-        .map(|(i, k)| {
-            let (code, out, err) = lab.wait(k, Duration::from_secs(60));
+        .map(|(i, (code, out, err))| {
             assert_eq!(code, Some(0), "host {i}:\n{out}\n{err}");
             serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("host {i}: {e}: {out}\n{err}"))
         })

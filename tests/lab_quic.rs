@@ -18,8 +18,7 @@ fn run3(lab: &mut Lab, cmd: &[&str]) -> Vec<(Option<i32>, String, String)> {
     let peers = lab.peers();
     let mut args = vec![meshd(), "run", "--nnodes", "3", "--peers", &peers, "--nproc-per-node", "2", "--"];
     args.extend_from_slice(cmd);
-    let ks: Vec<usize> = (0..3).map(|i| lab.spawn(i, &args, &[("MESHD_TOKEN", "quic")])).collect();
-    ks.into_iter().map(|k| lab.wait(k, Duration::from_secs(180))).collect()
+    lab.run_on_all(&args, &[("MESHD_TOKEN", "quic")], Duration::from_secs(180))
 }
 
 fn check_training(res: &[(Option<i32>, String, String)], ddp: bool) {

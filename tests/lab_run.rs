@@ -18,9 +18,7 @@ fn run_everywhere(
     args.extend_from_slice(extra);
     args.push("--");
     args.extend_from_slice(cmd);
-    let ks: Vec<usize> =
-        (0..lab.hosts.len()).map(|i| lab.spawn(i, &args, &[("MESHD_TOKEN", "lab-secret")])).collect();
-    ks.into_iter().map(|k| lab.wait(k, limit)).collect()
+    lab.run_on_all(&args, &[("MESHD_TOKEN", "lab-secret")], limit)
 }
 
 fn env_lines(out: &str) -> Vec<BTreeMap<String, String>> {

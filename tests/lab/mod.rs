@@ -191,6 +191,19 @@ impl Lab {
         (code, String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
     }
 
+    /// Starts the same `args` on every host at once (the identical command) and waits for
+    /// each, bounded by `limit`: (exit code, stdout, stderr) per host, in host order.
+    pub fn run_on_all(
+        &mut self,
+        args: &[&str],
+        envs: &[(&str, &str)],
+        limit: Duration,
+    ) -> Vec<(Option<i32>, String, String)> {
+        let ks: Vec<usize> = (0..self.hosts.len()).map(|i| self.spawn(i, args, envs)).collect();
+        let deadline = Instant::now() + limit;
+        ks.into_iter().map(|k| self.wait(k, deadline.saturating_duration_since(Instant::now()))).collect()
+    }
+
     /// Runs `args` in host `i` to completion (bounded by `limit`).
     pub fn run(&mut self, i: usize, args: &[&str], limit: Duration) -> (Option<i32>, String, String) {
         let k = self.spawn(i, args, &[]);
