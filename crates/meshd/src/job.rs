@@ -365,6 +365,9 @@ async fn supervise(
     let everyone: BTreeSet<NodeId> = roster.members.iter().map(|m| m.id).collect();
     loop {
         if local_done && done == everyone {
+            if everyone.len() == 1 {
+                return None;
+            }
             // Keep answering a moment so our last Done reaches everyone.
             let linger = Instant::now() + Duration::from_millis(600);
             mesh.broadcast(roster, Message::Done { restart: roster.restart });
