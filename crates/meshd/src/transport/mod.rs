@@ -245,6 +245,16 @@ impl Transport {
             .stream_receive_window((16u32 << 20).into())
             .receive_window((64u32 << 20).into())
             .send_window(64 << 20);
+        // Congestion control: cubic (quinn's default), or `MESHD_CC=bbr|newreno`.
+        match std::env::var("MESHD_CC").as_deref() {
+            Ok("bbr") => {
+                tc.congestion_controller_factory(Arc::new(quinn::congestion::BbrConfig::default()));
+            }
+            Ok("newreno") => {
+                tc.congestion_controller_factory(Arc::new(quinn::congestion::NewRenoConfig::default()));
+            }
+            _ => {}
+        }
         let (server, client) = tls::configs(Arc::new(tc))?;
         let addr = SocketAddr::new(cfg.bind, cfg.port);
         let socket =
