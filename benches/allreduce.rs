@@ -14,21 +14,10 @@ fn field(line: &str, key: &str) -> Option<f64> {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    // `cargo bench` passes --bench; `cargo test --all-targets` runs this binary without it.
-    if !args.iter().any(|a| a == "--bench") {
-        println!("benchmark: run with `cargo bench --bench {}` (as root)", env!("CARGO_CRATE_NAME"));
+    if !lab::bench_mode(env!("CARGO_CRATE_NAME")) {
         return;
     }
-    if !lab::available() {
-        return;
-    }
-    let size: usize = args
-        .iter()
-        .position(|a| a == "--size")
-        .and_then(|i| args.get(i + 1))
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(64 << 20);
+    let size: usize = lab::bench_opt("--size", 64 << 20);
     let sz = size.to_string();
     let mut lab = Lab::new(3);
     let peers = lab.peers();

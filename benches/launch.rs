@@ -145,21 +145,10 @@ fn fmt(v: &[Option<f64>], limit: Duration) -> String {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    // `cargo bench` passes --bench; `cargo test --all-targets` runs this binary without it.
-    if !args.iter().any(|a| a == "--bench") {
-        println!("benchmark: run with `cargo bench --bench {}` (as root)", env!("CARGO_CRATE_NAME"));
+    if !lab::bench_mode(env!("CARGO_CRATE_NAME")) {
         return;
     }
-    if !lab::available() {
-        return;
-    }
-    let reps: usize = args
-        .iter()
-        .position(|a| a == "--reps")
-        .and_then(|i| args.get(i + 1))
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(3);
+    let reps: usize = lab::bench_opt("--reps", 3);
     let has_torch = std::process::Command::new(TORCH)
         .args(["-c", "import torch.distributed.run"])
         .status()

@@ -301,6 +301,27 @@ impl Drop for Lab {
     }
 }
 
+/// For the lab benchmarks: whether to run now (`cargo bench` passes `--bench`; `cargo test
+/// --all-targets` runs bench binaries without it) and the lab is available; `--NAME VALUE`
+/// options are read with [`bench_opt`].
+pub fn bench_mode(name: &str) -> bool {
+    if !std::env::args().any(|a| a == "--bench") {
+        println!("benchmark: run with `cargo bench --bench {name}` (as root)");
+        return false;
+    }
+    available()
+}
+
+/// The value of `--NAME VALUE` on the command line, parsed, or `default`.
+pub fn bench_opt<T: std::str::FromStr>(name: &str, default: T) -> T {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
+}
+
 /// Path of the meshd binary under test.
 pub fn meshd() -> &'static str {
     env!("CARGO_BIN_EXE_meshd")
