@@ -263,3 +263,44 @@ fn pytorch_ddp_over_gloo_ends_with_identical_parameters() {
     assert_eq!(digests.len(), 6, "every rank reports");
     assert!(digests.iter().all(|d| *d == digests[0]), "parameters differ across ranks: {digests:?}");
 }
+
+#[test]
+fn a_dead_node_replaced_by_a_new_one_restarts_the_job_with_max_restarts() {
+    if !lab::available() {
+        return;
+    }
+    let mut lab = Lab::new(3);
+    let peers = lab.peers();
+    let script = "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then sleep 60; fi; echo REPLACED count=$TORCHELASTIC_RESTART_COUNT";
+    let args = [
+        meshd(),
+        "run",
+        "--nnodes",
+        "3",
+        "--peers",
+        &peers,
+        "--max-restarts",
+        "1",
+        "--grace",
+        "1s",
+        "--",
+        "sh",
+        "-c",
+        script,
+    ];
+    let env = [("MESHD_TOKEN", "replace")];
+    let ks: Vec<usize> = (0..3).map(|i| lab.spawn(i, &args, &env)).collect();
+    std::thread::sleep(Duration::from_secs(4));
+    lab.crash(2); // the instance is lost...
+    std::thread::sleep(Duration::from_secs(3));
+    let fresh = lab.spawn(2, &args, &env); // ...and a new one takes its place, same command
+    let mut outs = Vec::new();
+    for (i, k) in ks.into_iter().take(2).chain([fresh]).enumerate() {
+        let (code, out, err) = lab.wait(k, Duration::from_secs(60));
+        assert_eq!(code, Some(0), "node {i}:\n{out}\n{err}");
+        outs.push(out);
+    }
+    for (i, out) in outs.iter().enumerate() {
+        assert!(out.contains("REPLACED count=1"), "node {i} must run restart round 1:\n{out}");
+    }
+}
