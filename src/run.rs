@@ -90,8 +90,8 @@ pub fn parse_nnodes(s: &str) -> Result<(u32, u32)> {
     Ok((min, max))
 }
 
-/// Processes per node: a number, or the visible GPUs, else 1.
-pub fn nproc(spec: &str) -> Result<u32> {
+/// Processes per node: a number, or (`auto`) the visible `gpus`, else 1.
+pub fn nproc(spec: &str, gpus: u32) -> Result<u32> {
     if spec != "auto" {
         let n: u32 = spec
             .parse()
@@ -100,7 +100,7 @@ pub fn nproc(spec: &str) -> Result<u32> {
             .with_context(|| format!("--nproc-per-node {spec:?}: expected a positive number or auto"))?;
         return Ok(n);
     }
-    Ok(nproc_gpus().max(1))
+    Ok(gpus.max(1))
 }
 
 /// Everything `run` and `doctor` need, from the flags.
@@ -130,7 +130,12 @@ pub fn prepare(a: &JobArgs, cmd: &[String]) -> Result<Prepared> {
     let nnodes =
         a.nnodes.as_deref().context("--nnodes is required (or SLURM_NNODES): how many nodes to wait for")?;
     let (min, max) = parse_nnodes(nnodes)?;
-    let nproc = nproc(&a.nproc_per_node)?;
+    // GPUs through the CUDA driver (else /dev/nvidiaN): both `auto` and the preflight use it.
+    let (gpus, cuda_driver) = match meshd_nccl::cuda_info() {
+        Ok(c) => (c.devices, c.driver_version),
+        Err(_) => (nproc_gpus(), 0),
+    };
+    let nproc = nproc(&a.nproc_per_node, gpus)?;
     let token = a.net.token()?;
     let peers = common::peers(a.peers.as_deref(), a.net.port)?;
     if peers.is_empty() && max > 1 {
@@ -156,10 +161,7 @@ pub fn prepare(a: &JobArgs, cmd: &[String]) -> Result<Prepared> {
             (0, e.to_string())
         }
     };
-    let (gpus, cuda_driver) = match meshd_nccl::cuda_info() {
-        Ok(c) => (c.devices, c.driver_version),
-        Err(_) => (nproc_gpus(), 0),
-    };
+
     let mesh = MeshConfig {
         node: meshd::random_node_id(),
         port: a.net.port,
@@ -263,8 +265,10 @@ mod tests {
 
     #[test]
     fn nproc_numbers() {
-        assert_eq!(nproc("4").expect("4"), 4);
-        assert!(nproc("0").is_err());
-        assert!(nproc("many").is_err());
+        assert_eq!(nproc("4", 0).expect("4"), 4);
+        assert!(nproc("0", 0).is_err());
+        assert!(nproc("many", 0).is_err());
+        assert_eq!(nproc("auto", 8).expect("auto"), 8);
+        assert_eq!(nproc("auto", 0).expect("auto"), 1);
     }
 }
