@@ -23,65 +23,40 @@ fn main() {
     let peers = lab.peers();
     println!("allreduce benchmark: 3 lab hosts, float32, {size} bytes (busbw = algbw x 2(n-1)/n)");
 
-    // 1. meshd's ring over QUIC.
-    let bench = [
-        meshd(),
-        "bench",
-        "allreduce",
-        "--json",
-        "--nnodes",
-        "3",
-        "--peers",
-        &peers,
-        "--size",
-        &sz,
-        "--iters",
-        "5",
-        "--ceiling",
-    ];
-    let ks: Vec<usize> = (0..3).map(|i| lab.spawn(i, &bench, &[("MESHD_LOG", "warn")])).collect();
-    let mut meshd_bus = Vec::new();
-    let mut ceiling = Vec::new();
-    for k in ks {
-        let (code, out, err) = lab.wait(k, Duration::from_secs(300));
-        if code != Some(0) {
-            println!("meshd bench failed: {err}");
-            continue;
+    // 1. meshd's ring over QUIC, at `size` and at 8 bytes (small-message latency).
+    let ring = |lab: &mut Lab, size: &str, iters: &str, ceiling: bool| -> Vec<serde_json::Value> {
+        let mut args = vec![
+            meshd(),
+            "bench",
+            "allreduce",
+            "--json",
+            "--nnodes",
+            "3",
+            "--peers",
+            &peers,
+            "--size",
+            size,
+            "--iters",
+            iters,
+        ];
+        if ceiling {
+            args.push("--ceiling");
         }
-        if let Ok(v) = serde_json::from_str::<serde_json::Value>(out.trim()) {
-            if let Some(b) = v["results"][0]["busbw_gbs"].as_f64() {
-                meshd_bus.push(b);
-            }
-            if let Some(c) = v["ceiling_gbs"].as_f64() {
-                ceiling.push(c);
-            }
-        }
-    }
-    // Small-message latency: 8 bytes.
-    let small = [
-        meshd(),
-        "bench",
-        "allreduce",
-        "--json",
-        "--nnodes",
-        "3",
-        "--peers",
-        &peers,
-        "--size",
-        "8",
-        "--iters",
-        "50",
-    ];
-    let ks: Vec<usize> = (0..3).map(|i| lab.spawn(i, &small, &[("MESHD_LOG", "warn")])).collect();
-    let mut meshd_lat = Vec::new();
-    for k in ks {
-        let (_, out, _) = lab.wait(k, Duration::from_secs(120));
-        if let Ok(v) = serde_json::from_str::<serde_json::Value>(out.trim()) {
-            if let Some(t) = v["results"][0]["time_s"].as_f64() {
-                meshd_lat.push(t);
-            }
-        }
-    }
+        lab.run_on_all(&args, &[("MESHD_LOG", "warn")], Duration::from_secs(300))
+            .into_iter()
+            .filter_map(|(code, out, err)| {
+                if code != Some(0) {
+                    println!("meshd bench failed: {err}");
+                }
+                serde_json::from_str::<serde_json::Value>(out.trim()).ok()
+            })
+            .collect()
+    };
+    let big = ring(&mut lab, &sz, "5", true);
+    let meshd_bus: Vec<f64> = big.iter().filter_map(|v| v["results"][0]["busbw_gbs"].as_f64()).collect();
+    let ceiling: Vec<f64> = big.iter().filter_map(|v| v["ceiling_gbs"].as_f64()).collect();
+    let meshd_lat: Vec<f64> =
+        ring(&mut lab, "8", "50", false).iter().filter_map(|v| v["results"][0]["time_s"].as_f64()).collect();
 
     // 2. Gloo (PyTorch), one process per host, launched by meshd run.
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/gloo_allreduce_bench.py");
@@ -100,10 +75,8 @@ fn main() {
         "--size",
         &sz,
     ];
-    let ks: Vec<usize> = (0..3).map(|i| lab.spawn(i, &gloo, &[("MESHD_LOG", "warn")])).collect();
     let (mut gloo_bus, mut gloo_lat) = (Vec::new(), Vec::new());
-    for k in ks {
-        let (_, out, _) = lab.wait(k, Duration::from_secs(300));
+    for (_, out, _) in lab.run_on_all(&gloo, &[("MESHD_LOG", "warn")], Duration::from_secs(300)) {
         for l in out.lines().filter(|l| l.contains("GLOO ")) {
             match field(l, "bytes=") {
                 Some(b) if b <= 8.0 => gloo_lat.extend(field(l, "time_s=")),
