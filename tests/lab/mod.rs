@@ -285,6 +285,57 @@ impl Lab {
     pub fn heal(&self, i: usize) {
         let _ = sh(&["ip", "netns", "exec", &self.hosts[i].ns, "nft", "delete", "table", "inet", "mdpart"]);
     }
+
+    /// Loads an nft ruleset (`nft -f -`) into host `i`'s namespace.
+    pub fn nft(&self, i: usize, rules: &str) {
+        let o = Command::new("ip")
+            .args(["netns", "exec", &self.hosts[i].ns, "nft", "-f", "-"])
+            .stdin(Stdio::piped())
+            .spawn()
+            .and_then(|mut c| {
+                use std::io::Write;
+                c.stdin.take().expect("stdin").write_all(rules.as_bytes())?;
+                c.wait()
+            })
+            .expect("nft");
+        assert!(o.success(), "nft failed in {}:\n{rules}", self.hosts[i].ns);
+    }
+
+    /// Random loss: host `i` drops `percent`% of the packets arriving on its eth1 (nft
+    /// `numgen random mod 100 < P`, inside host `i`'s namespace only). Applied to every host,
+    /// every packet between two hosts is lost with that probability. 0 removes the rule;
+    /// a new call replaces the old rate.
+    pub fn loss(&self, i: usize, percent: u32) {
+        let ns = &self.hosts[i].ns;
+        let _ = sh(&["ip", "netns", "exec", ns, "nft", "delete", "table", "inet", "mdloss"]);
+        if percent == 0 {
+            return;
+        }
+        let rules = format!(
+            "table inet mdloss {{\n chain input {{\n type filter hook input priority -10; policy accept;\n \
+             iifname \"eth1\" numgen random mod 100 < {percent} drop\n }}\n}}\n"
+        );
+        self.nft(i, &rules);
+    }
+
+    /// A link flap: host `i`'s eth1 goes down for `down`, then up again (blocks meanwhile).
+    /// The address stays; the kernel restores the subnet route when the link comes back.
+    pub fn flap(&self, i: usize, down: Duration) {
+        self.link(i, false);
+        std::thread::sleep(down);
+        self.link(i, true);
+    }
+
+    /// Processes living in host `i`'s namespace (orphaned ranks show up here).
+    pub fn pids(&self, i: usize) -> Vec<i32> {
+        let out = sh(&["ip", "netns", "pids", &self.hosts[i].ns]);
+        String::from_utf8_lossy(&out.stdout).split_whitespace().filter_map(|p| p.parse().ok()).collect()
+    }
+
+    /// Whether child `k` (from [`Lab::spawn`]) has exited, without waiting.
+    pub fn exited(&mut self, k: usize) -> bool {
+        matches!(self.children[k].try_wait(), Ok(Some(_)))
+    }
 }
 
 impl Drop for Lab {
