@@ -1,7 +1,10 @@
 //! Process supervision: one child per local rank, each in its own process group, its
 //! console lines prefixed with its global rank, stopped as a group (SIGTERM, grace,
 //! SIGKILL). Children also get PR_SET_PDEATHSIG so a meshd killed with SIGKILL does not
-//! leave ranks running.
+//! leave ranks running, and every rank's process group is registered with a small reaper
+//! process (forked once per meshd) that SIGKILLs the groups still registered when meshd
+//! dies, so the processes a rank started (a shell script's python, its workers) go too:
+//! PR_SET_PDEATHSIG reaches only the rank's first process.
 
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
@@ -164,6 +167,8 @@ fn start(
     }
     let mut child = c.spawn()?;
     let pid = child.id().map(|p| p as i32).ok_or_else(|| std::io::Error::other("child has no pid"))?;
+    // The rank leads its own process group (process_group(0)): pgid = pid.
+    reaper::register(pid);
     let files =
         log_dir.map(|d| (d.join(format!("rank{}.out", r.global)), d.join(format!("rank{}.err", r.global))));
     let out = child
@@ -177,6 +182,8 @@ fn start(
     let (global, local) = (r.global, r.local);
     tokio::spawn(async move {
         let status = child.wait().await;
+        // Reaped: the group id may be reused once the group empties; stop guarding it.
+        reaper::unregister(pid);
         // Let the last lines reach the console before the exit is reported.
         for t in [out, err].into_iter().flatten() {
             let _ = tokio::time::timeout(Duration::from_secs(2), t).await;
@@ -185,6 +192,156 @@ fn start(
         let _ = tx.send(RankExit { global, local, status }).await;
     });
     Ok(pid)
+}
+
+/// A process forked from meshd the first time a rank starts, living as long as meshd: it
+/// reads process group ids from a socket (`+pgid` registers, `-pgid` unregisters) and, when
+/// the socket closes because meshd died however it died (SIGKILL, OOM killer, a crash),
+/// SIGKILLs every group still registered, then exits. Its child side uses only
+/// async-signal-safe system calls (it is forked from a multi-threaded process) and closes
+/// every inherited descriptor so it holds none of meshd's sockets or pipes.
+pub mod reaper {
+    use std::sync::Mutex;
+
+    enum State {
+        Unstarted,
+        Running(i32),
+        Failed,
+    }
+
+    static STATE: Mutex<State> = Mutex::new(State::Unstarted);
+
+    /// Most groups the reaper holds at once (ranks of one node across restarts).
+    const MAX_GROUPS: usize = 4096;
+
+    /// Guards process group `pgid`: SIGKILLed if meshd dies while it is registered.
+    pub fn register(pgid: i32) {
+        send(pgid);
+    }
+
+    /// Stops guarding `pgid`.
+    pub fn unregister(pgid: i32) {
+        send(-pgid);
+    }
+
+    fn ensure(st: &mut State) -> Option<i32> {
+        if let State::Unstarted = st {
+            *st = match start() {
+                Some(fd) => State::Running(fd),
+                None => {
+                    tracing::warn!(
+                        "cannot start the rank reaper: processes started by ranks may outlive a killed meshd"
+                    );
+                    State::Failed
+                }
+            };
+        }
+        match st {
+            State::Running(fd) => Some(*fd),
+            _ => None,
+        }
+    }
+
+    fn send(v: i32) {
+        if v == 0 {
+            return;
+        }
+        let mut st = STATE.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(fd) = ensure(&mut st) else { return };
+        let b = v.to_le_bytes();
+        // SAFETY: a write of 4 bytes from a live buffer to our own socket; MSG_NOSIGNAL
+        // turns a dead reaper into EPIPE instead of SIGPIPE.
+        let n = unsafe { libc::send(fd, b.as_ptr().cast(), b.len(), libc::MSG_NOSIGNAL) };
+        if n != b.len() as isize {
+            // SAFETY: closing our own descriptor once.
+            unsafe { libc::close(fd) };
+            *st = State::Failed;
+        }
+    }
+
+    fn start() -> Option<i32> {
+        let mut fds = [0i32; 2];
+        // SAFETY: socketpair with a valid out-array of two descriptors.
+        let r = unsafe {
+            libc::socketpair(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0, fds.as_mut_ptr())
+        };
+        if r != 0 {
+            return None;
+        }
+        let (ours, theirs) = (fds[0], fds[1]);
+        // SAFETY: the child runs only async-signal-safe system calls, then _exit.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            // SAFETY: we are the freshly forked child.
+            unsafe { child(theirs) }
+        }
+        // SAFETY: closing descriptors we own.
+        unsafe { libc::close(theirs) };
+        if pid < 0 {
+            // SAFETY: as above.
+            unsafe { libc::close(ours) };
+            return None;
+        }
+        Some(ours)
+    }
+
+    /// The reaper itself. No allocation, no locks: fork of a multi-threaded process.
+    unsafe fn child(fd: i32) -> ! {
+        // SAFETY (whole body): async-signal-safe system calls on plain integers and stack
+        // buffers only.
+        unsafe {
+            // Only the end of meshd matters: not Ctrl-C, not a signal to meshd's group.
+            for s in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT, libc::SIGPIPE] {
+                libc::signal(s, libc::SIG_IGN);
+            }
+            libc::setpgid(0, 0);
+            // Hold nothing of meshd's (its UDP socket, the ranks' pipes, its stdout): keep the
+            // socket as descriptor 3, close every other one.
+            let fd = if fd == 3 { fd } else { libc::dup2(fd, 3) };
+            if fd != 3 {
+                libc::_exit(1);
+            }
+            for (lo, hi) in [(0u32, 2u32), (4, u32::MAX)] {
+                if libc::syscall(libc::SYS_close_range, lo, hi, 0) != 0 {
+                    for f in lo..=hi.min(65535) {
+                        libc::close(f as i32);
+                    }
+                }
+            }
+            let mut groups = [0i32; MAX_GROUPS];
+            let mut len = 0usize;
+            let mut rec = [0u8; 4];
+            let mut have = 0usize;
+            loop {
+                let n = libc::read(fd, rec.as_mut_ptr().add(have).cast(), 4 - have);
+                if n < 0 && *libc::__errno_location() == libc::EINTR {
+                    continue;
+                }
+                if n <= 0 {
+                    break;
+                }
+                have += n as usize;
+                if have < 4 {
+                    continue;
+                }
+                have = 0;
+                let v = i32::from_le_bytes(rec);
+                if v > 0 {
+                    if len < MAX_GROUPS {
+                        groups[len] = v;
+                        len += 1;
+                    }
+                } else if let Some(i) = groups[..len].iter().position(|g| *g == -v) {
+                    groups[i] = groups[len - 1];
+                    len -= 1;
+                }
+            }
+            for g in &groups[..len] {
+                libc::kill(-*g, libc::SIGKILL);
+            }
+            libc::_exit(0)
+        }
+    }
 }
 
 async fn pump(src: impl AsyncRead + Unpin, rank: u32, is_err: bool, file: Option<PathBuf>) {
