@@ -51,6 +51,8 @@ pub struct ServiceConfig {
 #[derive(Debug)]
 pub struct Service {
     path: PathBuf,
+    /// The socket's directory, when [`Service::start`] created it.
+    dir: Option<PathBuf>,
     tasks: Vec<JoinHandle<()>>,
     store_tx: mpsc::Sender<StoreReq>,
 }
@@ -81,16 +83,47 @@ enum StoreReq {
     Remote(String, Vec<u8>),
 }
 
-/// A default socket path for this job.
+/// A default socket path for this job: `sock` in a directory of its own
+/// (`meshd-RUN-PORT-PID`, created owner-only by [`Service::start`]), so the socket is
+/// never reachable by another user, not even between its creation and its chmod.
 pub fn default_path(run_id: &str, port: u16) -> PathBuf {
     let dir = std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/tmp"));
     let safe: String = run_id.chars().filter(|c| c.is_ascii_alphanumeric() || *c == '-').take(40).collect();
-    dir.join(format!("meshd-{safe}-{port}-{}.sock", std::process::id()))
+    dir.join(format!("meshd-{safe}-{port}-{}", std::process::id())).join("sock")
+}
+
+/// Creates `path`'s directory owner-only (0700) when it does not exist and returns it (to
+/// remove it later). An existing directory named like [`default_path`]'s must be this
+/// user's and owner-only: one made by someone else is refused.
+fn private_dir(path: &Path) -> std::io::Result<Option<PathBuf>> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    let Some(dir) = path.parent() else { return Ok(None) };
+    match std::fs::symlink_metadata(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            std::fs::DirBuilder::new().mode(0o700).create(dir)?;
+            Ok(Some(dir.to_path_buf()))
+        }
+        Err(e) => Err(e),
+        Ok(m) => {
+            // SAFETY: geteuid has no preconditions and cannot fail.
+            let me = unsafe { libc::geteuid() };
+            let ours = m.is_dir() && m.uid() == me && m.mode() & 0o077 == 0;
+            let named = dir.file_name().is_some_and(|n| n.to_string_lossy().starts_with("meshd-"));
+            if named && !ours {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::PermissionDenied,
+                    format!("{} exists and is not this user's owner-only directory", dir.display()),
+                ));
+            }
+            Ok(None)
+        }
+    }
 }
 
 impl Service {
     /// Binds the socket (owner-only) and starts serving.
     pub fn start(cfg: ServiceConfig, ring: RingNet, transport: Transport) -> std::io::Result<Service> {
+        let dir = private_dir(&cfg.path)?;
         let _ = std::fs::remove_file(&cfg.path);
         let listener = UnixListener::bind(&cfg.path)?;
         std::fs::set_permissions(&cfg.path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
@@ -101,7 +134,7 @@ impl Service {
             tokio::spawn(collectives(cfg.clone(), ring, coll_rx)),
             tokio::spawn(store(cfg.clone(), transport, store_rx)),
         ];
-        Ok(Service { path: cfg.path, tasks, store_tx })
+        Ok(Service { path: cfg.path, dir, tasks, store_tx })
     }
 
     /// The socket path.
@@ -124,6 +157,9 @@ impl Drop for Service {
             t.abort();
         }
         let _ = std::fs::remove_file(&self.path);
+        if let Some(d) = &self.dir {
+            let _ = std::fs::remove_dir(d);
+        }
     }
 }
 

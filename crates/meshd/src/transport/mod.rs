@@ -9,13 +9,14 @@
 //! connects on demand, so a dead peer's connect timeout delays nobody else.
 
 pub mod auth;
+pub mod guard;
 mod tls;
 
 use auth::{Role, Token};
 use bytes::Bytes;
 use meshd_proto::NodeId;
 use meshd_proto::wire::{self, AuthHello, Frame, PROTOCOL_VERSION, Query, StatusReply};
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -170,7 +171,10 @@ struct Inner {
     conns: Mutex<HashMap<SocketAddr, (quinn::Connection, NodeId)>>,
     queues: Mutex<HashMap<SocketAddr, PeerQueue>>,
     events: mpsc::Sender<TransportEvent>,
-    logged: Mutex<HashSet<(SocketAddr, String)>>,
+    /// Refusals already logged (once per peer IP and reason, bounded).
+    logged: guard::LogOnce,
+    /// Handshakes in progress (bounded per source IP and in total).
+    gate: Arc<guard::Gate>,
     /// The latest encoded [`StatusReply`], served to `meshd status` probes.
     status: Mutex<Bytes>,
     data_tx: mpsc::Sender<DataStream>,
@@ -274,7 +278,8 @@ impl Transport {
             conns: Mutex::new(HashMap::new()),
             queues: Mutex::new(HashMap::new()),
             events: tx,
-            logged: Mutex::new(HashSet::new()),
+            logged: guard::LogOnce::default(),
+            gate: Arc::new(guard::Gate::default()),
             status: Mutex::new(Bytes::from(wire::encode(&StatusReply::default()))),
             data_tx,
             data_rx: Mutex::new(Some(data_rx)),
@@ -361,6 +366,11 @@ impl Transport {
         tokio::time::timeout(self.inner.cfg.connect_timeout, fut)
             .await
             .map_err(|_| err("no status answer in time".into()))?
+    }
+
+    /// Incoming handshakes (QUIC + authentication) in progress now.
+    pub fn pending_handshakes(&self) -> usize {
+        self.inner.gate.pending()
     }
 
     /// Node ids of the currently connected, authenticated peers, by address.
@@ -493,8 +503,8 @@ fn refuse(inner: &Inner, conn: &quinn::Connection, code: u32, reason: &str) -> T
 }
 
 fn report_auth_failure(inner: &Inner, addr: SocketAddr, reason: &str) {
-    let first = lock(&inner.logged).insert((addr, reason.to_string()));
-    if first {
+    // Once per peer IP and reason: a client that retries from new ports logs no more.
+    if inner.logged.first(addr, reason) {
         match reason.strip_prefix("it refused us: ") {
             Some(r) => warn!("peer {addr} refused this node: failed authentication: {r}"),
             None => warn!("peer {addr} failed authentication: {reason}"),
@@ -518,6 +528,7 @@ async fn read_hello(recv: &mut quinn::RecvStream) -> Result<AuthHello, String> {
         quinn::ReadToEndError::Read(quinn::ReadError::ConnectionLost(c)) => {
             refusal(&c).unwrap_or(c.to_string())
         }
+        quinn::ReadToEndError::TooLong => "hello larger than 1024 bytes".to_string(),
         other => other.to_string(),
     })?;
     wire::decode(&body).map_err(|e| format!("bad hello: {e}"))
@@ -566,12 +577,40 @@ async fn connect(
 
 async fn accept_loop(inner: Arc<Inner>) {
     while let Some(incoming) = inner.endpoint.accept().await {
+        let from = canonical(incoming.remote_address());
+        // Bounded state for handshakes that never finish: a few per source IP, a cap in
+        // total; past it the attempt is refused at once (QUIC CONNECTION_REFUSED).
+        let permit = match inner.gate.admit(from.ip()) {
+            Ok(p) => p,
+            Err(full) => {
+                incoming.refuse();
+                let why = match full {
+                    guard::Full::Ip => {
+                        format!("more than {} handshakes in progress from it", guard::MAX_PENDING_PER_IP)
+                    }
+                    guard::Full::Total => format!("more than {} handshakes in progress", guard::MAX_PENDING),
+                };
+                if inner.logged.first(from, &why) {
+                    warn!("refusing connections from {}: {why}", from.ip());
+                }
+                continue;
+            }
+        };
         let inner = inner.clone();
         tokio::spawn(async move {
             let fut = async {
                 let conn = incoming.await.ok()?;
                 let (mut send, mut recv) = conn.accept_bi().await.ok()?;
-                let theirs = read_hello(&mut recv).await.ok()?;
+                let theirs = match read_hello(&mut recv).await {
+                    Ok(h) => h,
+                    Err(reason) => {
+                        // Oversized or malformed: say so; a lost connection: nothing to say.
+                        if reason.starts_with("bad hello") || reason.starts_with("hello larger") {
+                            refuse(&inner, &conn, code::PROTOCOL, &reason);
+                        }
+                        return None;
+                    }
+                };
                 if let Err((code, reason)) = check_hello(&inner, &conn, Role::Client, &theirs) {
                     refuse(&inner, &conn, code, &reason);
                     return None;
@@ -583,7 +622,9 @@ async fn accept_loop(inner: Arc<Inner>) {
                 Some((conn, theirs.node, theirs.run_hash == 0 && inner.cfg.run_hash != 0))
             };
             // Half-open or silent handshakes are dropped after the connect timeout.
-            match tokio::time::timeout(inner.cfg.connect_timeout, fut).await {
+            let done = tokio::time::timeout(inner.cfg.connect_timeout, fut).await;
+            drop(permit);
+            match done {
                 // A probe gets its answer and nothing else: no frame of it is read.
                 Ok(Some((conn, _, true))) => serve_queries(&inner, conn).await,
                 Ok(Some((conn, node, false))) => register(&inner, conn, node, None),
@@ -650,6 +691,7 @@ async fn read_streams(inner: Arc<Inner>, conn: quinn::Connection, node: NodeId) 
             Err(_) => break,
         };
         let inner = inner.clone();
+        let conn = conn.clone();
         tokio::spawn(async move {
             let mut first = [0u8; 1];
             if recv.read_exact(&mut first).await.is_err() {
@@ -663,20 +705,18 @@ async fn read_streams(inner: Arc<Inner>, conn: quinn::Connection, node: NodeId) 
                 }
                 return;
             }
-            let Ok(tail) = recv.read_to_end(wire::MAX_FRAME + 3).await else { return };
-            let mut buf = Vec::with_capacity(1 + tail.len());
-            buf.push(first[0]);
-            buf.extend_from_slice(&tail);
-            let mut rest = &buf[..];
-            while rest.len() >= 4 {
-                let mut p = [0u8; 4];
-                p.copy_from_slice(&rest[..4]);
-                let Ok(n) = wire::check_len(p) else { return };
-                if rest.len() < 4 + n {
-                    return;
+            let res = guard::read_frames(&mut recv, first[0], |body| {
+                let inner = inner.clone();
+                async move { deliver(&inner, from, node, &body).await }
+            })
+            .await;
+            if let Err(guard::ReadError::Protocol(e)) = res {
+                // A length over the limit is refused before its body is read.
+                let reason = format!("broke the framing: {e}");
+                conn.close(code::PROTOCOL.into(), reason.as_bytes());
+                if inner.logged.first(from, &reason) {
+                    warn!("peer {from} {reason}; connection closed");
                 }
-                deliver(&inner, from, node, &rest[4..4 + n]).await;
-                rest = &rest[4 + n..];
             }
         });
     }

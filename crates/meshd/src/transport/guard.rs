@@ -1,0 +1,198 @@
+//! Limits that keep hostile input cheap: handshakes in progress (per source IP and in
+//! total), refusals logged once per (IP, reason) with a bounded memory of what was said,
+//! and control frames read length-first so an oversized length is refused before its body
+//! is read.
+
+use meshd_proto::wire::{self, WireError};
+use std::collections::{HashMap, HashSet};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use tracing::warn;
+
+/// Handshakes (QUIC + authentication) in progress at once, from all sources.
+pub const MAX_PENDING: usize = 1024;
+/// Handshakes in progress at once from one IP address.
+pub const MAX_PENDING_PER_IP: usize = 64;
+/// Distinct (IP, reason) refusals remembered for logging once; past this, refusals are
+/// no longer logged (one line says so).
+pub const MAX_LOGGED: usize = 4096;
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Counts unauthenticated connections in progress.
+#[derive(Debug, Default)]
+pub struct Gate {
+    state: Mutex<(usize, HashMap<IpAddr, usize>)>,
+}
+
+/// One admitted handshake; dropping it frees its place.
+#[derive(Debug)]
+pub struct Permit {
+    gate: Arc<Gate>,
+    ip: IpAddr,
+}
+
+/// Why a handshake was not admitted.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Full {
+    /// This IP already has [`MAX_PENDING_PER_IP`] handshakes in progress.
+    Ip,
+    /// [`MAX_PENDING`] handshakes are in progress.
+    Total,
+}
+
+impl Gate {
+    /// Admits a handshake from `ip`, or says which limit is reached.
+    pub fn admit(self: &Arc<Self>, ip: IpAddr) -> Result<Permit, Full> {
+        let mut st = lock(&self.state);
+        let (total, per_ip) = &mut *st;
+        let n = per_ip.get(&ip).copied().unwrap_or(0);
+        if n >= MAX_PENDING_PER_IP {
+            return Err(Full::Ip);
+        }
+        if *total >= MAX_PENDING {
+            return Err(Full::Total);
+        }
+        *total += 1;
+        per_ip.insert(ip, n + 1);
+        Ok(Permit { gate: self.clone(), ip })
+    }
+
+    /// Handshakes in progress now.
+    pub fn pending(&self) -> usize {
+        lock(&self.state).0
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        let mut st = lock(&self.gate.state);
+        let (total, per_ip) = &mut *st;
+        *total = total.saturating_sub(1);
+        if let Some(n) = per_ip.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                per_ip.remove(&self.ip);
+            }
+        }
+    }
+}
+
+/// Remembers which refusals were logged: once per (peer IP, reason), bounded.
+#[derive(Debug, Default)]
+pub struct LogOnce {
+    seen: Mutex<(HashSet<(IpAddr, String)>, bool)>,
+}
+
+impl LogOnce {
+    /// True the first time (`addr`'s IP, `reason`) is seen: the caller logs it then.
+    pub fn first(&self, addr: SocketAddr, reason: &str) -> bool {
+        let mut st = lock(&self.seen);
+        let (seen, full) = &mut *st;
+        let key = (addr.ip().to_canonical(), reason.to_string());
+        if seen.contains(&key) {
+            return false;
+        }
+        if seen.len() >= MAX_LOGGED {
+            if !*full {
+                *full = true;
+                warn!("{MAX_LOGGED} different refusals logged; further ones are not");
+            }
+            return false;
+        }
+        seen.insert(key)
+    }
+}
+
+/// A control stream could not be read to its end.
+#[derive(Debug)]
+pub enum ReadError {
+    /// The stream ended or was reset (nothing to say).
+    Stream,
+    /// The peer broke the framing (the connection should be closed with this reason).
+    Protocol(WireError),
+}
+
+/// Reads the length-prefixed frames of a control stream whose first byte was already
+/// read, handing each body to `each`. A length over [`wire::MAX_FRAME`] is refused as
+/// soon as its 4 bytes arrive, before its body is read; a body is buffered only as its
+/// bytes arrive (no allocation by the claimed length).
+pub async fn read_frames<F, Fut>(
+    recv: &mut quinn::RecvStream,
+    first: u8,
+    mut each: F,
+) -> Result<(), ReadError>
+where
+    F: FnMut(Vec<u8>) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let mut prefix = [first, 0, 0, 0];
+    let mut have = 1;
+    loop {
+        // The length prefix (the first frame's first byte came with the stream tag).
+        while have < 4 {
+            match recv.read(&mut prefix[have..]).await {
+                Ok(Some(n)) => have += n,
+                Ok(None) if have == 0 => return Ok(()),
+                Ok(None) => return Err(ReadError::Protocol(WireError::Malformed("truncated length".into()))),
+                Err(_) => return Err(ReadError::Stream),
+            }
+        }
+        let n = wire::check_len(prefix).map_err(ReadError::Protocol)?;
+        let mut body = Vec::new();
+        while body.len() < n {
+            match recv.read_chunk(n - body.len(), true).await {
+                Ok(Some(c)) => body.extend_from_slice(&c.bytes),
+                Ok(None) => {
+                    return Err(ReadError::Protocol(WireError::Malformed(format!(
+                        "stream ended after {} of {n} bytes",
+                        body.len()
+                    ))));
+                }
+                Err(_) => return Err(ReadError::Stream),
+            }
+        }
+        each(body).await;
+        have = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gate_limits_per_ip_and_in_total() {
+        let g = Arc::new(Gate::default());
+        let a: IpAddr = "10.0.0.1".parse().expect("ip");
+        let held: Vec<Permit> = (0..MAX_PENDING_PER_IP).map(|_| g.admit(a).expect("admit")).collect();
+        assert_eq!(g.admit(a).expect_err("per-IP limit"), Full::Ip);
+        assert_eq!(g.pending(), MAX_PENDING_PER_IP);
+        drop(held);
+        assert_eq!(g.pending(), 0);
+        let mut all = Vec::new();
+        for i in 0..MAX_PENDING {
+            let ip = IpAddr::from([10, 1, (i / 250) as u8, (i % 250) as u8]);
+            all.push(g.admit(ip).expect("admit"));
+        }
+        assert_eq!(g.admit("10.9.9.9".parse().expect("ip")).expect_err("total limit"), Full::Total);
+        drop(all);
+        assert!(g.admit(a).is_ok());
+    }
+
+    #[test]
+    fn log_once_per_ip_and_reason_and_bounded() {
+        let l = LogOnce::default();
+        let a: SocketAddr = "10.0.0.1:1000".parse().expect("addr");
+        let a2: SocketAddr = "10.0.0.1:1001".parse().expect("addr");
+        assert!(l.first(a, "different token"));
+        assert!(!l.first(a2, "different token"), "another port of the same host");
+        assert!(l.first(a, "another reason"));
+        for i in 0..MAX_LOGGED * 2 {
+            l.first(SocketAddr::from(([10, 2, (i / 250) as u8, (i % 250) as u8], 1)), "x");
+        }
+        assert!(lock(&l.seen).0.len() <= MAX_LOGGED);
+    }
+}

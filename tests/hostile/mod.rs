@@ -1,0 +1,234 @@
+//! Attacker tools for tests/lab_hostile.rs: everything runs inside a lab namespace (a
+//! thread that `setns`es into it) or on loopback, and every flood is bounded in rate and
+//! time.
+#![allow(dead_code)]
+
+use meshd::transport::auth::{Role, Token};
+use meshd_proto::NodeId;
+use meshd_proto::wire::{self, AuthHello, PROTOCOL_VERSION};
+use rustls::DigitallySignedStruct;
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use std::net::{SocketAddr, UdpSocket};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Runs `f` on a new thread that has joined network namespace `ns` (created by the lab);
+/// sockets it opens live there, so nothing it sends can leave the lab.
+pub fn in_netns<T: Send + 'static>(
+    ns: &str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> std::thread::JoinHandle<T> {
+    let path = format!("/var/run/netns/{ns}");
+    std::thread::spawn(move || {
+        let file = std::fs::File::open(&path).unwrap_or_else(|e| panic!("open {path}: {e}"));
+        use std::os::fd::AsRawFd;
+        // SAFETY: setns on a valid namespace fd; affects only this thread.
+        let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
+        assert_eq!(rc, 0, "setns {path}: {}", std::io::Error::last_os_error());
+        f()
+    })
+}
+
+/// A current-thread tokio runtime (for the attacker thread).
+pub fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime")
+}
+
+/// Small deterministic PRNG (xorshift64*).
+pub struct Rng(u64);
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed | 1)
+    }
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    pub fn fill(&mut self, b: &mut [u8]) {
+        for c in b.chunks_mut(8) {
+            let v = self.next().to_le_bytes();
+            c.copy_from_slice(&v[..c.len()]);
+        }
+    }
+}
+
+/// Sends random datagrams (20..1400 bytes) to `to` at about `rate` per second for `dur`;
+/// returns how many were sent.
+pub fn flood(to: SocketAddr, rate: u32, dur: Duration, seed: u64) -> u64 {
+    let s = UdpSocket::bind("0.0.0.0:0").expect("bind");
+    s.set_nonblocking(true).expect("nonblocking");
+    let mut rng = Rng::new(seed);
+    let mut buf = [0u8; 1400];
+    let start = Instant::now();
+    let mut sent = 0u64;
+    while start.elapsed() < dur {
+        // Pace: never ahead of rate * elapsed.
+        let due = (start.elapsed().as_secs_f64() * rate as f64) as u64;
+        while sent < due {
+            let len = 20 + (rng.next() % 1380) as usize;
+            rng.fill(&mut buf[..len]);
+            if s.send_to(&buf[..len], to).is_ok() {
+                sent += 1;
+            } else {
+                // Socket buffer full: count it as not sent, try again later.
+                break;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(1));
+        // Drain whatever the victim answered (version negotiation, resets).
+        let mut rb = [0u8; 2048];
+        while s.recv_from(&mut rb).is_ok() {}
+    }
+    sent
+}
+
+/// The token's MAC would be checked by the server; the certificate is not.
+#[derive(Debug)]
+struct AnyCert(Arc<rustls::crypto::CryptoProvider>);
+
+impl ServerCertVerifier for AnyCert {
+    fn verify_server_cert(
+        &self,
+        _: &CertificateDer<'_>,
+        _: &[CertificateDer<'_>],
+        _: &ServerName<'_>,
+        _: &[u8],
+        _: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        Ok(ServerCertVerified::assertion())
+    }
+    fn verify_tls12_signature(
+        &self,
+        _: &[u8],
+        _: &CertificateDer<'_>,
+        _: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        Err(rustls::Error::General("no TLS 1.2".into()))
+    }
+    fn verify_tls13_signature(
+        &self,
+        m: &[u8],
+        c: &CertificateDer<'_>,
+        d: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(m, c, d, &self.0.signature_verification_algorithms)
+    }
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+/// A quinn client endpoint speaking meshd's ALPN (must run inside a tokio runtime).
+pub fn client_endpoint() -> quinn::Endpoint {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut tls = rustls::ClientConfig::builder_with_provider(provider.clone())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .expect("tls13")
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(AnyCert(provider)))
+        .with_no_client_auth();
+    tls.alpn_protocols = vec![wire::ALPN.to_vec()];
+    let qc = quinn::crypto::rustls::QuicClientConfig::try_from(tls).expect("quic tls");
+    let mut cc = quinn::ClientConfig::new(Arc::new(qc));
+    let mut tc = quinn::TransportConfig::default();
+    tc.max_idle_timeout(Some(Duration::from_secs(20).try_into().expect("idle")));
+    cc.transport_config(Arc::new(tc));
+    let mut ep = quinn::Endpoint::client("0.0.0.0:0".parse().expect("addr")).expect("client endpoint");
+    ep.set_default_client_config(cc);
+    ep
+}
+
+/// The hello an honest client sends on `conn`.
+pub fn hello(conn: &quinn::Connection, token: &Token, node: NodeId, run_hash: u64) -> AuthHello {
+    let mut ex = [0u8; 32];
+    conn.export_keying_material(&mut ex, meshd::transport::auth::EXPORTER_LABEL, b"").expect("exporter");
+    AuthHello {
+        version: PROTOCOL_VERSION,
+        node,
+        run_hash,
+        mac: token.mac(&ex, Role::Client, &node.0, run_hash),
+        has_token: true,
+        observed: None,
+    }
+}
+
+/// Sends `hello_bytes` as the hello on a new connection's first stream; returns the
+/// connection and the server's answer (or why there was none).
+pub async fn send_hello(conn: &quinn::Connection, hello_bytes: &[u8]) -> Result<AuthHello, String> {
+    let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
+    send.write_all(hello_bytes).await.map_err(|e| e.to_string())?;
+    let _ = send.finish();
+    let body = recv.read_to_end(4096).await.map_err(|e| e.to_string())?;
+    wire::decode(&body).map_err(|e| e.to_string())
+}
+
+/// Why the server closed `conn`: (application code, reason), waiting up to `limit`.
+pub async fn close_reason(conn: &quinn::Connection, limit: Duration) -> Option<(u64, String)> {
+    match tokio::time::timeout(limit, conn.closed()).await {
+        Ok(quinn::ConnectionError::ApplicationClosed(c)) => {
+            Some((c.error_code.into_inner(), String::from_utf8_lossy(&c.reason).into_owned()))
+        }
+        Ok(other) => Some((u64::MAX, other.to_string())),
+        Err(_) => None,
+    }
+}
+
+/// Collects `n` real QUIC client Initial datagrams (distinct connection ids) by starting
+/// `n` handshakes towards a socket of ours that never answers. Must run in a runtime.
+pub async fn capture_initials(n: usize) -> Vec<Vec<u8>> {
+    let hole = tokio::net::UdpSocket::bind("127.0.0.1:0").await.expect("bind");
+    let to = hole.local_addr().expect("addr");
+    let ep = client_endpoint();
+    let mut pending = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    let mut out = Vec::new();
+    let mut buf = vec![0u8; 65536];
+    while out.len() < n {
+        for _ in 0..64 {
+            pending.push(ep.connect(to, "meshd").expect("connect"));
+        }
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(500);
+        while let Ok(Ok((len, _))) = tokio::time::timeout_at(deadline, hole.recv_from(&mut buf)).await {
+            let d = &buf[..len];
+            // Long header: flags, version (4), dcid len, dcid.
+            if len > 6 && d[0] & 0x80 != 0 {
+                let cid = d[6..6 + (d[5] as usize).min(len - 6)].to_vec();
+                if seen.insert(cid) {
+                    out.push(d.to_vec());
+                }
+            }
+            if out.len() >= pending.len() || out.len() >= n {
+                break;
+            }
+        }
+    }
+    drop(pending);
+    ep.close(0u32.into(), b"");
+    out.truncate(n);
+    out
+}
+
+/// VmRSS and VmHWM (KiB) of `pid`.
+pub fn rss_kib(pid: u32) -> (u64, u64) {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let field = |name: &str| {
+        s.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+/// The pid of the meshd process in namespace `ns`.
+pub fn meshd_pid(ns: &str) -> Option<u32> {
+    let out = std::process::Command::new("ip").args(["netns", "pids", ns]).output().ok()?;
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .filter_map(|p| p.parse::<u32>().ok())
+        .find(|p| std::fs::read_to_string(format!("/proc/{p}/comm")).is_ok_and(|c| c.trim() == "meshd"))
+}
