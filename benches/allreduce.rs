@@ -1,7 +1,8 @@
 //! Allreduce benchmark on the 3-host lab, side by side in one run:
 //! meshd's QUIC ring (`meshd bench allreduce`), PyTorch Gloo's allreduce (launched by
 //! meshd run), and one TCP stream (iperf3) between two of the hosts.
-//! Run as root: `cargo bench --bench allreduce` (`-- --size BYTES` to change 64 MiB).
+//! Run as root: `cargo bench --bench allreduce` (`-- --size BYTES` to change 64 MiB,
+//! `-- --mtu 9000` for jumbo frames on the lab's eth1).
 
 #[path = "../tests/lab/mod.rs"]
 mod lab;
@@ -19,9 +20,15 @@ fn main() {
     }
     let size: usize = lab::bench_opt("--size", 64 << 20);
     let sz = size.to_string();
+    let mtu: u32 = lab::bench_opt("--mtu", 1500);
     let mut lab = Lab::new(3);
+    if mtu != 1500 {
+        lab.set_mtu(mtu);
+    }
     let peers = lab.peers();
-    println!("allreduce benchmark: 3 lab hosts, float32, {size} bytes (busbw = algbw x 2(n-1)/n)");
+    println!(
+        "allreduce benchmark: 3 lab hosts, eth1 MTU {mtu}, float32, {size} bytes (busbw = algbw x 2(n-1)/n)"
+    );
 
     // 1. meshd's ring over QUIC, at `size` and at 8 bytes (small-message latency).
     let ring = |lab: &mut Lab, size: &str, iters: &str, ceiling: bool| -> Vec<serde_json::Value> {
@@ -55,6 +62,9 @@ fn main() {
     let big = ring(&mut lab, &sz, "5", true);
     let meshd_bus: Vec<f64> = big.iter().filter_map(|v| v["results"][0]["busbw_gbs"].as_f64()).collect();
     let ceiling: Vec<f64> = big.iter().filter_map(|v| v["ceiling_gbs"].as_f64()).collect();
+    let meshd_cpu: Vec<f64> = big.iter().filter_map(|v| v["results"][0]["cpu_s_per_gb"].as_f64()).collect();
+    let ceiling_cpu: Vec<f64> = big.iter().filter_map(|v| v["ceiling_cpu_s_per_gb"].as_f64()).collect();
+    let mtus: Vec<u64> = big.iter().filter_map(|v| v["path"]["mtu"].as_u64()).collect();
     let meshd_lat: Vec<f64> =
         ring(&mut lab, "8", "50", false).iter().filter_map(|v| v["results"][0]["time_s"].as_f64()).collect();
 
@@ -114,6 +124,12 @@ fn main() {
         show(mean(&gloo_lat).map(|t| t * 1e6))
     );
     println!("{:<34} {:>12} {:>16}", "one TCP stream, iperf3 (GB/s)", show(tcp), "");
+    println!(
+        "CPU seconds per GB carried per link: meshd ring {}, bare quinn ring {}; QUIC payload reached {:?} B",
+        show(mean(&meshd_cpu)),
+        show(mean(&ceiling_cpu)),
+        mtus
+    );
     if let (Some(m), Some(c)) = (mean(&meshd_bus), mean(&ceiling)) {
         println!("meshd ring / bare quinn ring: {:.2}", m / c);
     }

@@ -43,6 +43,27 @@ struct Row {
     bytes: usize,
     iters: u32,
     time_s: f64,
+    /// This process's CPU seconds (user + system) per GB one link carried.
+    cpu_per_gb: f64,
+}
+
+/// The bare ring's bandwidth per link and CPU seconds per GB.
+#[derive(Debug, Clone, Copy)]
+struct Ceiling {
+    gbs: f64,
+    cpu_per_gb: f64,
+}
+
+/// CPU seconds (user + system) this process has used. On a shared machine wall time
+/// depends on the neighbours; CPU per byte much less so.
+fn cpu_seconds() -> f64 {
+    // SAFETY: getrusage only writes the struct we pass.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } != 0 {
+        return f64::NAN;
+    }
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
 }
 
 async fn sweep(
@@ -50,7 +71,7 @@ async fn sweep(
     sizes: Vec<usize>,
     iters: Option<u32>,
     ceiling: bool,
-) -> Result<(Vec<Row>, Option<f64>)> {
+) -> Result<(Vec<Row>, Option<Ceiling>)> {
     let n = ring.world();
     let rank = ring.rank();
     let mut op = 0u64;
@@ -77,11 +98,19 @@ async fn sweep(
         op += 1;
         ring.allreduce(op, &mut sync, DType::I64, ReduceOp::Sum).await?; // align the start
         let t = Instant::now();
+        let cpu = cpu_seconds();
         for _ in 0..iters {
             op += 1;
             ring.allreduce(op, &mut buf, DType::F32, ReduceOp::Sum).await?;
         }
-        rows.push(Row { bytes: elems * 4, iters, time_s: t.elapsed().as_secs_f64() / iters as f64 });
+        let link_gb = (elems * 4 * 2 * (n - 1)) as f64 / n.max(1) as f64 * iters as f64 / 1e9;
+        let cpu_per_gb = if n > 1 { (cpu_seconds() - cpu) / link_gb } else { 0.0 };
+        rows.push(Row {
+            bytes: elems * 4,
+            iters,
+            time_s: t.elapsed().as_secs_f64() / iters as f64,
+            cpu_per_gb,
+        });
     }
     // The bare ring: the bytes one link carries in an allreduce of the largest size.
     let ceil = if ceiling && n > 1 {
@@ -90,8 +119,10 @@ async fn sweep(
         op += 1;
         ring.allreduce(op, &mut sync, DType::I64, ReduceOp::Sum).await?;
         op += 1;
+        let cpu = cpu_seconds();
         let t = ring.stream_ceiling(op, per_link).await?;
-        Some(per_link as f64 / t.as_secs_f64() / 1e9)
+        let gb = per_link as f64 / 1e9;
+        Some(Ceiling { gbs: gb / t.as_secs_f64(), cpu_per_gb: (cpu_seconds() - cpu) / gb })
     } else {
         None
     };
@@ -112,7 +143,7 @@ pub async fn main(which: Which) -> Result<ExitCode> {
     let ring = RingNet::new(
         mesh.transport().clone(),
         rank,
-        addrs,
+        addrs.clone(),
         std::sync::Arc::new(tokio::sync::Mutex::new(incoming)),
     );
     let sizes: Vec<usize> = match a.size {
@@ -136,6 +167,7 @@ pub async fn main(which: Which) -> Result<ExitCode> {
             },
         }
     };
+    let path = if n > 1 { mesh.transport().path_stats(addrs[(rank + 1) % n]) } else { None };
     meshd::job::finish_together(&mut mesh, &roster, Duration::from_secs(3)).await;
     mesh.shutdown().await;
     let factor = if n > 1 { 2.0 * (n as f64 - 1.0) / n as f64 } else { 0.0 };
@@ -144,34 +176,51 @@ pub async fn main(which: Which) -> Result<ExitCode> {
             .iter()
             .map(|r| {
                 let alg = r.bytes as f64 / r.time_s / 1e9;
-                json!({"bytes": r.bytes, "iters": r.iters, "time_s": r.time_s, "algbw_gbs": alg, "busbw_gbs": alg * factor})
+                json!({"bytes": r.bytes, "iters": r.iters, "time_s": r.time_s, "algbw_gbs": alg, "busbw_gbs": alg * factor, "cpu_s_per_gb": r.cpu_per_gb})
             })
             .collect();
         println!(
             "{}",
-            json!({"nodes": n, "rank": rank, "dtype": "float32", "op": "sum", "results": results, "ceiling_gbs": ceiling})
+            json!({"nodes": n, "rank": rank, "dtype": "float32", "op": "sum", "results": results, "ceiling_gbs": ceiling.map(|c| c.gbs), "ceiling_cpu_s_per_gb": ceiling.map(|c| c.cpu_per_gb),
+                "path": path.map(|p| json!({"mtu": p.mtu, "rtt_us": p.rtt.as_micros() as u64, "sent_packets": p.sent_packets, "lost_packets": p.lost_packets, "congestion_events": p.congestion_events}))})
         );
     } else {
         println!("# meshd ring allreduce over QUIC: {n} nodes, this node rank {rank}, float32 sum");
         println!(
-            "# {:>12} {:>10} {:>6} {:>12} {:>10} {:>10}",
-            "size(B)", "count", "iters", "time(us)", "algbw", "busbw"
+            "# {:>12} {:>10} {:>6} {:>12} {:>10} {:>10} {:>10}",
+            "size(B)", "count", "iters", "time(us)", "algbw", "busbw", "cpu(s/GB)"
         );
         for r in &rows {
             let alg = r.bytes as f64 / r.time_s / 1e9;
             println!(
-                "  {:>12} {:>10} {:>6} {:>12.1} {:>10.3} {:>10.3}",
+                "  {:>12} {:>10} {:>6} {:>12.1} {:>10.3} {:>10.3} {:>10.2}",
                 r.bytes,
                 r.bytes / 4,
                 r.iters,
                 r.time_s * 1e6,
                 alg,
-                alg * factor
+                alg * factor,
+                r.cpu_per_gb
             );
         }
-        println!("# algbw, busbw in GB/s; busbw = algbw * 2(n-1)/n");
+        println!(
+            "# algbw, busbw in GB/s; busbw = algbw * 2(n-1)/n; cpu = this process's CPU seconds per GB one link carried"
+        );
         if let Some(c) = ceiling {
-            println!("# bare QUIC ring (no framing, no reduction), per link: {c:.3} GB/s");
+            println!(
+                "# bare QUIC ring (no framing, no reduction), per link: {:.3} GB/s, {:.2} CPU s/GB",
+                c.gbs, c.cpu_per_gb
+            );
+        }
+        if let Some(p) = path {
+            println!(
+                "# path to the next node: UDP payload {} B (MTU discovery), rtt {} us, {} of {} packets lost, {} congestion events",
+                p.mtu,
+                p.rtt.as_micros(),
+                p.lost_packets,
+                p.sent_packets,
+                p.congestion_events
+            );
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -139,6 +139,15 @@ impl Lab {
         }
     }
 
+    /// Sets the MTU of every host's eth1 and of the bridge ports (jumbo frames: 9000).
+    pub fn set_mtu(&self, mtu: u32) {
+        let m = mtu.to_string();
+        for h in &self.hosts {
+            must(&["ip", "-n", &self.hub, "link", "set", &format!("h{}e1", h.index), "mtu", &m]);
+            must(&["ip", "-n", &h.ns, "link", "set", "eth1", "mtu", &m]);
+        }
+    }
+
     /// Comma list of every host's eth1 address.
     pub fn peers(&self) -> String {
         self.hosts.iter().map(|h| h.eth1.clone()).collect::<Vec<_>>().join(",")

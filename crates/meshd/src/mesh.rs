@@ -145,6 +145,7 @@ impl Mesh {
         let mut tc = TransportConfig::new(cfg.node, cfg.port);
         tc.token = cfg.token.clone();
         tc.run_hash = run_hash;
+        tc.mtu = ifs.iter().find(|i| i.name == choice.name).and_then(|i| i.mtu);
         if choice.addr.is_ipv6() {
             tc.bind = IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED);
         }

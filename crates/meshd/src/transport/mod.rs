@@ -53,6 +53,10 @@ pub struct TransportConfig {
     pub idle_timeout: Duration,
     /// Time allowed for connect + authentication.
     pub connect_timeout: Duration,
+    /// MTU of the interface the cluster uses. Above 1500 (jumbo frames), QUIC's path MTU
+    /// discovery may grow packets up to it: fewer, larger packets cost far less CPU per
+    /// byte. Peers each advertise their own limit, so a mixed cluster stays safe.
+    pub mtu: Option<u32>,
 }
 
 impl TransportConfig {
@@ -68,8 +72,24 @@ impl TransportConfig {
             keep_alive: Duration::from_millis(500),
             idle_timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(3),
+            mtu: None,
         }
     }
+}
+
+/// QUIC's view of the path to one peer ([`Transport::path_stats`]).
+#[derive(Clone, Copy, Debug)]
+pub struct PathStats {
+    /// The UDP payload size MTU discovery has reached.
+    pub mtu: u16,
+    /// Smoothed round-trip time.
+    pub rtt: Duration,
+    /// Packets sent on the path.
+    pub sent_packets: u64,
+    /// Packets declared lost.
+    pub lost_packets: u64,
+    /// Times the congestion window was cut.
+    pub congestion_events: u64,
 }
 
 /// Transport failures.
@@ -199,6 +219,70 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// The UDP socket with GSO batches capped at what one IP datagram can carry (64 KiB).
+///
+/// quinn batches up to 10 packets per `sendmsg`; with jumbo packets (8972 bytes) that is
+/// 90 KB, the kernel answers EMSGSIZE, and quinn-udp silently drops the whole batch (it
+/// expects EMSGSIZE only from MTU probes). The losses then look like an MTU black hole and
+/// the path falls back to 1200-byte packets. Capping the segment count avoids both.
+#[derive(Debug)]
+struct GsoCapped {
+    inner: Arc<dyn quinn::AsyncUdpSocket>,
+    max_segments: usize,
+}
+
+impl GsoCapped {
+    fn new(inner: Arc<dyn quinn::AsyncUdpSocket>, max_payload: u16, ipv6: bool) -> Self {
+        // IPv4: 65535 minus IP and UDP headers; IPv6's payload length excludes its header.
+        let limit = if ipv6 { 65_535 - 8 } else { 65_535 - 28 };
+        let max_segments = (limit / max_payload.max(1) as usize).max(1);
+        GsoCapped { inner, max_segments }
+    }
+}
+
+impl quinn::AsyncUdpSocket for GsoCapped {
+    fn create_io_poller(self: Arc<Self>) -> std::pin::Pin<Box<dyn quinn::UdpPoller>> {
+        self.inner.clone().create_io_poller()
+    }
+
+    fn try_send(&self, transmit: &quinn::udp::Transmit) -> std::io::Result<()> {
+        self.inner.try_send(transmit)
+    }
+
+    fn poll_recv(
+        &self,
+        cx: &mut std::task::Context,
+        bufs: &mut [std::io::IoSliceMut<'_>],
+        meta: &mut [quinn::udp::RecvMeta],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        self.inner.poll_recv(cx, bufs, meta)
+    }
+
+    fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.inner.local_addr()
+    }
+
+    fn max_transmit_segments(&self) -> usize {
+        self.inner.max_transmit_segments().min(self.max_segments)
+    }
+
+    fn max_receive_segments(&self) -> usize {
+        self.inner.max_receive_segments()
+    }
+
+    fn may_fragment(&self) -> bool {
+        self.inner.may_fragment()
+    }
+}
+
+/// The largest UDP payload an interface of MTU `mtu` carries, when it is above quinn's
+/// default (1472 for IPv4); `None` for standard or smaller MTUs.
+fn max_udp_payload(mtu: u32, ipv6: bool) -> Option<u16> {
+    let headers = if ipv6 { 48 } else { 28 };
+    let payload = mtu.saturating_sub(headers).min(u16::MAX as u32 - 8) as u16;
+    (payload > 1472).then_some(payload)
+}
+
 /// Large UDP socket buffers: bursts of a ring allreduce otherwise overflow the default
 /// ~200 KiB and turn into loss. `SO_*BUFFORCE` (root) lifts the sysctl cap; without the
 /// privilege the plain options still raise the buffers up to it.
@@ -259,6 +343,21 @@ impl Transport {
             }
             _ => {}
         }
+        // Jumbo frames: let MTU discovery probe up to the interface's MTU (it starts at
+        // 1200 and backs off on loss, so a path that cannot carry them costs nothing).
+        // quinn's black-hole detector takes any three bursts of lost full-size packets for an
+        // MTU black hole and then drops to 1200-byte packets for a minute; in a bulk transfer
+        // every congestion loss looks like that. Probe again after a second instead: the
+        // search takes a few round trips, and 20% more packets per byte cost more.
+        let mut ec = quinn::EndpointConfig::default();
+        let mut md = quinn::MtuDiscoveryConfig::default();
+        md.black_hole_cooldown(Duration::from_secs(1));
+        let max_payload = cfg.mtu.and_then(|m| max_udp_payload(m, cfg.bind.is_ipv6()));
+        if let Some(payload) = max_payload {
+            md.upper_bound(payload);
+            ec.max_udp_payload_size(payload).map_err(|e| TransportError::Tls(e.to_string()))?;
+        }
+        tc.mtu_discovery_config(Some(md));
         let (server, client) = tls::configs(Arc::new(tc))?;
         let addr = SocketAddr::new(cfg.bind, cfg.port);
         let socket =
@@ -266,9 +365,14 @@ impl Transport {
         set_socket_buffers(&socket, 16 << 20);
         let runtime =
             quinn::default_runtime().ok_or_else(|| TransportError::Tls("no async runtime".into()))?;
-        let mut endpoint =
-            quinn::Endpoint::new(quinn::EndpointConfig::default(), Some(server), socket, runtime)
-                .map_err(|source| TransportError::Bind { addr, source })?;
+        let socket =
+            runtime.wrap_udp_socket(socket).map_err(|source| TransportError::Bind { addr, source })?;
+        let socket: Arc<dyn quinn::AsyncUdpSocket> = match max_payload {
+            Some(payload) => Arc::new(GsoCapped::new(socket, payload, cfg.bind.is_ipv6())),
+            None => socket,
+        };
+        let mut endpoint = quinn::Endpoint::new_with_abstract_socket(ec, Some(server), socket, runtime)
+            .map_err(|source| TransportError::Bind { addr, source })?;
         endpoint.set_default_client_config(client);
         let (tx, rx) = mpsc::channel(4096);
         let (data_tx, data_rx) = mpsc::channel(256);
@@ -381,6 +485,21 @@ impl Transport {
     /// Round-trip time QUIC measured to `addr`, if connected.
     pub fn rtt(&self, addr: SocketAddr) -> Option<Duration> {
         lock(&self.inner.conns).get(&canonical(addr)).map(|(c, _)| c.rtt())
+    }
+
+    /// QUIC's view of the path to `addr`, if connected: the MTU discovery reached, packets
+    /// sent and lost, and congestion events.
+    pub fn path_stats(&self, addr: SocketAddr) -> Option<PathStats> {
+        lock(&self.inner.conns).get(&canonical(addr)).map(|(c, _)| {
+            let s = c.stats();
+            PathStats {
+                mtu: s.path.current_mtu,
+                rtt: s.path.rtt,
+                sent_packets: s.path.sent_packets,
+                lost_packets: s.path.lost_packets,
+                congestion_events: s.path.congestion_events,
+            }
+        })
     }
 
     /// Closes every connection and waits briefly for the close to be sent.
