@@ -108,6 +108,35 @@ pub fn decode_transfer_id(id: u64) -> (Phase, usize, usize) {
     (phase, ((id >> 32) & 0x7fff_ffff) as usize, (id & 0xffff_ffff) as usize)
 }
 
+/// Bytes of the header before each chunk's payload on a data stream: the [`transfer_id`]
+/// (u64 big-endian), then the payload's length (u32 big-endian).
+pub const CHUNK_HEADER_LEN: usize = 12;
+
+/// The header sent before a chunk's payload.
+pub fn encode_chunk_header(id: u64, len: u32) -> [u8; CHUNK_HEADER_LEN] {
+    let mut head = [0u8; CHUNK_HEADER_LEN];
+    head[..8].copy_from_slice(&id.to_be_bytes());
+    head[8..].copy_from_slice(&len.to_be_bytes());
+    head
+}
+
+/// Reads a chunk header into `(transfer id, payload length)`, refusing a length above
+/// `max_chunk` before the receiver allocates anything for the payload.
+pub fn decode_chunk_header(
+    head: &[u8; CHUNK_HEADER_LEN],
+    max_chunk: usize,
+) -> Result<(u64, usize), RingError> {
+    let mut id = [0u8; 8];
+    id.copy_from_slice(&head[..8]);
+    let mut len = [0u8; 4];
+    len.copy_from_slice(&head[8..]);
+    let len = u32::from_be_bytes(len) as usize;
+    if len > max_chunk {
+        return Err(RingError::ChunkTooLong { len, max: max_chunk });
+    }
+    Ok((u64::from_be_bytes(id), len))
+}
+
 /// Why a plan could not be built or an input was refused. A refused input leaves the
 /// [`RingState`] unchanged.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -150,6 +179,14 @@ pub enum RingError {
     /// The transfer was already received.
     #[error("duplicate transfer id {0:#x}")]
     DuplicateTransfer(u64),
+    /// A chunk header announces more bytes than the chunk size.
+    #[error("chunk of {len} bytes exceeds the {max}-byte chunk size")]
+    ChunkTooLong {
+        /// Length announced.
+        len: usize,
+        /// The chunk size.
+        max: usize,
+    },
     /// The payload does not have the chunk's length.
     #[error("transfer {id:#x} carries {got} bytes, expected {expected}")]
     WrongLength {

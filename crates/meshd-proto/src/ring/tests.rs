@@ -357,3 +357,12 @@ fn simulated_ring_average_divides_once_at_the_owner() {
         }
     }
 }
+
+#[test]
+fn chunk_headers_round_trip_and_refuse_long_chunks() {
+    let head = encode_chunk_header(0x8000_0003_0000_0007, 4096);
+    assert_eq!(decode_chunk_header(&head, 4096), Ok((0x8000_0003_0000_0007, 4096)));
+    assert_eq!(decode_chunk_header(&head, 4095), Err(RingError::ChunkTooLong { len: 4096, max: 4095 }));
+    let max = encode_chunk_header(u64::MAX, u32::MAX);
+    assert_eq!(decode_chunk_header(&max, usize::MAX), Ok((u64::MAX, u32::MAX as usize)));
+}

@@ -1,7 +1,8 @@
 //! Collectives that need only meshd's one UDP port: the inter-node ring allreduce
 //! ([`ring`]) and the node-local service that ranks reach through `MESHD_SOCKET`
-//! ([`service`]).
+//! ([`service`]), whose socket requests [`request`] parses.
 
+pub mod request;
 pub mod ring;
 pub mod service;
 

@@ -10,7 +10,9 @@
 use crate::transport::{DataStream, Transport, TransportError};
 use bytes::Bytes;
 use meshd_proto::reduce::{DType, ReduceOp};
-use meshd_proto::ring::{RingError, RingPlan, RingState};
+use meshd_proto::ring::{
+    CHUNK_HEADER_LEN, RingError, RingPlan, RingState, decode_chunk_header, encode_chunk_header,
+};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -226,9 +228,7 @@ async fn write_frames(
 ) -> Result<(), CollectiveError> {
     let link = |e: String| CollectiveError::Link { peer, reason: e };
     while let Some((id, payload)) = rx.recv().await {
-        let mut head = [0u8; 12];
-        head[..8].copy_from_slice(&id.to_be_bytes());
-        head[8..].copy_from_slice(&(payload.len() as u32).to_be_bytes());
+        let head = encode_chunk_header(id, payload.len() as u32);
         let mut parts = [Bytes::copy_from_slice(&head), payload];
         send.write_all_chunks(&mut parts).await.map_err(|e| link(e.to_string()))?;
     }
@@ -246,7 +246,7 @@ async fn read_frames(
     max_chunk: usize,
 ) {
     loop {
-        let mut head = [0u8; 12];
+        let mut head = [0u8; CHUNK_HEADER_LEN];
         match recv.read_exact(&mut head).await {
             Ok(()) => {}
             Err(quinn::ReadExactError::FinishedEarly(0)) => return,
@@ -255,16 +255,13 @@ async fn read_frames(
                 return;
             }
         }
-        let mut id = [0u8; 8];
-        id.copy_from_slice(&head[..8]);
-        let mut len = [0u8; 4];
-        len.copy_from_slice(&head[8..]);
-        let len = u32::from_be_bytes(len) as usize;
-        if len > max_chunk {
-            let reason = format!("chunk of {len} bytes exceeds the {max_chunk}-byte chunk size");
-            let _ = tx.send(Err(CollectiveError::Link { peer, reason })).await;
-            return;
-        }
+        let (id, len) = match decode_chunk_header(&head, max_chunk) {
+            Ok(h) => h,
+            Err(e) => {
+                let _ = tx.send(Err(CollectiveError::Link { peer, reason: e.to_string() })).await;
+                return;
+            }
+        };
         // Take quinn's received chunks as they are and copy once into the payload (no
         // zero-fill of a fresh buffer first).
         let mut payload = Vec::with_capacity(len);
@@ -282,7 +279,7 @@ async fn read_frames(
                 }
             }
         }
-        if tx.send(Ok((u64::from_be_bytes(id), payload))).await.is_err() {
+        if tx.send(Ok((id, payload))).await.is_err() {
             return;
         }
     }

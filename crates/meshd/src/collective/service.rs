@@ -8,8 +8,10 @@
 //! Wire format on the socket (the Python client in `python/meshd` speaks it): each
 //! message is `[u32 big-endian header length][JSON header][payload]`, the payload's length
 //! given by the header's `nbytes`. Requests: `hello`, `allreduce`, `broadcast`, `barrier`,
-//! `store_set`, `store_get`; replies carry `ok` and, on failure, `error` in words.
+//! `store_set`, `store_get`; replies carry `ok` and, on failure, `error` in words. The
+//! parsing is in [`super::request`] (pure, fuzzed).
 
+use super::request::{self, Kind, Request};
 use super::ring::RingNet;
 use crate::transport::Transport;
 use meshd_proto::reduce::{self, DType, ReduceOp};
@@ -24,11 +26,6 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tracing::{debug, warn};
-
-/// Largest header accepted on the socket.
-const MAX_HEADER: usize = 64 << 10;
-/// Largest collective payload accepted (per call).
-const MAX_PAYLOAD: usize = 4 << 30;
 
 /// Where and for whom the service runs.
 #[derive(Clone, Debug)]
@@ -55,13 +52,6 @@ pub struct Service {
     dir: Option<PathBuf>,
     tasks: Vec<JoinHandle<()>>,
     store_tx: mpsc::Sender<StoreReq>,
-}
-
-#[derive(Clone, Debug, PartialEq)]
-enum Kind {
-    AllReduce(DType, ReduceOp),
-    Broadcast(u32),
-    Barrier,
 }
 
 struct Part {
@@ -186,18 +176,10 @@ async fn read_msg(s: &mut UnixStream) -> std::io::Result<Option<(Value, Vec<u8>)
         Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
         Err(e) => return Err(e),
     }
-    let n = u32::from_be_bytes(len) as usize;
-    if n > MAX_HEADER {
-        return Err(std::io::Error::other(format!("header of {n} bytes is too large")));
-    }
+    let n = request::header_len(len).map_err(std::io::Error::other)?;
     let mut head = vec![0u8; n];
     s.read_exact(&mut head).await?;
-    let v: Value =
-        serde_json::from_slice(&head).map_err(|e| std::io::Error::other(format!("bad header: {e}")))?;
-    let nbytes = v.get("nbytes").and_then(Value::as_u64).unwrap_or(0) as usize;
-    if nbytes > MAX_PAYLOAD {
-        return Err(std::io::Error::other(format!("payload of {nbytes} bytes is too large")));
-    }
+    let (v, nbytes) = request::parse_header(&head).map_err(std::io::Error::other)?;
     let mut payload = vec![0u8; nbytes];
     s.read_exact(&mut payload).await?;
     Ok(Some((v, payload)))
@@ -222,11 +204,9 @@ async fn client(
     let mut seq = 0u64;
     let mut me: Option<(u32, u32)> = None; // (global, local)
     while let Some((req, payload)) = read_msg(&mut s).await? {
-        let op = req.get("op").and_then(Value::as_str).unwrap_or("").to_string();
         let fail = |e: String| json!({"ok": false, "error": e});
-        let (head, body): (Value, Vec<u8>) = match op.as_str() {
-            "hello" => {
-                let rank = req.get("rank").and_then(Value::as_u64).unwrap_or(u64::MAX);
+        let (head, body): (Value, Vec<u8>) = match request::parse_request(&req, payload.len(), cfg.world) {
+            Request::Hello { rank } => {
                 let lo = cfg.first_global as u64;
                 if rank < lo || rank >= lo + cfg.local_world as u64 {
                     (
@@ -241,12 +221,12 @@ async fn client(
                     (json!({"ok": true, "world": cfg.world, "local_world": cfg.local_world}), vec![])
                 }
             }
-            "allreduce" | "broadcast" | "barrier" => {
+            Request::Collective(kind) => {
                 let Some((global, local)) = me else {
                     write_msg(&mut s, fail("send hello first".into()), &[]).await?;
                     continue;
                 };
-                match parse_kind(&op, &req, cfg.world) {
+                match kind {
                     Err(e) => (fail(e), vec![]),
                     Ok(kind) => {
                         let (tx, rx) = oneshot::channel();
@@ -266,25 +246,14 @@ async fn client(
                     }
                 }
             }
-            "store_set" => {
-                let key = req.get("key").and_then(Value::as_str).unwrap_or("").to_string();
-                if key.is_empty() || key.len() > MAX_STORE_KEY || payload.len() > MAX_STORE_VALUE {
-                    (
-                        fail(format!(
-                            "store keys are 1..{MAX_STORE_KEY} bytes, values at most {MAX_STORE_VALUE}"
-                        )),
-                        vec![],
-                    )
-                } else {
-                    let (tx, rx) = oneshot::channel();
-                    let _ = store.send(StoreReq::Set(key, payload, tx)).await;
-                    let _ = rx.await;
-                    (json!({"ok": true}), vec![])
-                }
+            Request::StoreSet(Err(e)) => (fail(e), vec![]),
+            Request::StoreSet(Ok(key)) => {
+                let (tx, rx) = oneshot::channel();
+                let _ = store.send(StoreReq::Set(key, payload, tx)).await;
+                let _ = rx.await;
+                (json!({"ok": true}), vec![])
             }
-            "store_get" => {
-                let key = req.get("key").and_then(Value::as_str).unwrap_or("").to_string();
-                let timeout = req.get("timeout").and_then(Value::as_f64).unwrap_or(30.0).clamp(0.0, 86_400.0);
+            Request::StoreGet { key, timeout } => {
                 let (tx, rx) = oneshot::channel();
                 let _ = store.send(StoreReq::Get(key.clone(), Duration::from_secs_f64(timeout), tx)).await;
                 match rx.await {
@@ -292,31 +261,11 @@ async fn client(
                     _ => (fail(format!("store key {key:?} not set within {timeout} s")), vec![]),
                 }
             }
-            other => (fail(format!("unknown request {other:?}")), vec![]),
+            Request::Unknown(other) => (fail(format!("unknown request {other:?}")), vec![]),
         };
         write_msg(&mut s, head, &body).await?;
     }
     Ok(())
-}
-
-fn parse_kind(op: &str, req: &Value, world: u32) -> Result<Kind, String> {
-    match op {
-        "allreduce" => {
-            let dtype = DType::parse(req.get("dtype").and_then(Value::as_str).unwrap_or("float32"))
-                .map_err(|e| e.to_string())?;
-            let rop = ReduceOp::parse(req.get("reduce").and_then(Value::as_str).unwrap_or("sum"))
-                .map_err(|e| e.to_string())?;
-            Ok(Kind::AllReduce(dtype, rop))
-        }
-        "broadcast" => {
-            let root = req.get("root").and_then(Value::as_u64).unwrap_or(0);
-            if root >= world as u64 {
-                return Err(format!("broadcast root {root} is not a rank (world size {world})"));
-            }
-            Ok(Kind::Broadcast(root as u32))
-        }
-        _ => Ok(Kind::Barrier),
-    }
 }
 
 fn describe(k: &Kind, len: usize) -> String {

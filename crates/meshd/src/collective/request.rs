@@ -1,0 +1,168 @@
+//! The requests of the local service socket, parsed by pure functions.
+//!
+//! A message on the socket is `[u32 big-endian header length][JSON header][payload]`
+//! (see [`super::service`]). Everything a local process controls before meshd acts on it
+//! is decided here, without IO: the header length ([`header_len`]), the header itself and
+//! the payload size it announces ([`parse_header`]), and what is asked ([`parse_request`]).
+//!
+//! This file names only `meshd_proto` and `serde_json` (no `crate::` paths): `fuzz/`
+//! compiles it on its own, so fuzzing it does not build the QUIC stack.
+
+use meshd_proto::reduce::{DType, ReduceOp};
+use meshd_proto::wire::{MAX_STORE_KEY, MAX_STORE_VALUE};
+use serde_json::Value;
+
+/// Largest header accepted on the socket.
+pub const MAX_HEADER: usize = 64 << 10;
+/// Largest payload accepted (per call).
+pub const MAX_PAYLOAD: usize = 4 << 30;
+/// Longest a `store_get` may wait, seconds.
+pub const MAX_STORE_WAIT_S: f64 = 86_400.0;
+
+/// What a collective request asks for.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Kind {
+    /// Allreduce of the payload's elements.
+    AllReduce(DType, ReduceOp),
+    /// The payload of global rank `root` to everyone.
+    Broadcast(u32),
+    /// Wait for every rank.
+    Barrier,
+}
+
+/// One request, as far as it can be judged without the node's state.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Request {
+    /// `hello`: the sender's global rank (`u64::MAX` when missing).
+    Hello {
+        /// Claimed global rank.
+        rank: u64,
+    },
+    /// `allreduce`, `broadcast` or `barrier`, or why its arguments are refused.
+    Collective(Result<Kind, String>),
+    /// `store_set` of the payload under a key, or why it is refused.
+    StoreSet(Result<String, String>),
+    /// `store_get`: a key and how long to wait for it (seconds, in `0..=MAX_STORE_WAIT_S`).
+    StoreGet {
+        /// The key.
+        key: String,
+        /// Seconds to wait.
+        timeout: f64,
+    },
+    /// Anything else: the `op` given ("" when missing).
+    Unknown(String),
+}
+
+/// The header length from a message's 4-byte prefix, refused above [`MAX_HEADER`] before
+/// anything is allocated.
+pub fn header_len(prefix: [u8; 4]) -> Result<usize, String> {
+    let n = u32::from_be_bytes(prefix) as usize;
+    if n > MAX_HEADER {
+        return Err(format!("header of {n} bytes is too large"));
+    }
+    Ok(n)
+}
+
+/// Parses a JSON header; returns it with the payload length it announces (`nbytes`, 0
+/// when missing), refused above [`MAX_PAYLOAD`].
+pub fn parse_header(head: &[u8]) -> Result<(Value, usize), String> {
+    let v: Value = serde_json::from_slice(head).map_err(|e| format!("bad header: {e}"))?;
+    let nbytes = v.get("nbytes").and_then(Value::as_u64).unwrap_or(0);
+    match usize::try_from(nbytes) {
+        Ok(n) if n <= MAX_PAYLOAD => Ok((v, n)),
+        _ => Err(format!("payload of {nbytes} bytes is too large")),
+    }
+}
+
+/// What a header asks for; `nbytes` is the payload's length and `world` the number of
+/// global ranks.
+pub fn parse_request(req: &Value, nbytes: usize, world: u32) -> Request {
+    let op = req.get("op").and_then(Value::as_str).unwrap_or("");
+    match op {
+        "hello" => Request::Hello { rank: req.get("rank").and_then(Value::as_u64).unwrap_or(u64::MAX) },
+        "allreduce" | "broadcast" | "barrier" => Request::Collective(parse_kind(op, req, world)),
+        "store_set" => {
+            let key = req.get("key").and_then(Value::as_str).unwrap_or("");
+            if key.is_empty() || key.len() > MAX_STORE_KEY || nbytes > MAX_STORE_VALUE {
+                Request::StoreSet(Err(format!(
+                    "store keys are 1..{MAX_STORE_KEY} bytes, values at most {MAX_STORE_VALUE}"
+                )))
+            } else {
+                Request::StoreSet(Ok(key.to_string()))
+            }
+        }
+        "store_get" => {
+            let key = req.get("key").and_then(Value::as_str).unwrap_or("").to_string();
+            let timeout =
+                req.get("timeout").and_then(Value::as_f64).unwrap_or(30.0).clamp(0.0, MAX_STORE_WAIT_S);
+            Request::StoreGet { key, timeout }
+        }
+        other => Request::Unknown(other.to_string()),
+    }
+}
+
+fn parse_kind(op: &str, req: &Value, world: u32) -> Result<Kind, String> {
+    match op {
+        "allreduce" => {
+            let dtype = DType::parse(req.get("dtype").and_then(Value::as_str).unwrap_or("float32"))
+                .map_err(|e| e.to_string())?;
+            let rop = ReduceOp::parse(req.get("reduce").and_then(Value::as_str).unwrap_or("sum"))
+                .map_err(|e| e.to_string())?;
+            Ok(Kind::AllReduce(dtype, rop))
+        }
+        "broadcast" => {
+            let root = req.get("root").and_then(Value::as_u64).unwrap_or(0);
+            if root >= u64::from(world) {
+                return Err(format!("broadcast root {root} is not a rank (world size {world})"));
+            }
+            Ok(Kind::Broadcast(root as u32))
+        }
+        _ => Ok(Kind::Barrier),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn header_and_payload_bounds() {
+        assert_eq!(header_len((MAX_HEADER as u32).to_be_bytes()), Ok(MAX_HEADER));
+        assert!(header_len((MAX_HEADER as u32 + 1).to_be_bytes()).is_err());
+        assert_eq!(parse_header(br#"{"op":"barrier"}"#).map(|h| h.1), Ok(0));
+        assert_eq!(parse_header(br#"{"nbytes":4294967296}"#).map(|h| h.1), Ok(MAX_PAYLOAD));
+        assert!(parse_header(br#"{"nbytes":4294967297}"#).is_err());
+        assert!(parse_header(b"{").is_err());
+    }
+
+    #[test]
+    fn requests() {
+        let p = |v: Value, n| parse_request(&v, n, 4);
+        assert_eq!(p(json!({"op": "hello", "rank": 3}), 0), Request::Hello { rank: 3 });
+        assert_eq!(p(json!({"op": "hello"}), 0), Request::Hello { rank: u64::MAX });
+        assert_eq!(
+            p(json!({"op": "allreduce", "dtype": "bf16", "reduce": "avg"}), 8),
+            Request::Collective(Ok(Kind::AllReduce(DType::BF16, ReduceOp::Avg)))
+        );
+        assert!(matches!(p(json!({"op": "allreduce", "dtype": "cheese"}), 8), Request::Collective(Err(_))));
+        assert_eq!(p(json!({"op": "broadcast", "root": 3}), 0), Request::Collective(Ok(Kind::Broadcast(3))));
+        assert!(matches!(p(json!({"op": "broadcast", "root": 4}), 0), Request::Collective(Err(_))));
+        assert_eq!(p(json!({"op": "barrier"}), 0), Request::Collective(Ok(Kind::Barrier)));
+        assert_eq!(p(json!({"op": "store_set", "key": "k"}), 1), Request::StoreSet(Ok("k".into())));
+        assert!(matches!(p(json!({"op": "store_set", "key": ""}), 1), Request::StoreSet(Err(_))));
+        assert!(matches!(
+            p(json!({"op": "store_set", "key": "k"}), MAX_STORE_VALUE + 1),
+            Request::StoreSet(Err(_))
+        ));
+        assert_eq!(
+            p(json!({"op": "store_get", "key": "k", "timeout": -5}), 0),
+            Request::StoreGet { key: "k".into(), timeout: 0.0 }
+        );
+        assert_eq!(
+            p(json!({"op": "store_get", "key": "k", "timeout": 1e300}), 0),
+            Request::StoreGet { key: "k".into(), timeout: MAX_STORE_WAIT_S }
+        );
+        assert_eq!(p(json!({"op": 7}), 0), Request::Unknown(String::new()));
+    }
+}
