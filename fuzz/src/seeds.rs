@@ -1,0 +1,246 @@
+//! Seed inputs for each target, encoded from real messages by the real encoders (the
+//! `gen_seeds` binary writes them out), so the fuzzer starts from every variant.
+
+use meshd_proto::membership::{MemberState, MemberStatus, Message as Gm, Update, UpdateKind};
+use meshd_proto::meta::{IfaceAddr, NodeMeta, NodeState};
+use meshd_proto::preflight::{NodeReport, TcpProbe};
+use meshd_proto::rendezvous::{Message as Rm, Roster, RosterMember};
+use meshd_proto::ring::{Phase, transfer_id};
+use meshd_proto::wire::{
+    self, AuthHello, Frame, PROTOCOL_VERSION, Query, StatusMember, StatusReply, StoreMsg,
+};
+use meshd_proto::{NodeId, ring};
+use std::net::SocketAddr;
+
+fn addr(s: &str) -> SocketAddr {
+    s.parse().unwrap_or_else(|_| SocketAddr::from(([127, 0, 0, 1], 29400)))
+}
+
+fn id(n: u128) -> NodeId {
+    NodeId::from_u128(n.wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835))
+}
+
+fn meta(n: u128) -> NodeMeta {
+    NodeMeta {
+        gossip_addr: Some(addr(&format!("198.19.0.{n}:29400"))),
+        hostname: format!("gpu-{n}"),
+        iface: "eth1".into(),
+        addrs: vec![
+            IfaceAddr { name: "eth0".into(), addr: "172.17.0.4".parse().expect("ip") },
+            IfaceAddr { name: "eth1".into(), addr: format!("198.19.0.{n}").parse().expect("ip") },
+            IfaceAddr { name: "ib0".into(), addr: "fe80::1".parse().expect("ip") },
+        ],
+        nproc: 8,
+        gpus: 8,
+        cuda_driver: 12080,
+        nccl_version: 22203,
+        meshd_version: "0.1.0".into(),
+        cmd_hash: 0x1234_5678_9abc_def0,
+        run_hash: 0xfeed_f00d,
+        state: NodeState::Running,
+        restarts: 1,
+    }
+}
+
+fn updates() -> Vec<Update> {
+    vec![
+        Update {
+            id: id(1),
+            incarnation: 3,
+            kind: UpdateKind::Alive { addr: addr("198.19.0.1:29400"), meta: meta(1) },
+        },
+        Update { id: id(2), incarnation: 1, kind: UpdateKind::Suspect { accuser: id(3) } },
+        Update { id: id(4), incarnation: 7, kind: UpdateKind::Dead { accuser: id(1) } },
+        Update { id: id(5), incarnation: 0, kind: UpdateKind::Left },
+    ]
+}
+
+fn members() -> Vec<MemberState> {
+    [MemberStatus::Alive, MemberStatus::Suspect, MemberStatus::Dead, MemberStatus::Left]
+        .into_iter()
+        .zip(1u128..)
+        .map(|(status, n)| MemberState {
+            id: id(n),
+            addr: addr(&format!("198.19.0.{n}:29400")),
+            meta: meta(n),
+            incarnation: n as u64,
+            status,
+        })
+        .collect()
+}
+
+fn roster() -> Roster {
+    Roster {
+        run_hash: 0xfeed_f00d,
+        restart: 1,
+        epoch: 42,
+        master_port: 29500,
+        members: (1..=3)
+            .map(|n| RosterMember {
+                id: id(n),
+                addr: addr(&format!("198.19.0.{n}:29400")),
+                nproc: 8,
+                hostname: format!("gpu-{n}"),
+            })
+            .collect(),
+    }
+}
+
+/// Every frame variant, as nodes send them.
+pub fn frames() -> Vec<Frame> {
+    let report = NodeReport {
+        tcp: vec![TcpProbe {
+            to: id(2),
+            target: "198.19.0.2:41234".into(),
+            ok: false,
+            detail: "connection refused".into(),
+            what: "ephemeral".into(),
+        }],
+        cmd_hash: 7,
+        cmd: "python train.py".into(),
+        nproc: 8,
+        gpus: 8,
+        cuda_driver: 12080,
+        nccl_version: 22203,
+        mtu: 9000,
+        iface: "eth1".into(),
+        nccl_root: "198.19.0.1:41000".into(),
+        nccl_note: String::new(),
+    };
+    vec![
+        Frame::Gossip(Gm::Ping { from: id(1), seq: 9, target: id(2), updates: updates() }),
+        Frame::Gossip(Gm::Ping { from: id(1), seq: 1, target: id(2), updates: vec![] }),
+        Frame::Gossip(Gm::Ack { from: id(2), seq: 9, updates: updates() }),
+        Frame::Gossip(Gm::PingReq {
+            from: id(1),
+            seq: 10,
+            target: id(3),
+            target_addr: addr("[fd00::3]:29400"),
+            updates: vec![],
+        }),
+        Frame::Gossip(Gm::IndirectAck { from: id(2), seq: 10, target: id(3), updates: vec![] }),
+        Frame::Gossip(Gm::Gossip { from: id(1), updates: updates() }),
+        Frame::Gossip(Gm::SyncRequest { from: id(1), members: members() }),
+        Frame::Gossip(Gm::SyncResponse { from: id(2), members: members() }),
+        Frame::Rdzv(Rm::Propose(roster())),
+        Frame::Rdzv(Rm::Ack { restart: 1, epoch: 42 }),
+        Frame::Rdzv(Rm::Commit { restart: 1, epoch: 42 }),
+        Frame::Rdzv(Rm::Abort {
+            restart: 1,
+            node: id(2),
+            hostname: "gpu-2".into(),
+            rank: Some(11),
+            reason: "rank 11 exited with status 1".into(),
+        }),
+        Frame::Rdzv(Rm::Done { restart: 1 }),
+        Frame::Rdzv(Rm::PreflightHello { restart: 1, tcp_port: 41234, nccl_id: Some(vec![2; 128]) }),
+        Frame::Rdzv(Rm::PreflightHello { restart: 1, tcp_port: 41235, nccl_id: None }),
+        Frame::Rdzv(Rm::PreflightReport { restart: 1, report }),
+        Frame::Store(StoreMsg::Set { restart: 1, key: "MASTER_ADDR".into(), value: b"198.19.0.1".to_vec() }),
+    ]
+}
+
+/// Inputs of the `frame` target: encoded frames (datagrams and stream bodies alike).
+pub fn frame_inputs() -> Vec<Vec<u8>> {
+    frames().iter().map(wire::encode).collect()
+}
+
+/// Inputs of the `handshake` target: a selector byte (0 hello, 1 query, 2 status reply)
+/// then the encoded message.
+pub fn handshake_inputs() -> Vec<Vec<u8>> {
+    let hello = |observed: Option<SocketAddr>, has_token| AuthHello {
+        version: PROTOCOL_VERSION,
+        node: id(1),
+        run_hash: 0xfeed_f00d,
+        mac: [0xa5; 32],
+        has_token,
+        observed,
+    };
+    let reply = StatusReply {
+        node: id(1),
+        members: (1..=2)
+            .map(|n| StatusMember {
+                id: id(n),
+                hostname: format!("gpu-{n}"),
+                addr: addr(&format!("198.19.0.{n}:29400")),
+                iface: "eth1".into(),
+                gpus: 8,
+                nproc: 8,
+                state: NodeState::Waiting,
+                health: "alive".into(),
+                rtt_us: Some(180),
+                role: if n == 1 { "master".into() } else { "worker".into() },
+                restarts: 0,
+            })
+            .collect(),
+    };
+    let mut out = Vec::new();
+    let mut with = |sel: u8, body: Vec<u8>| {
+        let mut v = vec![sel];
+        v.extend(body);
+        out.push(v);
+    };
+    with(0, wire::encode(&hello(None, true)));
+    with(0, wire::encode(&hello(Some(addr("198.19.0.9:40000")), true)));
+    with(0, wire::encode(&hello(Some(addr("[fd00::9]:40000")), false)));
+    with(1, wire::encode(&Query::Status));
+    with(2, wire::encode(&reply));
+    with(2, wire::encode(&StatusReply::default()));
+    out
+}
+
+/// Inputs of the `ring` target: a plan (n, rank, elements, element size, chunk bytes;
+/// see the target) followed by received chunk headers, here the ones a real sender sends.
+pub fn ring_inputs() -> Vec<Vec<u8>> {
+    let mut out = Vec::new();
+    for (n, rank, len, elem_code, chunk) in
+        [(2u8, 0u8, 1000u16, 2u8, 64u8), (3, 1, 37, 0, 8), (5, 4, 3, 3, 16)]
+    {
+        let elem = [1usize, 2, 4, 8][usize::from(elem_code)];
+        let mut v = vec![n - 1, rank, (len >> 8) as u8, len as u8, elem_code, chunk];
+        // The sender (rank - 1) sends exactly what this rank receives.
+        if let Ok(plan) =
+            ring::RingPlan::new(usize::from(n), usize::from(rank), usize::from(len), elem, usize::from(chunk))
+        {
+            for step in plan.steps() {
+                for t in plan.recvs(&step) {
+                    v.push(0); // record kind: raw header
+                    v.extend(ring::encode_chunk_header(t.id(), t.range.len() as u32));
+                }
+            }
+        }
+        out.push(v);
+    }
+    // A few bare headers (unknown, duplicate, oversized).
+    let mut v = vec![1, 0, 0, 16, 2, 8];
+    for (id, len) in
+        [(transfer_id(Phase::AllGather, 0, 0), 8u32), (0, 8), (0, 8), (0, 1 << 20), (u64::MAX, 0)]
+    {
+        v.push(0);
+        v.extend(ring::encode_chunk_header(id, len));
+    }
+    out.push(v);
+    out
+}
+
+/// Inputs of the `service` target: socket messages as the Python client sends them
+/// (`[u32 BE header length][JSON header]`, the payload left out).
+pub fn service_inputs() -> Vec<Vec<u8>> {
+    [
+        r#"{"op": "hello", "rank": 3}"#,
+        r#"{"op": "allreduce", "dtype": "float32", "reduce": "sum", "nbytes": 4096}"#,
+        r#"{"op": "allreduce", "dtype": "bfloat16", "reduce": "avg", "nbytes": 2}"#,
+        r#"{"op": "broadcast", "root": 1, "nbytes": 64}"#,
+        r#"{"op": "barrier"}"#,
+        r#"{"op": "store_set", "key": "MASTER_ADDR", "nbytes": 10}"#,
+        r#"{"op": "store_get", "key": "MASTER_ADDR", "timeout": 30.0}"#,
+        r#"{"op": "frobnicate", "nbytes": 0}"#,
+    ]
+    .iter()
+    .map(|h| {
+        let mut v = (h.len() as u32).to_be_bytes().to_vec();
+        v.extend_from_slice(h.as_bytes());
+        v
+    })
+    .collect()
+}

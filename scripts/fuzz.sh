@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Bounded coverage-guided fuzzing of every decoder a peer or a local process reaches
+# (fuzz/README.md). Builds fuzz/ with cargo-fuzz on the STABLE toolchain (--sanitizer
+# none: AddressSanitizer needs nightly, and safe Rust does not need it to catch overflow,
+# out-of-bounds or a failed property: those panic), writes the seed corpus from the real
+# encoders, runs each target for N seconds, and fails on any crash, panic, failed
+# property, timeout or out-of-memory. A failing input is kept in fuzz/artifacts/<target>/.
+#
+# Usage: scripts/fuzz.sh [seconds-per-target (default 15)] [target...]
+# Env:   FUZZ_TARGET_DIR  cargo target dir for the fuzz build (default fuzz/target)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+secs=${1:-15}
+shift || true
+start=$(date +%s)
+
+if ! cargo fuzz --version >/dev/null 2>&1; then
+  echo "== cargo install cargo-fuzz"
+  cargo install --locked cargo-fuzz@0.13.2
+fi
+# libfuzzer-sys compiles libFuzzer (C++).
+if ! command -v c++ >/dev/null; then
+  echo "== apt-get install g++ (libFuzzer is C++)"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends g++ >/dev/null
+fi
+
+tdir=${FUZZ_TARGET_DIR:-fuzz/target}
+fuzz=(cargo fuzz)
+opts=(--sanitizer none --target-dir "$tdir")
+echo "== cargo fuzz build (stable, --sanitizer none)"
+"${fuzz[@]}" build "${opts[@]}"
+
+targets=("$@")
+if [ ${#targets[@]} -eq 0 ]; then
+  mapfile -t targets < <("${fuzz[@]}" list | grep -v '^gen_seeds$')
+fi
+
+echo "== seeds from the real encoders"
+MESHD_FUZZ_SEEDS=fuzz/seeds "$tdir/x86_64-unknown-linux-gnu/release/gen_seeds"
+
+failed=()
+for t in "${targets[@]}"; do
+  echo "== fuzz $t for ${secs}s"
+  mkdir -p "fuzz/corpus/$t" "fuzz/artifacts/$t"
+  # -timeout: one input taking 10 s is a hang; -rss_limit_mb: a decoder blowing up memory.
+  if ! "${fuzz[@]}" run "${opts[@]}" "$t" "fuzz/corpus/$t" "fuzz/seeds/$t" -- \
+      -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
+      >"fuzz/artifacts/$t/log" 2>&1; then
+    failed+=("$t")
+    tail -n 40 "fuzz/artifacts/$t/log"
+  fi
+  grep -E '^stat::(number_of_executed_units|peak_rss_mb)|^Done' "fuzz/artifacts/$t/log" | tr '\n' ' '
+  echo "corpus: $(ls "fuzz/corpus/$t" | wc -l) inputs"
+done
+
+echo "== fuzzing took $(( $(date +%s) - start )) s"
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "FUZZ FAILURES: ${failed[*]} (inputs in fuzz/artifacts/<target>/; replay with" \
+    "cargo fuzz run --sanitizer none <target> <input>)"
+  exit 1
+fi
