@@ -4,7 +4,9 @@
 //! Failure paths, each ending every rank on every node within seconds:
 //! - a local rank exits non-zero: this node broadcasts `Abort` and stops its ranks;
 //! - an `Abort` arrives: stop local ranks;
-//! - a roster member is declared dead or leaves before saying `Done`: broadcast `Abort`;
+//! - a roster member is declared dead: broadcast `Abort`; one that leaves gracefully before
+//!   saying `Done` is blamed only if no `Abort` follows within [`LEFT_GRACE`] (a node that
+//!   got an `Abort` leaves at once, and its `Left` may overtake that `Abort` to us);
 //! - SIGINT/SIGTERM: broadcast `Abort`, stop, exit 130/143 (never restarted).
 //!
 //! Success: every local rank exited 0, this node says `Done` (repeated until every member
@@ -111,6 +113,10 @@ pub fn rank_env(
     }
     env
 }
+
+/// How long a roster member's graceful leave (without `Done`) waits for the `Abort` that
+/// usually explains it before the member itself is blamed.
+pub const LEFT_GRACE: Duration = Duration::from_secs(2);
 
 enum Failure {
     /// A failure that may be restarted.
@@ -363,7 +369,19 @@ async fn supervise(
     let mut local_done = false;
     let mut resend = Instant::now();
     let everyone: BTreeSet<NodeId> = roster.members.iter().map(|m| m.id).collect();
+    // A member that left without saying Done, and when to blame it if no Abort comes.
+    let mut left: Option<(NodeId, Instant)> = None;
     loop {
+        if let Some((id, at)) = left {
+            if done.contains(&id) {
+                left = None;
+            } else if Instant::now() >= at {
+                let reason = format!("{} left the mesh before the job finished", describe_member(roster, id));
+                error!("{reason}; stopping the job on every node");
+                abort(mesh, roster, None, &reason);
+                return Some(Failure::Job(reason));
+            }
+        }
         if local_done && done == everyone {
             if everyone.len() == 1 {
                 return None;
@@ -374,11 +392,14 @@ async fn supervise(
             while mesh.next(Some(linger)).await.is_some_and(|i| !matches!(i, MeshInput::Tick)) {}
             return None;
         }
-        let tick = if local_done {
+        let mut tick = if local_done {
             resend + Duration::from_millis(500)
         } else {
             Instant::now() + Duration::from_secs(3600)
         };
+        if let Some((_, at)) = left {
+            tick = tick.min(at);
+        }
         tokio::select! {
             exit = sup.next_exit(), if !local_done => {
                 match exit {
@@ -416,7 +437,11 @@ async fn supervise(
                             s.remote_store(m, roster.restart);
                         }
                     }
-                    Some(MeshInput::Member(MemberEvent::Down(id) | MemberEvent::Left(id))) if everyone.contains(&id) && !done.contains(&id) => {
+                    Some(MeshInput::Member(MemberEvent::Left(id))) if everyone.contains(&id) && !done.contains(&id) && left.is_none() => {
+                        // Usually a node stopping on an Abort that is still on its way here.
+                        left = Some((id, Instant::now() + LEFT_GRACE));
+                    }
+                    Some(MeshInput::Member(MemberEvent::Down(id))) if everyone.contains(&id) && !done.contains(&id) => {
                         let reason = format!("{} stopped answering (declared dead by the mesh)", describe_member(roster, id));
                         error!("{reason}; stopping the job on every node");
                         abort(mesh, roster, None, &reason);
