@@ -239,14 +239,18 @@ fn python_dirs() -> Result<(Vec<PathBuf>, Vec<PathBuf>), String> {
         for p in sys.path:\n    print('P', p)\n\
         try:\n    import nvidia.nccl as m\n    for p in list(getattr(m, '__path__', [])):\n        print('N', p)\n\
         except Exception:\n    pass\n";
-    let mut child = Command::new("python3")
-        .arg("-c")
-        .arg(SCRIPT)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .map_err(|e| format!("cannot run python3: {e}"))?;
+    let mut cmd = Command::new("python3");
+    cmd.arg("-c").arg(SCRIPT).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::null());
+    // A meshd killed (SIGKILL) during the probe must not leave python3 behind. The thread
+    // that forks waits for the child below, so the signal cannot fire early.
+    // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().map_err(|e| format!("cannot run python3: {e}"))?;
     let mut stdout = child.stdout.take().ok_or("no stdout pipe")?;
     let reader = std::thread::spawn(move || {
         let mut s = String::new();
