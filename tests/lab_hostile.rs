@@ -340,9 +340,11 @@ fn finish_job(
 ) -> JobResult {
     let mut all_out = String::new();
     let mut victim_err = String::new();
-    for (i, k) in ks.into_iter().enumerate() {
-        let (code, out, err) = lab.wait(k, Duration::from_secs(100));
-        assert_eq!(code, Some(0), "host {i} job failed:\n{out}\n{err}");
+    let res: Vec<_> = ks.into_iter().map(|k| lab.wait(k, Duration::from_secs(100))).collect();
+    let everything: String =
+        res.iter().enumerate().map(|(i, (c, o, e))| format!("---- host {i}: {c:?}\n{o}{e}")).collect();
+    for (i, (code, out, err)) in res.into_iter().enumerate() {
+        assert_eq!(code, Some(0), "host {i} job failed:\n{everything}");
         assert!(out.contains("HOSTILE-JOB-OK"), "host {i}:\n{out}\n{err}");
         assert!(!err.contains("panicked"), "host {i} panicked:\n{err}");
         if i == 0 {
