@@ -512,18 +512,23 @@ impl Transport {
 async fn peer_sender(inner: Arc<Inner>, to: SocketAddr, mut rx: mpsc::Receiver<(Bytes, bool)>) {
     let mut failed_until: Option<Instant> = None;
     while let Some((bytes, reliable)) = rx.recv().await {
-        if failed_until.is_some_and(|t| Instant::now() < t) {
-            continue; // peer recently unreachable: drop instead of queueing connect attempts
-        }
+        // A peer that just started may have connected to us while our own attempt to reach
+        // it was failing: its connection carries the frame, nothing is dropped.
         let conn = match existing(&inner, to) {
             Some(c) => c,
+            None if failed_until.is_some_and(|t| Instant::now() < t) => {
+                continue; // peer recently unreachable: drop instead of queueing connect attempts
+            }
             None => match connect(&inner, to).await {
                 Ok((c, _, _)) => c,
-                Err(e) => {
-                    debug!(peer = %to, error = %e, "connect failed");
-                    failed_until = Some(Instant::now() + Duration::from_millis(500));
-                    continue;
-                }
+                Err(e) => match existing(&inner, to) {
+                    Some(c) => c,
+                    None => {
+                        debug!(peer = %to, error = %e, "connect failed");
+                        failed_until = Some(Instant::now() + Duration::from_millis(500));
+                        continue;
+                    }
+                },
             },
         };
         failed_until = None;
