@@ -160,6 +160,11 @@ pub async fn run(mesh: &mut Mesh, cfg: &JobConfig, run_id: &str) -> Result<JobOu
         let (outcome, nccl_root) = match preflight_round(mesh, &roster, &cfg.preflight).await {
             Ok(v) => v,
             Err(MeshError::Aborted(reason)) => {
+                // Tell the others, so that none of them launches without this node, and keep
+                // answering a moment so the message gets out.
+                abort(mesh, &roster, None, &reason);
+                let linger = Instant::now() + Duration::from_millis(400);
+                while mesh.next(Some(linger)).await.is_some_and(|i| !matches!(i, MeshInput::Tick)) {}
                 return Ok(JobOutcome { code: 1, message: format!("job stopped before launch: {reason}") });
             }
             Err(e) => return Err(e),

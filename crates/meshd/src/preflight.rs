@@ -114,7 +114,7 @@ pub async fn run(
     }
     // Phase 2: dial every other node's ephemeral port and the master port, in parallel.
     let limit = input.connect_timeout;
-    let mut dials = Vec::new();
+    let mut dials: Vec<tokio::task::JoinHandle<TcpProbe>> = Vec::new();
     for m in &others {
         if let Some(p) = ports.get(&m.id) {
             dials.push(tokio::spawn(dial(m.id, SocketAddr::new(m.addr.ip(), *p), "ephemeral port", limit)));
@@ -145,12 +145,30 @@ pub async fn run(
             TcpProbe { to: master_id, target: root.to_string(), ok, detail, what: "NCCL id root".into() }
         }));
     }
-    let mut tcp = Vec::new();
-    for d in dials {
-        if let Ok(p) = d.await {
-            tcp.push(p);
+    // Keep the mesh going while the connects run: a dropped SYN costs a second or more, and
+    // a node that answers no probe meanwhile is declared dead by the others.
+    let mut pending: tokio::task::JoinSet<(usize, Option<TcpProbe>)> = tokio::task::JoinSet::new();
+    for (i, d) in dials.into_iter().enumerate() {
+        pending.spawn(async move { (i, d.await.ok()) });
+    }
+    let mut done: Vec<(usize, TcpProbe)> = Vec::new();
+    while !pending.is_empty() && aborted.is_none() {
+        tokio::select! {
+            d = pending.join_next() => {
+                if let Some(Ok((i, Some(p)))) = d {
+                    done.push((i, p));
+                }
+            }
+            input = mesh.next(None) => match input {
+                None => return Err(MeshError::Closed),
+                Some(input) => {
+                    handle(input, restart, roster, &mut ports, &mut reports, &mut nccl_id, &mut aborted, mesh)
+                }
+            },
         }
     }
+    done.sort_by_key(|(i, _)| *i);
+    let mut tcp: Vec<TcpProbe> = done.into_iter().map(|(_, p)| p).collect();
     if let Some(p) = own_problem {
         tcp.push(TcpProbe {
             to: me,
