@@ -13,7 +13,8 @@
 //! before it execs meshd), first vs last runs.
 //!
 //! `cargo test --test soak` runs a short bounded soak (12 runs). The long one:
-//! `MESHD_SOAK_RUNS=300 MESHD_SOAK_WALL=1500 cargo test --release --test soak -- --nocapture`.
+//! `MESHD_SOAK_RUNS=300 MESHD_SOAK_WALL=1200 cargo test --test soak soak_random -- --nocapture`
+//! (as root; the wall limit in seconds stops starting new runs; default 240).
 //! `MESHD_SOAK_SEED=S` replays a seed's plan (the same hosts, jobs, faults and fault
 //! moments; the timing of the processes themselves differs); `MESHD_SOAK_ONLY=K` runs only
 //! run K of that plan; `MESHD_SOAK_FAULT=kill-node` (a kind as printed) gives every run
