@@ -474,6 +474,63 @@ impl Action {
     }
 }
 
+impl Action {
+    /// [`Action::apply`] for a payload that arrives in pieces (a transport's received
+    /// segments), without first gathering them into one buffer. Pieces may split an
+    /// element anywhere; the result is bitwise the same as applying the joined payload.
+    pub fn apply_parts<P: AsRef<[u8]>>(
+        &self,
+        buf: &mut [u8],
+        parts: &[P],
+        dtype: DType,
+        op: ReduceOp,
+        n: usize,
+    ) -> Result<(), RingError> {
+        let range = self.range();
+        let have = buf.len();
+        let dst = buf.get_mut(range.clone()).ok_or(RingError::BufferTooSmall { need: range.end, have })?;
+        let total: usize = parts.iter().map(|p| p.as_ref().len()).sum();
+        if total != dst.len() {
+            return Err(ReduceError::LengthMismatch { acc: dst.len(), other: total }.into());
+        }
+        let es = dtype.size();
+        let (mut at, mut carry, mut carried) = (0usize, [0u8; 16], 0usize);
+        let reduce = matches!(self, Action::Reduce { .. });
+        for part in parts {
+            let mut p = part.as_ref();
+            if !reduce {
+                dst[at..at + p.len()].copy_from_slice(p);
+                at += p.len();
+                continue;
+            }
+            if carried > 0 {
+                // Finish the element split across the previous piece and this one.
+                let take = (es - carried).min(p.len());
+                carry[carried..carried + take].copy_from_slice(&p[..take]);
+                carried += take;
+                p = &p[take..];
+                if carried < es {
+                    continue;
+                }
+                reduce::reduce_into(dtype, op, &mut dst[at..at + es], &carry[..es])?;
+                at += es;
+            }
+            let whole = p.len() / es * es;
+            reduce::reduce_into(dtype, op, &mut dst[at..at + whole], &p[..whole])?;
+            at += whole;
+            let rest = &p[whole..];
+            carry[..rest.len()].copy_from_slice(rest);
+            carried = rest.len();
+        }
+        if let Action::Reduce { last: true, .. } = self {
+            if op == ReduceOp::Avg {
+                reduce::finish_avg(dtype, dst, u32::try_from(n).unwrap_or(u32::MAX))?;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// One rank's progress through its [`RingPlan`], for a driver that does the IO.
 ///
 /// Contract: the driver applies each [`Action`] to its buffer before its next call to

@@ -366,3 +366,41 @@ fn chunk_headers_round_trip_and_refuse_long_chunks() {
     let max = encode_chunk_header(u64::MAX, u32::MAX);
     assert_eq!(decode_chunk_header(&max, usize::MAX), Ok((u64::MAX, u32::MAX as usize)));
 }
+
+#[test]
+fn apply_parts_equals_apply_for_any_split() {
+    let mut rng = Rng::new(7);
+    for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32, DType::I64] {
+        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Min, ReduceOp::Max] {
+            let es = dtype.size();
+            let elems = 1 + rng.below(40);
+            let len = elems * es;
+            let plan = RingPlan::new(3, 0, elems * 3, es, len).expect("plan");
+            let mut state = RingState::new(plan.clone());
+            while state.poll_send().is_some() {}
+            let step = plan.step(Phase::ReduceScatter, plan.steps_per_phase() - 1).expect("last step");
+            let t = plan.recvs(&step).next().expect("a chunk");
+            for action in
+                [Action::Reduce { transfer: t.clone(), last: true }, Action::Copy { transfer: t.clone() }]
+            {
+                let base: Vec<u8> = (0..plan.len_bytes()).map(|_| (rng.below(7) as u8) << 2).collect();
+                let payload: Vec<u8> = (0..t.range.len()).map(|_| (rng.below(7) as u8) << 2).collect();
+                let mut want = base.clone();
+                action.apply(&mut want, &payload, dtype, op, 3).expect("apply");
+                // Random cuts, including cuts inside elements and empty pieces.
+                let mut cuts: Vec<usize> = (0..rng.below(6)).map(|_| rng.below(payload.len() + 1)).collect();
+                cuts.push(0);
+                cuts.push(payload.len());
+                cuts.sort_unstable();
+                let parts: Vec<&[u8]> = cuts.windows(2).map(|w| &payload[w[0]..w[1]]).collect();
+                let mut got = base.clone();
+                action.apply_parts(&mut got, &parts, dtype, op, 3).expect("apply_parts");
+                assert_eq!(got, want, "{dtype:?} {op:?} cuts {cuts:?}");
+                let short = &parts[..parts.len() - 1];
+                if payload.len() > cuts[cuts.len() - 2] {
+                    assert!(action.apply_parts(&mut got, short, dtype, op, 3).is_err());
+                }
+            }
+        }
+    }
+}

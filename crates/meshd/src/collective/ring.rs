@@ -11,7 +11,7 @@ use crate::transport::{DataStream, Transport, TransportError};
 use bytes::Bytes;
 use meshd_proto::reduce::{DType, ReduceOp};
 use meshd_proto::ring::{
-    CHUNK_HEADER_LEN, RingError, RingPlan, RingState, decode_chunk_header, encode_chunk_header,
+    Action, CHUNK_HEADER_LEN, RingError, RingPlan, RingState, decode_chunk_header, encode_chunk_header,
 };
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -147,27 +147,41 @@ impl RingNet {
         let send = self.transport.open_data(next, op_id).await?;
         let recv = self.stream_from(prev, op_id).await?;
 
-        let (wtx, wrx) = mpsc::channel::<(u64, Bytes)>(64);
+        let last_step = state.plan().steps_per_phase().saturating_sub(1);
+        let (wtx, wrx) = mpsc::channel::<(u64, Vec<Bytes>)>(64);
         let writer = tokio::spawn(write_frames(send, wrx, next));
-        let (rtx, mut rrx) = mpsc::channel::<Result<(u64, Vec<u8>), CollectiveError>>(64);
+        let (rtx, mut rrx) = mpsc::channel::<Result<(u64, Vec<Bytes>), CollectiveError>>(64);
         let reader = tokio::spawn(read_frames(recv, rtx, prev, max_chunk));
+        // All-gather chunks received as they will be sent on: forwarded as received (the
+        // transport's own buffers), not copied out of `buf` again.
+        let mut forward: HashMap<usize, Vec<Bytes>> = HashMap::new();
         let result = async {
             loop {
                 while let Some(t) = state.poll_send() {
-                    let chunk = Bytes::copy_from_slice(&buf[t.range.clone()]);
-                    if wtx.send((t.id(), chunk)).await.is_err() {
+                    let parts = match forward.remove(&t.range.start) {
+                        Some(p) => p,
+                        None => vec![Bytes::copy_from_slice(&buf[t.range.clone()])],
+                    };
+                    if wtx.send((t.id(), parts)).await.is_err() {
                         return Err(CollectiveError::Link { peer: next, reason: "writer stopped".into() });
                     }
                 }
                 if state.is_done() {
                     return Ok(());
                 }
-                let (id, payload) = rrx.recv().await.ok_or_else(|| CollectiveError::Link {
+                let (id, parts) = rrx.recv().await.ok_or_else(|| CollectiveError::Link {
                     peer: prev,
                     reason: "stream ended early".into(),
                 })??;
-                let action = state.on_received(id, payload.len())?;
-                action.apply(buf, &payload, dtype, op, n)?;
+                let len = parts.iter().map(|p| p.len()).sum();
+                let action = state.on_received(id, len)?;
+                // Reduce or copy straight from the received pieces (no gathering copy).
+                action.apply_parts(buf, &parts, dtype, op, n)?;
+                if let Action::Copy { transfer } = &action {
+                    if transfer.step < last_step {
+                        forward.insert(transfer.range.start, parts);
+                    }
+                }
             }
         }
         .await;
@@ -223,13 +237,16 @@ impl RingNet {
 
 async fn write_frames(
     mut send: quinn::SendStream,
-    mut rx: mpsc::Receiver<(u64, Bytes)>,
+    mut rx: mpsc::Receiver<(u64, Vec<Bytes>)>,
     peer: SocketAddr,
 ) -> Result<(), CollectiveError> {
     let link = |e: String| CollectiveError::Link { peer, reason: e };
+    let mut parts = Vec::new();
     while let Some((id, payload)) = rx.recv().await {
-        let head = encode_chunk_header(id, payload.len() as u32);
-        let mut parts = [Bytes::copy_from_slice(&head), payload];
+        let len: usize = payload.iter().map(|p| p.len()).sum();
+        parts.clear();
+        parts.push(Bytes::copy_from_slice(&encode_chunk_header(id, len as u32)));
+        parts.extend(payload);
         send.write_all_chunks(&mut parts).await.map_err(|e| link(e.to_string()))?;
     }
     // Finishing is enough: quinn still delivers (and retransmits) a finished stream after
@@ -241,7 +258,7 @@ async fn write_frames(
 
 async fn read_frames(
     mut recv: quinn::RecvStream,
-    tx: mpsc::Sender<Result<(u64, Vec<u8>), CollectiveError>>,
+    tx: mpsc::Sender<Result<(u64, Vec<Bytes>), CollectiveError>>,
     peer: SocketAddr,
     max_chunk: usize,
 ) {
@@ -262,12 +279,16 @@ async fn read_frames(
                 return;
             }
         };
-        // Take quinn's received chunks as they are and copy once into the payload (no
-        // zero-fill of a fresh buffer first).
-        let mut payload = Vec::with_capacity(len);
-        while payload.len() < len {
-            match recv.read_chunk(len - payload.len(), true).await {
-                Ok(Some(c)) => payload.extend_from_slice(&c.bytes),
+        // Keep quinn's received pieces as they are (no copy): the reduction reads them in
+        // place and the all-gather forwards them.
+        let mut payload = Vec::new();
+        let mut got = 0;
+        while got < len {
+            match recv.read_chunk(len - got, true).await {
+                Ok(Some(c)) => {
+                    got += c.bytes.len();
+                    payload.push(c.bytes);
+                }
                 Ok(None) => {
                     let reason = format!("stream ended inside a {len}-byte chunk");
                     let _ = tx.send(Err(CollectiveError::Link { peer, reason })).await;
