@@ -89,6 +89,8 @@ pub struct Mesh {
     membership: Membership,
     meta: NodeMeta,
     pending: VecDeque<MeshInput>,
+    /// Datagrams received per peer connection at the last look ([`Mesh::feed_liveness`]).
+    rx_seen: BTreeMap<NodeId, u64>,
     /// Frames of a later restart round that arrived before we got there.
     early: Vec<(NodeId, rendezvous::Message)>,
     /// The master of the current roster, once agreed (for `meshd status`).
@@ -193,6 +195,7 @@ impl Mesh {
             membership,
             meta,
             pending: VecDeque::new(),
+            rx_seen: BTreeMap::new(),
             early: Vec::new(),
             master: None,
             status_at: Instant::now(),
@@ -347,10 +350,24 @@ impl Mesh {
                     }
                 }
                 _ = sleep => {
-                    self.membership.handle_timeout(Instant::now());
+                    let now = Instant::now();
+                    self.feed_liveness(now);
+                    self.membership.handle_timeout(now);
                 }
             }
         }
+    }
+
+    /// Tells the membership which members' links received packets since the last look
+    /// (probe answers can queue behind bulk data; the link's own traffic does not lie).
+    fn feed_liveness(&mut self, now: Instant) {
+        let counts: BTreeMap<NodeId, u64> = self.transport.rx_datagrams().into_iter().collect();
+        for (node, count) in &counts {
+            if self.rx_seen.get(node).is_some_and(|p| count > p) {
+                self.membership.heard_from(*node, now);
+            }
+        }
+        self.rx_seen = counts;
     }
 
     /// Alive members of this run, as rendezvous candidates.

@@ -339,6 +339,10 @@ struct Member {
     /// When the status last changed.
     since: Instant,
     srtt: Option<Duration>,
+    /// Last time the driver saw traffic from this member on its own link
+    /// ([`Membership::heard_from`]): evidence of life that does not wait in line behind
+    /// bulk data the way a probe's answer does.
+    heard: Option<Instant>,
 }
 
 #[derive(Debug)]
@@ -449,6 +453,7 @@ impl Membership {
                 status: MemberStatus::Alive,
                 since: now,
                 srtt: None,
+                heard: None,
             },
         );
         // Random phases so that nodes started together do not probe in lockstep.
@@ -560,20 +565,57 @@ impl Membership {
         }
     }
 
+    /// The driver saw traffic from `id` on its link at `now` (for example, its QUIC
+    /// connection received packets). A probe or a suspicion of `id` that started before
+    /// `now` does not make it dead: under a bulk transfer on a loaded machine, a probe's
+    /// answer can wait in the receive queue longer than the probe timeout although the
+    /// member is alive and talking. A dead member sends nothing, so this never hides a
+    /// death; it only needs traffic to be attributed to the right member.
+    pub fn heard_from(&mut self, id: NodeId, now: Instant) {
+        if id == self.id {
+            return;
+        }
+        if let Some(m) = self.members.get_mut(&id) {
+            m.heard = Some(m.heard.map_or(now, |h| h.max(now)));
+        }
+    }
+
+    fn heard_since(&self, id: NodeId, since: Instant) -> bool {
+        self.members.get(&id).and_then(|m| m.heard).is_some_and(|h| h > since)
+    }
+
     /// Runs whatever is due at `now` (probes, suspicion expiry, gossip, syncs).
     pub fn handle_timeout(&mut self, now: Instant) {
         if !self.left && now >= self.next_probe {
             self.probe_tick(now);
             self.next_probe = next_tick(self.next_probe, self.config.probe_interval, now);
         }
-        if let Some(p) = &self.probe {
-            if !p.acked && !p.indirect_sent && now >= p.indirect_at {
+        if let Some((target, sent, due)) = self
+            .probe
+            .as_ref()
+            .filter(|p| !p.acked && !p.indirect_sent)
+            .map(|p| (p.target, p.sent, p.indirect_at))
+        {
+            if self.heard_since(target, sent) {
+                if let Some(p) = &mut self.probe {
+                    p.acked = true;
+                }
+            } else if now >= due {
                 self.send_indirect(now);
             }
         }
         let expired: Vec<NodeId> =
             self.suspicions.iter().filter(|(_, s)| s.deadline() <= now).map(|(id, _)| *id).collect();
         for id in expired {
+            let start = self.suspicions.get(&id).map(|s| s.start).unwrap_or(now);
+            if self.heard_since(id, start) {
+                // Alive on its link: keep suspecting (it refutes when our gossip reaches it)
+                // but do not declare it dead.
+                if let Some(s) = self.suspicions.get_mut(&id) {
+                    s.start = now;
+                }
+                continue;
+            }
             self.suspicions.remove(&id);
             if let Some(inc) = self.members.get(&id).map(|m| m.incarnation) {
                 let accuser = self.id;
@@ -1039,6 +1081,7 @@ impl Membership {
                         status: MemberStatus::Alive,
                         since: now,
                         srtt: None,
+                        heard: None,
                     },
                 );
                 self.live_dirty = true;
@@ -1233,7 +1276,7 @@ impl Membership {
 
     fn probe_tick(&mut self, now: Instant) {
         if let Some(p) = self.probe.take() {
-            if !p.acked {
+            if !p.acked && !self.heard_since(p.target, p.sent) {
                 if let Some(inc) =
                     self.members.get(&p.target).filter(|m| m.status.is_live()).map(|m| m.incarnation)
                 {

@@ -455,3 +455,30 @@ fn dead_members_are_forgotten_after_retention() {
     assert_eq!(status(&a, 2), None);
     assert_eq!(a.members().len(), 1);
 }
+
+#[test]
+fn traffic_on_the_link_keeps_an_unanswering_member_alive_and_silence_still_kills() {
+    // Probes go unanswered (their answers are stuck behind bulk data), but the driver keeps
+    // seeing the member's traffic: it must not be declared dead. Once the traffic stops,
+    // the usual suspect -> dead path runs.
+    let t0 = Instant::now();
+    let mut a = node(1, t0);
+    a.handle_message(addr(2), gossip(2, vec![alive(2, 0)]), t0);
+    drain_events(&mut a);
+    let mut now = t0;
+    let mut events = Vec::new();
+    while now < t0 + Duration::from_secs(10) {
+        now = a.poll_timeout().expect("timer").max(now);
+        a.heard_from(nid(2), now);
+        a.handle_timeout(now);
+        drain_transmits(&mut a);
+        events.extend(drain_events(&mut a));
+    }
+    assert!(!events.contains(&MemberEvent::Down(nid(2))), "declared dead while its link was busy: {events:?}");
+    assert!(status(&a, 2).is_some_and(|(s, _)| s.is_live()));
+    // Silence from now on.
+    let ev = run_alone(&mut a, now, Duration::from_secs(5));
+    assert!(ev.iter().any(|(_, e)| *e == MemberEvent::Down(nid(2))), "never declared dead once silent: {ev:?}");
+    // Our own id is ignored.
+    a.heard_from(nid(1), now);
+}

@@ -487,6 +487,12 @@ impl Transport {
         lock(&self.inner.conns).get(&canonical(addr)).map(|(c, _)| c.rtt())
     }
 
+    /// For each connected peer, the UDP datagrams its connection has received so far:
+    /// when the count moves, the peer is alive and sending, whatever else is queued.
+    pub fn rx_datagrams(&self) -> Vec<(NodeId, u64)> {
+        lock(&self.inner.conns).values().map(|(c, n)| (*n, c.stats().udp_rx.datagrams)).collect()
+    }
+
     /// QUIC's view of the path to `addr`, if connected: the MTU discovery reached, packets
     /// sent and lost, and congestion events.
     pub fn path_stats(&self, addr: SocketAddr) -> Option<PathStats> {
