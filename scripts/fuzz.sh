@@ -24,6 +24,15 @@ if ! command -v c++ >/dev/null; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends g++ >/dev/null
 fi
 
+# fuzz/ has its own Cargo.lock: what it fuzzes should be what ships.
+lockver() { awk -v c="$1" '/^name = /{n=$3} /^version = /{if (n == "\"" c "\"") print $3}' "$2" | sort -u | tr '\n' ' '; }
+for c in postcard serde serde_core serde_json; do
+  if [ "$(lockver "$c" Cargo.lock)" != "$(lockver "$c" fuzz/Cargo.lock)" ]; then
+    echo "warning: $c is $(lockver "$c" Cargo.lock)in Cargo.lock but $(lockver "$c" fuzz/Cargo.lock)in" \
+      "fuzz/Cargo.lock: cargo update --manifest-path fuzz/Cargo.toml -p $c --precise <version>"
+  fi
+done
+
 tdir=${FUZZ_TARGET_DIR:-fuzz/target}
 fuzz=(cargo fuzz)
 opts=(--sanitizer none --target-dir "$tdir")
