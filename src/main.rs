@@ -46,7 +46,10 @@ fn main() -> ExitCode {
     }
     let cli = Cli::parse();
     common::init_tracing();
-    let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+    // Two workers by default: meshd shares the machine with the job's own processes.
+    let threads =
+        std::env::var("MESHD_THREADS").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(2).max(1);
+    let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(threads).enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("meshd: cannot start the async runtime: {e}");

@@ -78,6 +78,9 @@ pub enum MeshInput {
     Tick,
 }
 
+/// Authentication refusals named in a rendezvous timeout message.
+const MAX_AUTH_REPORTED: usize = 16;
+
 /// A node in the mesh.
 pub struct Mesh {
     cfg: MeshConfig,
@@ -419,7 +422,10 @@ impl Mesh {
             core.handle_message(from, m, start);
         }
         let mut next_progress = start + Duration::from_secs(2);
-        let mut last_auth: BTreeMap<SocketAddr, String> = BTreeMap::new();
+        // Authentication refusals by peer IP (an attacker retrying from new ports is one
+        // entry), bounded: the timeout message names a few and counts the rest.
+        let mut last_auth: BTreeMap<IpAddr, String> = BTreeMap::new();
+        let mut auth_overflow = 0usize;
         loop {
             while let Some((to, msg)) = core.poll_transmit() {
                 self.send(to, msg);
@@ -467,7 +473,11 @@ impl Mesh {
                     core.handle_candidates(self.candidates(), now)
                 }
                 MeshInput::AuthFailed(addr, reason) => {
-                    last_auth.insert(addr, reason);
+                    if last_auth.len() < MAX_AUTH_REPORTED || last_auth.contains_key(&addr.ip()) {
+                        last_auth.insert(addr.ip(), reason);
+                    } else {
+                        auth_overflow += 1;
+                    }
                 }
                 // A faster node's ranks may already use the store: keep it for the job.
                 s @ MeshInput::Store(..) => {
@@ -514,6 +524,9 @@ impl Mesh {
                         }
                         None => msg.push_str(&format!("; {a} failed authentication: {r}")),
                     }
+                }
+                if auth_overflow > 0 {
+                    msg.push_str(&format!("; and {auth_overflow} more refusals from other addresses"));
                 }
                 return Err(MeshError::Timeout(msg));
             }
