@@ -47,19 +47,31 @@ fi
 echo "== seeds from the real encoders"
 MESHD_FUZZ_SEEDS=fuzz/seeds "$tdir/x86_64-unknown-linux-gnu/release/gen_seeds"
 
-failed=()
-for t in "${targets[@]}"; do
-  echo "== fuzz $t for ${secs}s"
+# One target per core at a time (the fuzzers are single-threaded).
+jobs=${FUZZ_JOBS:-$(nproc)}
+run_one() {
+  local t=$1
   mkdir -p "fuzz/corpus/$t" "fuzz/artifacts/$t"
   # -timeout: one input taking 10 s is a hang; -rss_limit_mb: a decoder blowing up memory.
-  if ! "${fuzz[@]}" run "${opts[@]}" "$t" "fuzz/corpus/$t" "fuzz/seeds/$t" -- \
-      -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
-      >"fuzz/artifacts/$t/log" 2>&1; then
+  "${fuzz[@]}" run "${opts[@]}" "$t" "fuzz/corpus/$t" "fuzz/seeds/$t" -- \
+    -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
+    >"fuzz/artifacts/$t/log" 2>&1
+}
+echo "== fuzz ${targets[*]} for ${secs}s each, $jobs at a time"
+declare -A pid
+for t in "${targets[@]}"; do
+  while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n || true; done
+  run_one "$t" &
+  pid[$t]=$!
+done
+failed=()
+for t in "${targets[@]}"; do
+  if ! wait "${pid[$t]}"; then
     failed+=("$t")
     tail -n 40 "fuzz/artifacts/$t/log"
   fi
-  grep -E '^stat::(number_of_executed_units|peak_rss_mb)|^Done' "fuzz/artifacts/$t/log" | tr '\n' ' '
-  echo "corpus: $(ls "fuzz/corpus/$t" | wc -l) inputs"
+  echo "$t: $(grep -E '^stat::number_of_executed_units' "fuzz/artifacts/$t/log" | awk '{print $2}') runs," \
+    "corpus $(ls "fuzz/corpus/$t" | wc -l) inputs"
 done
 
 echo "== fuzzing took $(( $(date +%s) - start )) s"
