@@ -8,6 +8,7 @@
 #
 # Usage: scripts/fuzz.sh [seconds-per-target (default 15)] [target...]
 # Env:   FUZZ_TARGET_DIR  cargo target dir for the fuzz build (default fuzz/target)
+#        FUZZ_JOBS        targets fuzzed at once (default: the number of cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs=${1:-15}
