@@ -474,11 +474,17 @@ fn traffic_on_the_link_keeps_an_unanswering_member_alive_and_silence_still_kills
         drain_transmits(&mut a);
         events.extend(drain_events(&mut a));
     }
-    assert!(!events.contains(&MemberEvent::Down(nid(2))), "declared dead while its link was busy: {events:?}");
+    assert!(
+        !events.contains(&MemberEvent::Down(nid(2))),
+        "declared dead while its link was busy: {events:?}"
+    );
     assert!(status(&a, 2).is_some_and(|(s, _)| s.is_live()));
     // Silence from now on.
     let ev = run_alone(&mut a, now, Duration::from_secs(5));
-    assert!(ev.iter().any(|(_, e)| *e == MemberEvent::Down(nid(2))), "never declared dead once silent: {ev:?}");
+    assert!(
+        ev.iter().any(|(_, e)| *e == MemberEvent::Down(nid(2))),
+        "never declared dead once silent: {ev:?}"
+    );
     // Our own id is ignored.
     a.heard_from(nid(1), now);
 }
