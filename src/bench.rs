@@ -45,6 +45,18 @@ struct Row {
     time_s: f64,
     /// This process's CPU seconds (user + system) per GB one link carried.
     cpu_per_gb: f64,
+    /// UDP datagrams per send system call to the next node (GSO batching).
+    batch: f64,
+}
+
+/// Datagrams per send call between two snapshots of the next link's stats.
+fn batching(ring: &RingNet, before: Option<meshd::transport::PathStats>) -> f64 {
+    match (before, ring.next_link_stats()) {
+        (Some(a), Some(b)) if b.tx_calls > a.tx_calls => {
+            (b.tx_datagrams - a.tx_datagrams) as f64 / (b.tx_calls - a.tx_calls) as f64
+        }
+        _ => f64::NAN,
+    }
 }
 
 /// The bare ring's bandwidth per link and CPU seconds per GB.
@@ -52,6 +64,7 @@ struct Row {
 struct Ceiling {
     gbs: f64,
     cpu_per_gb: f64,
+    batch: f64,
 }
 
 /// CPU seconds (user + system) this process has used. On a shared machine wall time
@@ -99,6 +112,7 @@ async fn sweep(
         ring.allreduce(op, &mut sync, DType::I64, ReduceOp::Sum).await?; // align the start
         let t = Instant::now();
         let cpu = cpu_seconds();
+        let link = ring.next_link_stats();
         for _ in 0..iters {
             op += 1;
             ring.allreduce(op, &mut buf, DType::F32, ReduceOp::Sum).await?;
@@ -110,6 +124,7 @@ async fn sweep(
             iters,
             time_s: t.elapsed().as_secs_f64() / iters as f64,
             cpu_per_gb,
+            batch: batching(&ring, link),
         });
     }
     // The bare ring: the bytes one link carries in an allreduce of the largest size.
@@ -120,9 +135,11 @@ async fn sweep(
         ring.allreduce(op, &mut sync, DType::I64, ReduceOp::Sum).await?;
         op += 1;
         let cpu = cpu_seconds();
+        let link = ring.next_link_stats();
         let t = ring.stream_ceiling(op, per_link).await?;
         let gb = per_link as f64 / 1e9;
-        Some(Ceiling { gbs: gb / t.as_secs_f64(), cpu_per_gb: (cpu_seconds() - cpu) / gb })
+        let batch = batching(&ring, link);
+        Some(Ceiling { gbs: gb / t.as_secs_f64(), cpu_per_gb: (cpu_seconds() - cpu) / gb, batch })
     } else {
         None
     };
@@ -176,40 +193,41 @@ pub async fn main(which: Which) -> Result<ExitCode> {
             .iter()
             .map(|r| {
                 let alg = r.bytes as f64 / r.time_s / 1e9;
-                json!({"bytes": r.bytes, "iters": r.iters, "time_s": r.time_s, "algbw_gbs": alg, "busbw_gbs": alg * factor, "cpu_s_per_gb": r.cpu_per_gb})
+                json!({"bytes": r.bytes, "iters": r.iters, "time_s": r.time_s, "algbw_gbs": alg, "busbw_gbs": alg * factor, "cpu_s_per_gb": r.cpu_per_gb, "datagrams_per_send": r.batch})
             })
             .collect();
         println!(
             "{}",
-            json!({"nodes": n, "rank": rank, "dtype": "float32", "op": "sum", "results": results, "ceiling_gbs": ceiling.map(|c| c.gbs), "ceiling_cpu_s_per_gb": ceiling.map(|c| c.cpu_per_gb),
+            json!({"nodes": n, "rank": rank, "dtype": "float32", "op": "sum", "results": results, "ceiling_gbs": ceiling.map(|c| c.gbs), "ceiling_cpu_s_per_gb": ceiling.map(|c| c.cpu_per_gb), "ceiling_datagrams_per_send": ceiling.map(|c| c.batch),
                 "path": path.map(|p| json!({"mtu": p.mtu, "rtt_us": p.rtt.as_micros() as u64, "sent_packets": p.sent_packets, "lost_packets": p.lost_packets, "congestion_events": p.congestion_events}))})
         );
     } else {
         println!("# meshd ring allreduce over QUIC: {n} nodes, this node rank {rank}, float32 sum");
         println!(
-            "# {:>12} {:>10} {:>6} {:>12} {:>10} {:>10} {:>10}",
-            "size(B)", "count", "iters", "time(us)", "algbw", "busbw", "cpu(s/GB)"
+            "# {:>12} {:>10} {:>6} {:>12} {:>10} {:>10} {:>10} {:>8}",
+            "size(B)", "count", "iters", "time(us)", "algbw", "busbw", "cpu(s/GB)", "dgm/send"
         );
         for r in &rows {
             let alg = r.bytes as f64 / r.time_s / 1e9;
             println!(
-                "  {:>12} {:>10} {:>6} {:>12.1} {:>10.3} {:>10.3} {:>10.2}",
+                "  {:>12} {:>10} {:>6} {:>12.1} {:>10.3} {:>10.3} {:>10.2} {:>8.1}",
                 r.bytes,
                 r.bytes / 4,
                 r.iters,
                 r.time_s * 1e6,
                 alg,
                 alg * factor,
-                r.cpu_per_gb
+                r.cpu_per_gb,
+                r.batch
             );
         }
         println!(
-            "# algbw, busbw in GB/s; busbw = algbw * 2(n-1)/n; cpu = this process's CPU seconds per GB one link carried"
+            "# algbw, busbw in GB/s; busbw = algbw * 2(n-1)/n; cpu = this process's CPU seconds per GB one link carried; dgm/send = UDP datagrams per send call to the next node (GSO batching)"
         );
         if let Some(c) = ceiling {
             println!(
-                "# bare QUIC ring (no framing, no reduction), per link: {:.3} GB/s, {:.2} CPU s/GB",
-                c.gbs, c.cpu_per_gb
+                "# bare QUIC ring (no framing, no reduction), per link: {:.3} GB/s, {:.2} CPU s/GB, {:.1} datagrams per send call",
+                c.gbs, c.cpu_per_gb, c.batch
             );
         }
         if let Some(p) = path {

@@ -97,6 +97,15 @@ impl RingNet {
         self.rank
     }
 
+    /// QUIC's view of the link to the next node, if connected.
+    pub fn next_link_stats(&self) -> Option<crate::transport::PathStats> {
+        let n = self.addrs.len();
+        if n <= 1 {
+            return None;
+        }
+        self.transport.path_stats(self.addrs[(self.rank + 1) % n])
+    }
+
     async fn stream_from(&mut self, peer: SocketAddr, op: u64) -> Result<quinn::RecvStream, CollectiveError> {
         if let Some(s) = self.stash.remove(&(peer, op)) {
             return Ok(s);

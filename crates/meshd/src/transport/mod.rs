@@ -90,6 +90,10 @@ pub struct PathStats {
     pub lost_packets: u64,
     /// Times the congestion window was cut.
     pub congestion_events: u64,
+    /// UDP datagrams sent on this connection.
+    pub tx_datagrams: u64,
+    /// Send system calls they took (fewer per datagram = fuller GSO batches).
+    pub tx_calls: u64,
 }
 
 /// Transport failures.
@@ -504,6 +508,8 @@ impl Transport {
                 sent_packets: s.path.sent_packets,
                 lost_packets: s.path.lost_packets,
                 congestion_events: s.path.congestion_events,
+                tx_datagrams: s.udp_tx.datagrams,
+                tx_calls: s.udp_tx.ios,
             }
         })
     }
