@@ -880,7 +880,8 @@ fn sigkilled_meshd_leaves_no_nccl_probe() {
     let path = format!("{}:{}", dir.display(), std::env::var("PATH").unwrap_or_default());
     let args: Vec<String> =
         [meshd(), "run", "--nnodes", "1", "--", "true"].iter().map(|s| s.to_string()).collect();
-    let mut p = Proc::spawn(&ns, &args, &[("PATH", &path)], &dir, "h0");
+    // An empty MESHD_NCCL_LIB counts as unset: CI sets it, and then meshd never asks python3.
+    let mut p = Proc::spawn(&ns, &args, &[("PATH", &path), ("MESHD_NCCL_LIB", "")], &dir, "h0");
     let t = Instant::now();
     while !ns_pids(&ns).into_iter().any(|q| cmdline(q) == "sleep 299") {
         assert!(t.elapsed() < Duration::from_secs(20), "the probe never started: {}", p.stderr());
