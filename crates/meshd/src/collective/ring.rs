@@ -11,7 +11,7 @@ use crate::transport::{DataStream, Transport, TransportError};
 use bytes::Bytes;
 use meshd_proto::reduce::{DType, ReduceOp};
 use meshd_proto::ring::{
-    Action, CHUNK_HEADER_LEN, RingError, RingPlan, RingState, decode_chunk_header, encode_chunk_header,
+    CHUNK_HEADER_LEN, RingError, RingPlan, RingState, decode_chunk_header, encode_chunk_header,
 };
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -156,22 +156,18 @@ impl RingNet {
         let send = self.transport.open_data(next, op_id).await?;
         let recv = self.stream_from(prev, op_id).await?;
 
-        let last_step = state.plan().steps_per_phase().saturating_sub(1);
-        let (wtx, wrx) = mpsc::channel::<(u64, Vec<Bytes>)>(64);
+        let (wtx, wrx) = mpsc::channel::<(u64, Bytes)>(64);
         let writer = tokio::spawn(write_frames(send, wrx, next));
         let (rtx, mut rrx) = mpsc::channel::<Result<(u64, Vec<Bytes>), CollectiveError>>(64);
         let reader = tokio::spawn(read_frames(recv, rtx, prev, max_chunk));
-        // All-gather chunks received as they will be sent on: forwarded as received (the
-        // transport's own buffers), not copied out of `buf` again.
-        let mut forward: HashMap<usize, Vec<Bytes>> = HashMap::new();
         let result = async {
             loop {
                 while let Some(t) = state.poll_send() {
-                    let parts = match forward.remove(&t.range.start) {
-                        Some(p) => p,
-                        None => vec![Bytes::copy_from_slice(&buf[t.range.clone()])],
-                    };
-                    if wtx.send((t.id(), parts)).await.is_err() {
+                    // One contiguous copy: forwarding quinn's received pieces (about one
+                    // packet each) instead made quinn write a STREAM frame per piece, which
+                    // cost more than the copy (measured: docs/PERFORMANCE.md).
+                    let chunk = Bytes::copy_from_slice(&buf[t.range.clone()]);
+                    if wtx.send((t.id(), chunk)).await.is_err() {
                         return Err(CollectiveError::Link { peer: next, reason: "writer stopped".into() });
                     }
                 }
@@ -186,11 +182,6 @@ impl RingNet {
                 let action = state.on_received(id, len)?;
                 // Reduce or copy straight from the received pieces (no gathering copy).
                 action.apply_parts(buf, &parts, dtype, op, n)?;
-                if let Action::Copy { transfer } = &action {
-                    if transfer.step < last_step {
-                        forward.insert(transfer.range.start, parts);
-                    }
-                }
             }
         }
         .await;
@@ -246,16 +237,13 @@ impl RingNet {
 
 async fn write_frames(
     mut send: quinn::SendStream,
-    mut rx: mpsc::Receiver<(u64, Vec<Bytes>)>,
+    mut rx: mpsc::Receiver<(u64, Bytes)>,
     peer: SocketAddr,
 ) -> Result<(), CollectiveError> {
     let link = |e: String| CollectiveError::Link { peer, reason: e };
-    let mut parts = Vec::new();
     while let Some((id, payload)) = rx.recv().await {
-        let len: usize = payload.iter().map(|p| p.len()).sum();
-        parts.clear();
-        parts.push(Bytes::copy_from_slice(&encode_chunk_header(id, len as u32)));
-        parts.extend(payload);
+        let head = encode_chunk_header(id, payload.len() as u32);
+        let mut parts = [Bytes::copy_from_slice(&head), payload];
         send.write_all_chunks(&mut parts).await.map_err(|e| link(e.to_string()))?;
     }
     // Finishing is enough: quinn still delivers (and retransmits) a finished stream after
