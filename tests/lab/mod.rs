@@ -240,17 +240,7 @@ impl Lab {
             "table inet mdlab {{\n chain input {{\n type filter hook input priority 0; policy accept;\n \
              iifname \"lo\" accept\n meta l4proto tcp drop\n udp dport != {port} udp sport != {port} drop\n }}\n}}\n"
         );
-        let o = Command::new("ip")
-            .args(["netns", "exec", &self.hosts[i].ns, "nft", "-f", "-"])
-            .stdin(Stdio::piped())
-            .spawn()
-            .and_then(|mut c| {
-                use std::io::Write;
-                c.stdin.take().expect("stdin").write_all(rules.as_bytes())?;
-                c.wait()
-            })
-            .expect("nft");
-        assert!(o.success(), "nft failed in {}", self.hosts[i].ns);
+        self.nft(i, &rules);
     }
 
     /// Drops eth1 traffic between host `i` and the hosts in `others` (a partition).

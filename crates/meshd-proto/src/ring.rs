@@ -453,28 +453,9 @@ impl Action {
         op: ReduceOp,
         n: usize,
     ) -> Result<(), RingError> {
-        let range = self.range();
-        let have = buf.len();
-        let dst = buf.get_mut(range.clone()).ok_or(RingError::BufferTooSmall { need: range.end, have })?;
-        match self {
-            Action::Reduce { last, .. } => {
-                reduce::reduce_into(dtype, op, dst, payload)?;
-                if *last && op == ReduceOp::Avg {
-                    reduce::finish_avg(dtype, dst, u32::try_from(n).unwrap_or(u32::MAX))?;
-                }
-            }
-            Action::Copy { .. } => {
-                if dst.len() != payload.len() {
-                    return Err(ReduceError::LengthMismatch { acc: dst.len(), other: payload.len() }.into());
-                }
-                dst.copy_from_slice(payload);
-            }
-        }
-        Ok(())
+        self.apply_parts(buf, &[payload], dtype, op, n)
     }
-}
 
-impl Action {
     /// [`Action::apply`] for a payload that arrives in pieces (a transport's received
     /// segments), without first gathering them into one buffer. Pieces may split an
     /// element anywhere; the result is bitwise the same as applying the joined payload.
@@ -494,8 +475,11 @@ impl Action {
             return Err(ReduceError::LengthMismatch { acc: dst.len(), other: total }.into());
         }
         let es = dtype.size();
-        let (mut at, mut carry, mut carried) = (0usize, [0u8; 16], 0usize);
         let reduce = matches!(self, Action::Reduce { .. });
+        if reduce && dst.len() % es != 0 {
+            return Err(ReduceError::NotMultiple { len: dst.len(), size: es, dtype }.into());
+        }
+        let (mut at, mut carry, mut carried) = (0usize, [0u8; 16], 0usize);
         for part in parts {
             let mut p = part.as_ref();
             if !reduce {
