@@ -270,8 +270,8 @@ fn job_script(iters: u32) -> String {
     )
 }
 
-/// Starts the 3-node job on hosts 0, 1, 2 (in that order, `gap` apart).
-fn start_job(lab: &mut Lab, script: &str, gap: Duration) -> Vec<usize> {
+/// Starts host `i`'s meshd of the 3-node job (hosts 0, 1, 2) running `script`.
+fn spawn_job_node(lab: &mut Lab, i: usize, script: &str) -> usize {
     let peers = lab.hosts[..3].iter().map(|h| h.eth1.clone()).collect::<Vec<_>>().join(",");
     let args = [
         meshd(),
@@ -289,12 +289,17 @@ fn start_job(lab: &mut Lab, script: &str, gap: Duration) -> Vec<usize> {
         "-c",
         script,
     ];
+    lab.spawn(i, &args, &[("MESHD_TOKEN", LAB_TOKEN)])
+}
+
+/// Starts the 3-node job on hosts 0, 1, 2 (in that order, `gap` apart).
+fn start_job(lab: &mut Lab, script: &str, gap: Duration) -> Vec<usize> {
     (0..3)
         .map(|i| {
             if i > 0 {
                 std::thread::sleep(gap);
             }
-            lab.spawn(i, &args, &[("MESHD_TOKEN", LAB_TOKEN)])
+            spawn_job_node(lab, i, script)
         })
         .collect()
 }
@@ -419,24 +424,7 @@ fn half_open_handshakes_are_bounded_and_the_job_still_forms() {
     let script = job_script(30);
     let t = Instant::now();
     let rss = sample_rss(lab.hosts[0].ns.clone());
-    let peers = lab.hosts[..3].iter().map(|h| h.eth1.clone()).collect::<Vec<_>>().join(",");
-    let args = [
-        meshd(),
-        "run",
-        "--nnodes",
-        "3",
-        "--peers",
-        &peers,
-        "--nproc-per-node",
-        "1",
-        "--rdzv-timeout",
-        "90s",
-        "--",
-        PY,
-        "-c",
-        &script,
-    ];
-    let k0 = lab.spawn(0, &args, &[("MESHD_TOKEN", LAB_TOKEN)]);
+    let k0 = spawn_job_node(&mut lab, 0, &script);
     std::thread::sleep(Duration::from_millis(500));
     let victim: SocketAddr = VICTIM.parse().expect("addr");
     let attacker = in_netns(&lab.hosts[3].ns, move || {
@@ -481,7 +469,7 @@ fn half_open_handshakes_are_bounded_and_the_job_still_forms() {
     std::thread::sleep(Duration::from_millis(700));
     let mut ks = vec![k0];
     for i in 1..3 {
-        ks.push(lab.spawn(i, &args, &[("MESHD_TOKEN", LAB_TOKEN)]));
+        ks.push(spawn_job_node(&mut lab, i, &script));
     }
     let (n_initials, sent_in, results) = attacker.join().expect("attacker");
     let hit = finish_job(&mut lab, ks, t, rss);
@@ -526,24 +514,7 @@ fn recorded_session_replayed_and_truncated_is_ignored() {
     let script = job_script(30);
     let t = Instant::now();
     let rss = sample_rss(lab.hosts[0].ns.clone());
-    let peers = lab.hosts[..3].iter().map(|h| h.eth1.clone()).collect::<Vec<_>>().join(",");
-    let args = [
-        meshd(),
-        "run",
-        "--nnodes",
-        "3",
-        "--peers",
-        &peers,
-        "--nproc-per-node",
-        "1",
-        "--rdzv-timeout",
-        "90s",
-        "--",
-        PY,
-        "-c",
-        &script,
-    ];
-    let k0 = lab.spawn(0, &args, &[("MESHD_TOKEN", LAB_TOKEN)]);
+    let k0 = spawn_job_node(&mut lab, 0, &script);
     std::thread::sleep(Duration::from_millis(500));
     let victim: SocketAddr = VICTIM.parse().expect("addr");
     // The relay: 198.19.0.44:29400 <-> victim, recording what the client sends.
@@ -601,7 +572,7 @@ fn recorded_session_replayed_and_truncated_is_ignored() {
     stop.store(true, Ordering::Relaxed);
     let mut ks = vec![k0];
     for i in 1..3 {
-        ks.push(lab.spawn(i, &args, &[("MESHD_TOKEN", LAB_TOKEN)]));
+        ks.push(spawn_job_node(&mut lab, i, &script));
     }
     let (recorded, answers, replayed) = relay.join().expect("relay");
     let hit = finish_job(&mut lab, ks, t, rss);

@@ -157,17 +157,8 @@ fn plan_run(seed: u64, index: usize, n: usize) -> Plan {
     let fault = if r.chance(25) {
         Fault::None
     } else {
-        [
-            Fault::KillNode,
-            Fault::CrashHost,
-            Fault::TermNode,
-            Fault::KillRank,
-            Fault::RankExit,
-            Fault::RankExitRestart,
-            Fault::Flap,
-            Fault::Partition,
-            Fault::Loss,
-        ][r.below(9) as usize]
+        // Any fault but `None` (the first), uniformly.
+        ALL_FAULTS[1 + r.below(ALL_FAULTS.len() as u64 - 1) as usize]
     };
     let when = if matches!(fault, Fault::KillRank) || r.chance(70) {
         When::AfterRanks(r.ms(0, sleep_ms / 2))
