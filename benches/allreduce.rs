@@ -59,12 +59,19 @@ fn main() {
             })
             .collect()
     };
-    let big = ring(&mut lab, &sz, "5", true);
+    let big = ring(&mut lab, &sz, "3", true);
     let meshd_bus: Vec<f64> = big.iter().filter_map(|v| v["results"][0]["busbw_gbs"].as_f64()).collect();
     let ceiling: Vec<f64> = big.iter().filter_map(|v| v["ceiling_gbs"].as_f64()).collect();
     let meshd_cpu: Vec<f64> = big.iter().filter_map(|v| v["results"][0]["cpu_s_per_gb"].as_f64()).collect();
     let ceiling_cpu: Vec<f64> = big.iter().filter_map(|v| v["ceiling_cpu_s_per_gb"].as_f64()).collect();
     let mtus: Vec<u64> = big.iter().filter_map(|v| v["path"]["mtu"].as_u64()).collect();
+    // Each node's ring / bare ring ratio per round (the bare ring runs between rounds).
+    let mut ratios: Vec<f64> = big
+        .iter()
+        .filter_map(|v| v["ceiling_ratios"].as_array())
+        .flat_map(|a| a.iter().filter_map(|r| r.as_f64()))
+        .collect();
+    ratios.sort_by(f64::total_cmp);
     let meshd_lat: Vec<f64> =
         ring(&mut lab, "8", "50", false).iter().filter_map(|v| v["results"][0]["time_s"].as_f64()).collect();
 
@@ -132,6 +139,15 @@ fn main() {
     );
     if let (Some(m), Some(c)) = (mean(&meshd_bus), mean(&ceiling)) {
         println!("meshd ring / bare quinn ring: {:.2}", m / c);
+    }
+    if !ratios.is_empty() {
+        println!(
+            "meshd ring / bare quinn ring, per node and round: median {:.2}, range {:.2}-{:.2} ({} rounds)",
+            ratios[ratios.len() / 2],
+            ratios[0],
+            ratios[ratios.len() - 1],
+            ratios.len()
+        );
     }
     if let (Some(m), Some(g)) = (mean(&meshd_bus), mean(&gloo_bus)) {
         println!("meshd / Gloo busbw ratio: {:.2}", m / g);

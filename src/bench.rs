@@ -36,6 +36,10 @@ pub struct Args {
     /// Also measure the bare QUIC ring (no framing, no reduction): the transport's ceiling.
     #[arg(long)]
     pub ceiling: bool,
+    /// With --ceiling: rounds of the largest size, each followed by one bare ring (so both
+    /// see the same load); the per-round ratios are printed.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: u32,
 }
 
 #[derive(Debug)]
@@ -45,26 +49,46 @@ struct Row {
     time_s: f64,
     /// This process's CPU seconds (user + system) per GB one link carried.
     cpu_per_gb: f64,
-    /// UDP datagrams per send system call to the next node (GSO batching).
-    batch: f64,
+    /// Packet batching on both links.
+    batch: Batching,
 }
 
-/// Datagrams per send call between two snapshots of the next link's stats.
-fn batching(ring: &RingNet, before: Option<meshd::transport::PathStats>) -> f64 {
-    match (before, ring.next_link_stats()) {
-        (Some(a), Some(b)) if b.tx_calls > a.tx_calls => {
-            (b.tx_datagrams - a.tx_datagrams) as f64 / (b.tx_calls - a.tx_calls) as f64
-        }
-        _ => f64::NAN,
-    }
+/// Snapshots of both ring links' QUIC counters.
+type Links = (Option<meshd::transport::PathStats>, Option<meshd::transport::PathStats>);
+
+fn links(ring: &RingNet) -> Links {
+    (ring.next_link_stats(), ring.prev_link_stats())
+}
+
+/// Packet batching between two snapshots: UDP datagrams per send call to the next node
+/// (GSO), and ACK frames sent back per datagram received from the previous node.
+#[derive(Debug, Clone, Copy)]
+struct Batching {
+    tx_per_call: f64,
+    acks_per_rx: f64,
+}
+
+fn batching(ring: &RingNet, before: Links) -> Batching {
+    let ratio = |a: u64, b: u64| if b > 0 { a as f64 / b as f64 } else { f64::NAN };
+    let (next, prev) = links(ring);
+    let (tx_per_call, acks_per_rx) = match (before, next, prev) {
+        ((Some(na), Some(pa)), Some(nb), Some(pb)) => (
+            ratio(nb.tx_datagrams - na.tx_datagrams, nb.tx_calls - na.tx_calls),
+            ratio(pb.acks_sent - pa.acks_sent, pb.rx_datagrams - pa.rx_datagrams),
+        ),
+        _ => (f64::NAN, f64::NAN),
+    };
+    Batching { tx_per_call, acks_per_rx }
 }
 
 /// The bare ring's bandwidth per link and CPU seconds per GB.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Ceiling {
     gbs: f64,
     cpu_per_gb: f64,
-    batch: f64,
+    batch: Batching,
+    /// Ring busbw / bare ring bandwidth, one per round.
+    ratios: Vec<f64>,
 }
 
 /// CPU seconds (user + system) this process has used. On a shared machine wall time
@@ -79,18 +103,57 @@ fn cpu_seconds() -> f64 {
     tv(ru.ru_utime) + tv(ru.ru_stime)
 }
 
+/// One timed measurement: wall seconds, CPU seconds and batching.
+struct Timed {
+    secs: f64,
+    cpu: f64,
+    batch: Batching,
+}
+
+/// `iters` allreduces of `buf`, started together on every node.
+async fn timed_ring(ring: &mut RingNet, op: &mut u64, buf: &mut [u8], iters: u32) -> Result<Timed> {
+    align(ring, op).await?;
+    let (t, cpu, link) = (Instant::now(), cpu_seconds(), links(ring));
+    for _ in 0..iters {
+        *op += 1;
+        ring.allreduce(*op, buf, DType::F32, ReduceOp::Sum).await?;
+    }
+    Ok(Timed { secs: t.elapsed().as_secs_f64(), cpu: cpu_seconds() - cpu, batch: batching(ring, link) })
+}
+
+/// The bare ring carrying `per_link` bytes per link, started together on every node.
+async fn timed_ceiling(ring: &mut RingNet, op: &mut u64, per_link: usize) -> Result<Timed> {
+    // As large as the transfer (not one small block sent again and again), so the bytes
+    // come from memory as a ring's do.
+    let data = vec![0x5au8; per_link];
+    align(ring, op).await?;
+    *op += 1;
+    let (cpu, link) = (cpu_seconds(), links(ring));
+    let t = ring.stream_ceiling(*op, data).await?;
+    Ok(Timed { secs: t.as_secs_f64(), cpu: cpu_seconds() - cpu, batch: batching(ring, link) })
+}
+
+/// A tiny allreduce so that every node starts the next measurement at the same time.
+async fn align(ring: &mut RingNet, op: &mut u64) -> Result<()> {
+    let mut sync = [0u8; 8];
+    *op += 1;
+    ring.allreduce(*op, &mut sync, DType::I64, ReduceOp::Sum).await?;
+    Ok(())
+}
+
 async fn sweep(
     mut ring: RingNet,
     sizes: Vec<usize>,
     iters: Option<u32>,
-    ceiling: bool,
+    ceiling: Option<u32>,
 ) -> Result<(Vec<Row>, Option<Ceiling>)> {
     let n = ring.world();
     let rank = ring.rank();
     let mut op = 0u64;
     let mut rows = Vec::new();
-    let mut sync = vec![0u8; 8];
-    for bytes in sizes {
+    let mut ceil = None;
+    let count = sizes.len();
+    for (i, bytes) in sizes.into_iter().enumerate() {
         let elems = bytes / 4;
         let mut buf = vec![0u8; elems * 4];
         // Check the result once per size: every node contributes rank + 1.
@@ -108,41 +171,39 @@ async fn sweep(
         let iters = iters.unwrap_or_else(|| {
             if bytes <= 1 << 20 { 20 } else { ((64usize << 20) / bytes).clamp(2, 20) as u32 }
         });
-        op += 1;
-        ring.allreduce(op, &mut sync, DType::I64, ReduceOp::Sum).await?; // align the start
-        let t = Instant::now();
-        let cpu = cpu_seconds();
-        let link = ring.next_link_stats();
-        for _ in 0..iters {
-            op += 1;
-            ring.allreduce(op, &mut buf, DType::F32, ReduceOp::Sum).await?;
+        let link_gb = (elems * 4 * 2 * (n - 1)) as f64 / n.max(1) as f64 / 1e9;
+        // At the largest size, the bare ring runs between rounds of the real one, so both
+        // see the same neighbours' load; each round gives one ratio.
+        let rounds = match ceiling {
+            Some(r) if i + 1 == count && n > 1 => r.max(1),
+            _ => 1,
+        };
+        let (mut secs, mut cpu, mut batch) = (0.0, 0.0, None);
+        let (mut c_secs, mut c_cpu, mut c_batch, mut ratios) = (0.0, 0.0, None, Vec::new());
+        for _ in 0..rounds {
+            let r = timed_ring(&mut ring, &mut op, &mut buf, iters).await?;
+            (secs, cpu) = (secs + r.secs, cpu + r.cpu);
+            batch.get_or_insert(r.batch);
+            if ceiling.is_some() && i + 1 == count && n > 1 {
+                let c = timed_ceiling(&mut ring, &mut op, (link_gb * 1e9) as usize).await?;
+                (c_secs, c_cpu) = (c_secs + c.secs, c_cpu + c.cpu);
+                c_batch.get_or_insert(c.batch);
+                ratios.push((link_gb * iters as f64 / r.secs) / (link_gb / c.secs));
+            }
         }
-        let link_gb = (elems * 4 * 2 * (n - 1)) as f64 / n.max(1) as f64 * iters as f64 / 1e9;
-        let cpu_per_gb = if n > 1 { (cpu_seconds() - cpu) / link_gb } else { 0.0 };
+        let total = iters * rounds;
         rows.push(Row {
             bytes: elems * 4,
-            iters,
-            time_s: t.elapsed().as_secs_f64() / iters as f64,
-            cpu_per_gb,
-            batch: batching(&ring, link),
+            iters: total,
+            time_s: secs / total as f64,
+            cpu_per_gb: if n > 1 { cpu / (link_gb * total as f64) } else { 0.0 },
+            batch: batch.expect("at least one round"),
         });
+        if let Some(batch) = c_batch {
+            let gb = link_gb * rounds as f64;
+            ceil = Some(Ceiling { gbs: gb / c_secs, cpu_per_gb: c_cpu / gb, batch, ratios });
+        }
     }
-    // The bare ring: the bytes one link carries in an allreduce of the largest size.
-    let ceil = if ceiling && n > 1 {
-        let largest = rows.last().map(|r| r.bytes).unwrap_or(0);
-        let per_link = largest * 2 * (n - 1) / n;
-        op += 1;
-        ring.allreduce(op, &mut sync, DType::I64, ReduceOp::Sum).await?;
-        op += 1;
-        let cpu = cpu_seconds();
-        let link = ring.next_link_stats();
-        let t = ring.stream_ceiling(op, per_link).await?;
-        let gb = per_link as f64 / 1e9;
-        let batch = batching(&ring, link);
-        Some(Ceiling { gbs: gb / t.as_secs_f64(), cpu_per_gb: (cpu_seconds() - cpu) / gb, batch })
-    } else {
-        None
-    };
     Ok((rows, ceil))
 }
 
@@ -169,7 +230,7 @@ pub async fn main(which: Which) -> Result<ExitCode> {
             std::iter::successors(Some(1024usize), |s| Some(s * 4)).take_while(|s| *s <= a.max_size).collect()
         }
     };
-    let task = tokio::spawn(sweep(ring, sizes, a.iters, a.ceiling));
+    let task = tokio::spawn(sweep(ring, sizes, a.iters, a.ceiling.then_some(a.rounds)));
     tokio::pin!(task);
     // Keep the mesh alive (answer probes) while the ring runs; a dead member ends the bench.
     let (rows, ceiling) = loop {
@@ -193,24 +254,24 @@ pub async fn main(which: Which) -> Result<ExitCode> {
             .iter()
             .map(|r| {
                 let alg = r.bytes as f64 / r.time_s / 1e9;
-                json!({"bytes": r.bytes, "iters": r.iters, "time_s": r.time_s, "algbw_gbs": alg, "busbw_gbs": alg * factor, "cpu_s_per_gb": r.cpu_per_gb, "datagrams_per_send": r.batch})
+                json!({"bytes": r.bytes, "iters": r.iters, "time_s": r.time_s, "algbw_gbs": alg, "busbw_gbs": alg * factor, "cpu_s_per_gb": r.cpu_per_gb, "datagrams_per_send": r.batch.tx_per_call, "acks_per_datagram": r.batch.acks_per_rx})
             })
             .collect();
         println!(
             "{}",
-            json!({"nodes": n, "rank": rank, "dtype": "float32", "op": "sum", "results": results, "ceiling_gbs": ceiling.map(|c| c.gbs), "ceiling_cpu_s_per_gb": ceiling.map(|c| c.cpu_per_gb), "ceiling_datagrams_per_send": ceiling.map(|c| c.batch),
+            json!({"nodes": n, "rank": rank, "dtype": "float32", "op": "sum", "results": results, "ceiling_gbs": ceiling.as_ref().map(|c| c.gbs), "ceiling_cpu_s_per_gb": ceiling.as_ref().map(|c| c.cpu_per_gb), "ceiling_datagrams_per_send": ceiling.as_ref().map(|c| c.batch.tx_per_call), "ceiling_acks_per_datagram": ceiling.as_ref().map(|c| c.batch.acks_per_rx), "ceiling_ratios": ceiling.as_ref().map(|c| c.ratios.clone()),
                 "path": path.map(|p| json!({"mtu": p.mtu, "rtt_us": p.rtt.as_micros() as u64, "sent_packets": p.sent_packets, "lost_packets": p.lost_packets, "congestion_events": p.congestion_events}))})
         );
     } else {
         println!("# meshd ring allreduce over QUIC: {n} nodes, this node rank {rank}, float32 sum");
         println!(
-            "# {:>12} {:>10} {:>6} {:>12} {:>10} {:>10} {:>10} {:>8}",
-            "size(B)", "count", "iters", "time(us)", "algbw", "busbw", "cpu(s/GB)", "dgm/send"
+            "# {:>12} {:>10} {:>6} {:>12} {:>10} {:>10} {:>10} {:>8} {:>8}",
+            "size(B)", "count", "iters", "time(us)", "algbw", "busbw", "cpu(s/GB)", "dgm/send", "acks/dgm"
         );
         for r in &rows {
             let alg = r.bytes as f64 / r.time_s / 1e9;
             println!(
-                "  {:>12} {:>10} {:>6} {:>12.1} {:>10.3} {:>10.3} {:>10.2} {:>8.1}",
+                "  {:>12} {:>10} {:>6} {:>12.1} {:>10.3} {:>10.3} {:>10.2} {:>8.1} {:>8.2}",
                 r.bytes,
                 r.bytes / 4,
                 r.iters,
@@ -218,17 +279,20 @@ pub async fn main(which: Which) -> Result<ExitCode> {
                 alg,
                 alg * factor,
                 r.cpu_per_gb,
-                r.batch
+                r.batch.tx_per_call,
+                r.batch.acks_per_rx
             );
         }
         println!(
-            "# algbw, busbw in GB/s; busbw = algbw * 2(n-1)/n; cpu = this process's CPU seconds per GB one link carried; dgm/send = UDP datagrams per send call to the next node (GSO batching)"
+            "# algbw, busbw in GB/s; busbw = algbw * 2(n-1)/n; cpu = this process's CPU seconds per GB one link carried; dgm/send = UDP datagrams per send call to the next node (GSO batching); acks/dgm = ACK frames sent back per datagram received"
         );
         if let Some(c) = ceiling {
             println!(
-                "# bare QUIC ring (no framing, no reduction), per link: {:.3} GB/s, {:.2} CPU s/GB, {:.1} datagrams per send call",
-                c.gbs, c.cpu_per_gb, c.batch
+                "# bare QUIC ring (no framing, no reduction), per link: {:.3} GB/s, {:.2} CPU s/GB, {:.1} datagrams per send call, {:.2} ACKs per datagram received",
+                c.gbs, c.cpu_per_gb, c.batch.tx_per_call, c.batch.acks_per_rx
             );
+            let r: Vec<String> = c.ratios.iter().map(|r| format!("{r:.2}")).collect();
+            println!("# ring busbw / bare ring, per round (interleaved): {}", r.join(" "));
         }
         if let Some(p) = path {
             println!(

@@ -85,3 +85,49 @@ fn collectives_store_and_barrier_across_firewalled_hosts() {
         assert_eq!(out.matches("COLLECTIVES OK").count(), 2, "host {i}:\n{out}\n{err}");
     }
 }
+
+#[test]
+fn bench_allreduce_checks_results_and_interleaves_the_bare_ring() {
+    if !lab::available() {
+        return;
+    }
+    let mut lab = firewalled_lab();
+    let peers = lab.peers();
+    let args = [
+        meshd(),
+        "bench",
+        "allreduce",
+        "--nnodes",
+        "3",
+        "--peers",
+        &peers,
+        "--max-size",
+        "1048576",
+        "--iters",
+        "2",
+        "--ceiling",
+        "--rounds",
+        "2",
+        "--json",
+    ];
+    let res = lab.run_on_all(&args, &[("MESHD_TOKEN", "bench")], Duration::from_secs(120));
+    let mut ranks = Vec::new();
+    for (i, (code, out, err)) in res.iter().enumerate() {
+        assert_eq!(*code, Some(0), "host {i}:\n{out}\n{err}");
+        let v: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON object");
+        ranks.push(v["rank"].as_u64().expect("rank"));
+        let results = v["results"].as_array().expect("results");
+        // 1 KiB, 4 KiB, ..., 1 MiB: each size was checked before it was timed.
+        let sizes: Vec<u64> = results.iter().filter_map(|r| r["bytes"].as_u64()).collect();
+        assert_eq!(sizes, [1024, 4096, 16384, 65536, 262144, 1048576], "{out}");
+        assert!(results.iter().all(|r| r["busbw_gbs"].as_f64().is_some_and(|b| b > 0.0)), "{out}");
+        // The largest size ran in 2 rounds of 2, each followed by one bare ring.
+        assert_eq!(results[5]["iters"], 4, "{out}");
+        let ratios = v["ceiling_ratios"].as_array().expect("ceiling_ratios");
+        assert_eq!(ratios.len(), 2, "{out}");
+        assert!(ratios.iter().all(|r| r.as_f64().is_some_and(|r| r > 0.0 && r.is_finite())), "{out}");
+        assert!(v["ceiling_gbs"].as_f64().is_some_and(|c| c > 0.0), "{out}");
+    }
+    ranks.sort();
+    assert_eq!(ranks, [0, 1, 2]);
+}

@@ -106,6 +106,15 @@ impl RingNet {
         self.transport.path_stats(self.addrs[(self.rank + 1) % n])
     }
 
+    /// QUIC's view of the link from the previous node, if connected.
+    pub fn prev_link_stats(&self) -> Option<crate::transport::PathStats> {
+        let n = self.addrs.len();
+        if n <= 1 {
+            return None;
+        }
+        self.transport.path_stats(self.addrs[(self.rank + n - 1) % n])
+    }
+
     async fn stream_from(&mut self, peer: SocketAddr, op: u64) -> Result<quinn::RecvStream, CollectiveError> {
         if let Some(s) = self.stash.remove(&(peer, op)) {
             return Ok(s);
@@ -195,11 +204,17 @@ impl RingNet {
 }
 
 impl RingNet {
-    /// The transport's own ceiling for a ring: every node streams `bytes` to the next node
-    /// while reading as many from the previous one, with no framing, no reduction and no
-    /// copies (one shared buffer is sent repeatedly). A ring allreduce of S bytes moves
-    /// 2(n-1)/n x S per link, so compare its busbw with `bytes / time` of this.
-    pub async fn stream_ceiling(&mut self, op_id: u64, bytes: usize) -> Result<Duration, CollectiveError> {
+    /// The transport's own ceiling for a ring: every node streams `data` to the next node
+    /// while reading as many bytes from the previous one, with no framing, no reduction and
+    /// no copies. A ring allreduce of S bytes moves 2(n-1)/n x S per link, so compare its
+    /// busbw with `data.len() / time` of this.
+    ///
+    /// Pass a buffer as large as the transfer, as a ring's is: repeating one small
+    /// cache-resident block made this ceiling about 10% higher than any real transfer of
+    /// that size reaches (docs/PERFORMANCE.md).
+    pub async fn stream_ceiling(&mut self, op_id: u64, data: Vec<u8>) -> Result<Duration, CollectiveError> {
+        let bytes = data.len();
+        let data = Bytes::from(data); // no copy
         let n = self.addrs.len();
         if n <= 1 {
             return Ok(Duration::ZERO);
@@ -209,12 +224,11 @@ impl RingNet {
         let start = tokio::time::Instant::now();
         let mut send = self.transport.open_data(next, op_id).await?;
         let mut recv = self.stream_from(prev, op_id).await?;
-        let block = Bytes::from(vec![0x5au8; 1 << 20]);
         let writer = tokio::spawn(async move {
-            let mut left = bytes;
-            while left > 0 {
-                let b = block.slice(..left.min(block.len()));
-                left -= b.len();
+            let mut off = 0;
+            while off < bytes {
+                let b = data.slice(off..bytes.min(off + (1 << 20)));
+                off += b.len();
                 send.write_chunk(b).await.map_err(|e| e.to_string())?;
             }
             send.finish().map_err(|e| e.to_string())

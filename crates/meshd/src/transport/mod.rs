@@ -94,6 +94,10 @@ pub struct PathStats {
     pub tx_datagrams: u64,
     /// Send system calls they took (fewer per datagram = fuller GSO batches).
     pub tx_calls: u64,
+    /// UDP datagrams received on this connection.
+    pub rx_datagrams: u64,
+    /// ACK frames sent to the peer.
+    pub acks_sent: u64,
 }
 
 /// Transport failures.
@@ -510,6 +514,8 @@ impl Transport {
                 congestion_events: s.path.congestion_events,
                 tx_datagrams: s.udp_tx.datagrams,
                 tx_calls: s.udp_tx.ios,
+                rx_datagrams: s.udp_rx.datagrams,
+                acks_sent: s.frame_tx.acks,
             }
         })
     }
