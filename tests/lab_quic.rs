@@ -80,9 +80,18 @@ fn collectives_store_and_barrier_across_firewalled_hosts() {
     }
     let mut lab = firewalled_lab();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/collectives_check.py");
-    for (i, (code, out, err)) in run3(&mut lab, &[PY, script]).iter().enumerate() {
-        assert_eq!(*code, Some(0), "host {i}:\n{out}\n{err}");
-        assert_eq!(out.matches("COLLECTIVES OK").count(), 2, "host {i}:\n{out}\n{err}");
+    let peers = lab.peers();
+    // Buffers read and written in place (the default), then sent through the socket.
+    for (in_place, want) in [("1", "in_place=True"), ("0", "in_place=False")] {
+        let args =
+            [meshd(), "run", "--nnodes", "3", "--peers", &peers, "--nproc-per-node", "2", "--", PY, script];
+        let env = [("MESHD_TOKEN", "quic"), ("MESHD_IN_PLACE", in_place)];
+        for (i, (code, out, err)) in lab.run_on_all(&args, &env, Duration::from_secs(180)).iter().enumerate()
+        {
+            assert_eq!(*code, Some(0), "host {i}, MESHD_IN_PLACE={in_place}:\n{out}\n{err}");
+            assert_eq!(out.matches("COLLECTIVES OK").count(), 2, "host {i}:\n{out}\n{err}");
+            assert_eq!(out.matches(want).count(), 2, "host {i}:\n{out}\n{err}");
+        }
     }
 }
 

@@ -5,13 +5,16 @@
 //! Checks: a header length above the bound is refused before anything is allocated; a
 //! header that parses announces a payload within `MAX_PAYLOAD`; every request is judged
 //! without panicking, within bounds (store keys and values, broadcast roots, a
-//! `store_get` wait that `Duration::from_secs_f64` accepts); and a parsed request,
-//! written back as the Python client would write it, parses to the same request.
+//! `store_get` wait that `Duration::from_secs_f64` accepts); an in-place buffer is
+//! non-null, within `MAX_PAYLOAD`, does not wrap and comes without a payload; a hello's
+//! probe round-trips through its hex form; and a parsed request, written back as the
+//! Python client would write it, parses to the same request.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 use meshd_fuzz::request::{
-    Kind, MAX_HEADER, MAX_PAYLOAD, MAX_STORE_WAIT_S, Request, header_len, parse_header, parse_request,
+    InPlace, Kind, MAX_HEADER, MAX_PAYLOAD, MAX_STORE_WAIT_S, PROBE_LEN, Request, header_len, parse_header,
+    parse_in_place, parse_probe, parse_request,
 };
 use meshd_proto::wire::{MAX_STORE_KEY, MAX_STORE_VALUE};
 use serde_json::{Value, json};
@@ -76,6 +79,16 @@ fuzz_target!(|data: &[u8]| {
     assert!(nbytes <= MAX_PAYLOAD);
     let r = parse_request(&v, nbytes, WORLD);
     check(&r, nbytes);
+    if let Ok(Some(InPlace { addr, len })) = parse_in_place(&v, nbytes) {
+        assert!(addr != 0 && len <= MAX_PAYLOAD && addr.checked_add(len as u64).is_some() && nbytes == 0);
+        let back = json!({"addr": addr, "len": len});
+        assert_eq!(parse_in_place(&back, 0), Ok(Some(InPlace { addr, len })));
+    }
+    if let Some((addr, bytes)) = parse_probe(&v) {
+        assert!(addr != 0 && bytes.len() == PROBE_LEN);
+        let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(parse_probe(&json!({"probe_addr": addr, "probe": hex})), Some((addr, bytes)));
+    }
     if let Some(back) = render(&r, nbytes) {
         let bytes = serde_json::to_vec(&back).expect("json");
         let (v2, n2) = parse_header(&bytes).expect("a rendered header parses");

@@ -228,6 +228,9 @@ pub fn ring_inputs() -> Vec<Vec<u8>> {
 pub fn service_inputs() -> Vec<Vec<u8>> {
     [
         r#"{"op": "hello", "rank": 3}"#,
+        r#"{"op": "hello", "rank": 0, "probe_addr": 140737488347136, "probe": "00112233445566778899aabbccddeeff"}"#,
+        r#"{"op": "allreduce", "dtype": "float32", "reduce": "sum", "addr": 140737488347136, "len": 4096}"#,
+        r#"{"op": "broadcast", "root": 0, "addr": 94000000000000, "len": 37}"#,
         r#"{"op": "allreduce", "dtype": "float32", "reduce": "sum", "nbytes": 4096}"#,
         r#"{"op": "allreduce", "dtype": "bfloat16", "reduce": "avg", "nbytes": 2}"#,
         r#"{"op": "broadcast", "root": 1, "nbytes": 64}"#,

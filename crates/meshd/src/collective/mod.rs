@@ -2,6 +2,7 @@
 //! ([`ring`]) and the node-local service that ranks reach through `MESHD_SOCKET`
 //! ([`service`]), whose socket requests [`request`] parses.
 
+pub mod cma;
 pub mod request;
 pub mod ring;
 pub mod service;

@@ -101,6 +101,53 @@ pub fn parse_request(req: &Value, nbytes: usize, world: u32) -> Request {
     }
 }
 
+/// A buffer a local rank asks meshd to use in place (cross-memory attach): its address in
+/// the rank's process and its length.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InPlace {
+    /// Start address in the rank's process.
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: usize,
+}
+
+/// The in-place buffer a collective header names (`addr`, `len`), if any. Such a request
+/// carries no payload (`nbytes` must be 0); the range must be non-null and not wrap.
+pub fn parse_in_place(req: &Value, nbytes: usize) -> Result<Option<InPlace>, String> {
+    let Some(addr) = req.get("addr") else { return Ok(None) };
+    let addr = addr.as_u64().filter(|a| *a != 0).ok_or("addr must be a non-zero unsigned integer")?;
+    let len = req.get("len").and_then(Value::as_u64).ok_or("an in-place request needs len")?;
+    let len = usize::try_from(len)
+        .ok()
+        .filter(|l| *l <= MAX_PAYLOAD)
+        .ok_or_else(|| format!("buffer of {len} bytes is too large"))?;
+    if addr.checked_add(len as u64).is_none() {
+        return Err("addr + len wraps around".into());
+    }
+    if nbytes != 0 {
+        return Err("an in-place request carries no payload".into());
+    }
+    Ok(Some(InPlace { addr, len }))
+}
+
+/// Length of the probe a hello may carry to test cross-memory attach.
+pub const PROBE_LEN: usize = 16;
+
+/// The probe of a hello, if any: the address of `PROBE_LEN` bytes in the client and the
+/// bytes meshd should find there (`probe_addr`, `probe` in hex).
+pub fn parse_probe(req: &Value) -> Option<(u64, [u8; PROBE_LEN])> {
+    let addr = req.get("probe_addr").and_then(Value::as_u64).filter(|a| *a != 0)?;
+    let hex = req.get("probe").and_then(Value::as_str)?;
+    if hex.len() != 2 * PROBE_LEN || !hex.is_ascii() {
+        return None;
+    }
+    let mut bytes = [0u8; PROBE_LEN];
+    for (i, b) in bytes.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some((addr, bytes))
+}
+
 fn parse_kind(op: &str, req: &Value, world: u32) -> Result<Kind, String> {
     match op {
         "allreduce" => {
@@ -164,5 +211,30 @@ mod tests {
             Request::StoreGet { key: "k".into(), timeout: MAX_STORE_WAIT_S }
         );
         assert_eq!(p(json!({"op": 7}), 0), Request::Unknown(String::new()));
+    }
+
+    #[test]
+    fn in_place_buffers() {
+        let ip = |v: Value, n| parse_in_place(&v, n);
+        assert_eq!(ip(json!({"op": "allreduce"}), 8), Ok(None));
+        assert_eq!(ip(json!({"addr": 4096, "len": 64}), 0), Ok(Some(InPlace { addr: 4096, len: 64 })));
+        assert!(ip(json!({"addr": 0, "len": 64}), 0).is_err());
+        assert!(ip(json!({"addr": -1, "len": 64}), 0).is_err());
+        assert!(ip(json!({"addr": 4096}), 0).is_err());
+        assert!(ip(json!({"addr": 4096, "len": MAX_PAYLOAD as u64 + 1}), 0).is_err());
+        assert!(ip(json!({"addr": u64::MAX - 10, "len": 64}), 0).is_err());
+        assert!(ip(json!({"addr": 4096, "len": 64}), 64).is_err(), "payload and address both");
+    }
+
+    #[test]
+    fn probes() {
+        let hex = "000102030405060708090a0b0c0d0eff";
+        let want = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 255];
+        assert_eq!(parse_probe(&json!({"probe_addr": 8, "probe": hex})), Some((8, want)));
+        assert_eq!(parse_probe(&json!({"probe_addr": 8, "probe": &hex[2..]})), None);
+        assert_eq!(parse_probe(&json!({"probe_addr": 8, "probe": "zz0102030405060708090a0b0c0d0eff"})), None);
+        assert_eq!(parse_probe(&json!({"probe_addr": 8, "probe": "é0102030405060708090a0b0c0d0e0f"})), None);
+        assert_eq!(parse_probe(&json!({"probe_addr": 0, "probe": hex})), None);
+        assert_eq!(parse_probe(&json!({"probe": hex})), None);
     }
 }

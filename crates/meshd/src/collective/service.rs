@@ -11,6 +11,7 @@
 //! `store_set`, `store_get`; replies carry `ok` and, on failure, `error` in words. The
 //! parsing is in [`super::request`] (pure, fuzzed).
 
+use super::cma::{self, Remote};
 use super::request::{self, Kind, Request};
 use super::ring::RingNet;
 use crate::transport::Transport;
@@ -56,9 +57,39 @@ pub struct Service {
 
 struct Part {
     kind: Kind,
-    data: Vec<u8>,
+    data: Data,
     global: u32,
     reply: oneshot::Sender<Result<Vec<u8>, String>>,
+}
+
+/// A rank's buffer: sent through the socket, or read and written in place.
+enum Data {
+    Sent(Vec<u8>),
+    InPlace(Remote),
+}
+
+impl Data {
+    fn len(&self) -> usize {
+        match self {
+            Data::Sent(v) => v.len(),
+            Data::InPlace(r) => r.len,
+        }
+    }
+
+    /// Copies `dst.len()` bytes from offset `off`.
+    fn read(&self, off: usize, dst: &mut [u8]) -> Result<(), String> {
+        match self {
+            Data::Sent(v) => {
+                dst.copy_from_slice(&v[off..off + dst.len()]);
+                Ok(())
+            }
+            Data::InPlace(r) => cma::read(r, off, dst).map_err(|e| cma_error(r, &e)),
+        }
+    }
+}
+
+fn cma_error(r: &Remote, e: &std::io::Error) -> String {
+    format!("cannot access the {}-byte buffer at {:#x} in process {}: {e}", r.len, r.addr, r.pid)
 }
 
 struct CollReq {
@@ -203,6 +234,9 @@ async fn client(
 ) -> std::io::Result<()> {
     let mut seq = 0u64;
     let mut me: Option<(u32, u32)> = None; // (global, local)
+    // The peer's pid from the kernel: the only process meshd reads or writes for it.
+    let pid = s.peer_cred().ok().and_then(|c| c.pid());
+    let mut in_place = false;
     while let Some((req, payload)) = read_msg(&mut s).await? {
         let fail = |e: String| json!({"ok": false, "error": e});
         let (head, body): (Value, Vec<u8>) = match request::parse_request(&req, payload.len(), cfg.world) {
@@ -218,7 +252,12 @@ async fn client(
                     )
                 } else {
                     me = Some((rank as u32, (rank - lo) as u32));
-                    (json!({"ok": true, "world": cfg.world, "local_world": cfg.local_world}), vec![])
+                    in_place = match (pid, request::parse_probe(&req)) {
+                        (Some(pid), Some((addr, want))) => probe(pid, addr, want),
+                        _ => false,
+                    };
+                    let hello = json!({"ok": true, "world": cfg.world, "local_world": cfg.local_world, "in_place": in_place});
+                    (hello, vec![])
                 }
             }
             Request::Collective(kind) => {
@@ -226,11 +265,19 @@ async fn client(
                     write_msg(&mut s, fail("send hello first".into()), &[]).await?;
                     continue;
                 };
-                match kind {
+                let data = match request::parse_in_place(&req, payload.len()) {
+                    Ok(None) => Ok(Data::Sent(payload)),
+                    Ok(Some(b)) => match pid {
+                        Some(pid) if in_place => Ok(Data::InPlace(Remote { pid, addr: b.addr, len: b.len })),
+                        _ => Err("in-place buffers need the cross-memory probe of hello to succeed; send the payload instead".to_string()),
+                    },
+                    Err(e) => Err(e),
+                };
+                match kind.and_then(|k| data.map(|d| (k, d))) {
                     Err(e) => (fail(e), vec![]),
-                    Ok(kind) => {
+                    Ok((kind, data)) => {
                         let (tx, rx) = oneshot::channel();
-                        let part = Part { kind, data: payload, global, reply: tx };
+                        let part = Part { kind, data, global, reply: tx };
                         seq += 1;
                         if coll.send(CollReq { local, seq, part }).await.is_err() {
                             (fail("the node's collective engine stopped".into()), vec![])
@@ -268,6 +315,24 @@ async fn client(
     Ok(())
 }
 
+/// Whether meshd can read the client's memory: the probe bytes must be found at the
+/// address the client gave.
+fn probe(pid: i32, addr: u64, want: [u8; request::PROBE_LEN]) -> bool {
+    let r = Remote { pid, addr, len: want.len() };
+    let mut got = [0u8; request::PROBE_LEN];
+    match cma::read(&r, 0, &mut got) {
+        Ok(()) if got == want => true,
+        Ok(()) => {
+            debug!("process {pid}: the probe bytes differ; buffers go through the socket");
+            false
+        }
+        Err(e) => {
+            debug!("process {pid}: cross-memory attach refused ({e}); buffers go through the socket");
+            false
+        }
+    }
+}
+
 fn describe(k: &Kind, len: usize) -> String {
     match k {
         Kind::AllReduce(d, o) => format!("allreduce {} {} of {len} bytes", d.name(), o.name()),
@@ -280,6 +345,9 @@ async fn collectives(cfg: ServiceConfig, mut ring: RingNet, mut rx: mpsc::Receiv
     let n = cfg.local_world as usize;
     let mut slots: BTreeMap<u64, Vec<Option<Part>>> = BTreeMap::new();
     let mut next = 1u64;
+    // Reused from one collective to the next (a training job reduces the same buckets again
+    // and again): a fresh buffer each time costs a page fault per 4 KiB.
+    let mut work = Vec::new();
     while let Some(req) = rx.recv().await {
         if req.seq < next || req.local as usize >= n || slots.len() > 4096 {
             let _ = req.part.reply.send(Err("collective out of order".into()));
@@ -291,13 +359,13 @@ async fn collectives(cfg: ServiceConfig, mut ring: RingNet, mut rx: mpsc::Receiv
             let Some(parts) = slots.remove(&next) else { break };
             let parts: Vec<Part> = parts.into_iter().flatten().collect();
             let op_id = ((cfg.restart as u64) << 40) | next;
-            run_one(&cfg, &mut ring, op_id, parts).await;
+            run_one(&cfg, &mut ring, op_id, parts, &mut work).await;
             next += 1;
         }
     }
 }
 
-async fn run_one(cfg: &ServiceConfig, ring: &mut RingNet, op_id: u64, parts: Vec<Part>) {
+async fn run_one(cfg: &ServiceConfig, ring: &mut RingNet, op_id: u64, parts: Vec<Part>, work: &mut Vec<u8>) {
     let kind = parts[0].kind.clone();
     let len = parts[0].data.len();
     if let Some(bad) = parts.iter().find(|p| p.kind != kind || p.data.len() != len) {
@@ -314,47 +382,70 @@ async fn run_one(cfg: &ServiceConfig, ring: &mut RingNet, op_id: u64, parts: Vec
         }
         return;
     }
-    let result = reduce_parts(cfg, ring, op_id, &kind, &parts).await;
+    let result = reduce_parts(cfg, ring, op_id, &kind, &parts, work).await;
     for p in parts {
-        let _ = p.reply.send(result.clone());
+        let reply = match (&result, &p.data) {
+            (Err(e), _) => Err(e.clone()),
+            (Ok(out), Data::Sent(_)) => Ok(work[..*out].to_vec()),
+            (Ok(out), Data::InPlace(r)) => {
+                cma::write(r, 0, &work[..*out]).map(|()| Vec::new()).map_err(|e| cma_error(r, &e))
+            }
+        };
+        let _ = p.reply.send(reply);
     }
 }
 
+/// Reduces the local parts into `acc`, runs the ring, and returns the result's length
+/// (the result is `acc[..len]`).
 async fn reduce_parts(
     cfg: &ServiceConfig,
     ring: &mut RingNet,
     op_id: u64,
     kind: &Kind,
     parts: &[Part],
-) -> Result<Vec<u8>, String> {
-    let (dtype, op, mut acc, trim) = match kind {
-        Kind::AllReduce(d, o) => (*d, *o, parts[0].data.clone(), None),
+    acc: &mut Vec<u8>,
+) -> Result<usize, String> {
+    let len = parts[0].data.len();
+    acc.clear();
+    let (dtype, op, out) = match kind {
+        Kind::AllReduce(d, o) => {
+            acc.resize(len, 0);
+            parts[0].data.read(0, acc)?;
+            (*d, *o, len)
+        }
         // Broadcast as a byte-exact sum: the root's bytes plus zeros from everyone else,
         // as wrapping int64 additions (identity on the root's bits).
         Kind::Broadcast(root) => {
-            let len = parts[0].data.len();
-            let mut b = vec![0u8; len.div_ceil(8) * 8];
+            acc.resize(len.div_ceil(8) * 8, 0);
             if let Some(p) = parts.iter().find(|p| p.global == *root) {
-                b[..len].copy_from_slice(&p.data);
+                p.data.read(0, &mut acc[..len])?;
             }
-            (DType::I64, ReduceOp::Sum, b, Some(len))
+            (DType::I64, ReduceOp::Sum, len)
         }
-        Kind::Barrier => (DType::I64, ReduceOp::Sum, vec![0u8; 8], Some(0)),
+        Kind::Barrier => {
+            acc.resize(8, 0);
+            (DType::I64, ReduceOp::Sum, 0)
+        }
     };
     let ring_op = if op == ReduceOp::Avg { ReduceOp::Sum } else { op };
     if matches!(kind, Kind::AllReduce(..)) {
+        // The other local ranks' buffers, a slice at a time (stays in cache while reduced).
+        const SLICE: usize = 1 << 20;
+        let mut scratch = vec![0u8; SLICE.min(len)];
         for p in &parts[1..] {
-            reduce::reduce_into(dtype, ring_op, &mut acc, &p.data).map_err(|e| e.to_string())?;
+            for off in (0..len).step_by(SLICE) {
+                let k = SLICE.min(len - off);
+                p.data.read(off, &mut scratch[..k])?;
+                reduce::reduce_into(dtype, ring_op, &mut acc[off..off + k], &scratch[..k])
+                    .map_err(|e| e.to_string())?;
+            }
         }
     }
-    ring.allreduce(op_id, &mut acc, dtype, ring_op).await.map_err(|e| e.to_string())?;
+    ring.allreduce(op_id, acc, dtype, ring_op).await.map_err(|e| e.to_string())?;
     if op == ReduceOp::Avg {
-        reduce::finish_avg(dtype, &mut acc, cfg.world).map_err(|e| e.to_string())?;
+        reduce::finish_avg(dtype, acc, cfg.world).map_err(|e| e.to_string())?;
     }
-    if let Some(t) = trim {
-        acc.truncate(t);
-    }
-    Ok(acc)
+    Ok(out)
 }
 
 /// A pending `store_get`: key, deadline, where to answer.
