@@ -92,18 +92,54 @@ fn main() {
         "--size",
         &sz,
     ];
-    let (mut gloo_bus, mut gloo_lat) = (Vec::new(), Vec::new());
+    let (mut gloo_bus, mut gloo_lat, mut gloo_time) = (Vec::new(), Vec::new(), Vec::new());
     for (_, out, _) in lab.run_on_all(&gloo, &[("MESHD_LOG", "warn")], Duration::from_secs(300)) {
         for l in out.lines().filter(|l| l.contains("GLOO ")) {
             match field(l, "bytes=") {
                 Some(b) if b <= 8.0 => gloo_lat.extend(field(l, "time_s=")),
-                Some(_) => gloo_bus.extend(field(l, "busbw_gbs=")),
+                Some(_) => {
+                    gloo_bus.extend(field(l, "busbw_gbs="));
+                    gloo_time.extend(field(l, "time_s="));
+                }
                 None => {}
             }
         }
     }
 
-    // 3. One TCP stream (iperf3) host 0 -> host 1.
+    // 3. The path ranks use: meshd's Python client, 2 ranks per host, buffers read and
+    //    written in place (the default) and sent through the socket (MESHD_IN_PLACE=0).
+    let client_script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/client_allreduce_bench.py");
+    let client = [
+        meshd(),
+        "run",
+        "--nnodes",
+        "3",
+        "--peers",
+        &peers,
+        "--nproc-per-node",
+        "2",
+        "--collective",
+        "quic",
+        "--",
+        "/usr/bin/python3",
+        client_script,
+        "--size",
+        &sz,
+    ];
+    let mut client_time = Vec::new();
+    for in_place in ["1", "0"] {
+        let mut times = Vec::new();
+        let env = [("MESHD_LOG", "warn"), ("MESHD_IN_PLACE", in_place)];
+        for (code, out, err) in lab.run_on_all(&client, &env, Duration::from_secs(300)) {
+            if code != Some(0) {
+                println!("client bench failed: {err}");
+            }
+            times.extend(out.lines().filter(|l| l.contains("CLIENT ")).filter_map(|l| field(l, "time_s=")));
+        }
+        client_time.push(times);
+    }
+
+    // 4. One TCP stream (iperf3) host 0 -> host 1.
     let server = lab.spawn(1, &["iperf3", "-s", "-1"], &[]);
     std::thread::sleep(Duration::from_millis(500));
     let (_, out, _) =
@@ -131,6 +167,14 @@ fn main() {
         show(mean(&gloo_lat).map(|t| t * 1e6))
     );
     println!("{:<34} {:>12} {:>16}", "one TCP stream, iperf3 (GB/s)", show(tcp), "");
+    let ms = |v: &[f64]| mean(v).map(|t| format!("{:.1} ms", t * 1e3)).unwrap_or_else(|| "n/a".into());
+    println!(
+        "{size}-byte allreduce: meshd ring (bench, 1 buffer per host) {}; Python client, 3 hosts x 2 ranks: in place {}, through the socket {}; Gloo (1 rank per host) {}",
+        ms(&big.iter().filter_map(|v| v["results"][0]["time_s"].as_f64()).collect::<Vec<_>>()),
+        ms(&client_time[0]),
+        ms(&client_time[1]),
+        ms(&gloo_time),
+    );
     println!(
         "CPU seconds per GB carried per link: meshd ring {}, bare quinn ring {}; QUIC payload reached {:?} B",
         show(mean(&meshd_cpu)),
