@@ -30,10 +30,11 @@ assert list(b) == [10] * 3, list(b)
 try:
     import numpy as np
 
-    # Larger than the 1 MiB slices meshd reduces local ranks' buffers in, odd length.
-    big = np.arange(700_001, dtype=np.float32) % 251 + rank
+    # Larger than the 4 MiB from which meshd splits the local phase over threads (and its
+    # 1 MiB slices), odd length.
+    big = np.arange(1_500_001, dtype=np.float32) % 251 + rank
     c.allreduce(big, op="sum")
-    assert (big == (np.arange(700_001, dtype=np.float32) % 251) * world + want - world).all(), big[:3]
+    assert (big == (np.arange(1_500_001, dtype=np.float32) % 251) * world + want - world).all(), big[:3]
     x = np.full(12345, rank, dtype=np.float32)
     c.allreduce(x, op="avg")
     assert np.allclose(x, (world - 1) / 2), x[:3]
