@@ -200,7 +200,9 @@ async fn accept(
     }
 }
 
-async fn read_msg(s: &mut UnixStream) -> std::io::Result<Option<(Value, Vec<u8>)>> {
+/// Reads one message; the payload goes into `spare` (the previous reply's buffer, so a
+/// rank that sends the same bucket again and again costs no fresh allocation).
+async fn read_msg(s: &mut UnixStream, spare: Vec<u8>) -> std::io::Result<Option<(Value, Vec<u8>)>> {
     let mut len = [0u8; 4];
     match s.read_exact(&mut len).await {
         Ok(_) => {}
@@ -211,8 +213,15 @@ async fn read_msg(s: &mut UnixStream) -> std::io::Result<Option<(Value, Vec<u8>)
     let mut head = vec![0u8; n];
     s.read_exact(&mut head).await?;
     let (v, nbytes) = request::parse_header(&head).map_err(std::io::Error::other)?;
-    let mut payload = vec![0u8; nbytes];
-    s.read_exact(&mut payload).await?;
+    let mut payload = spare;
+    payload.clear();
+    payload.reserve(nbytes);
+    while payload.len() < nbytes {
+        let left = (nbytes - payload.len()) as u64;
+        if (&mut *s).take(left).read_buf(&mut payload).await? == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+    }
     Ok(Some((v, payload)))
 }
 
@@ -237,7 +246,8 @@ async fn client(
     // The peer's pid from the kernel: the only process meshd reads or writes for it.
     let pid = s.peer_cred().ok().and_then(|c| c.pid());
     let mut in_place = false;
-    while let Some((req, payload)) = read_msg(&mut s).await? {
+    let mut spare = Vec::new();
+    while let Some((req, payload)) = read_msg(&mut s, std::mem::take(&mut spare)).await? {
         let fail = |e: String| json!({"ok": false, "error": e});
         let (head, body): (Value, Vec<u8>) = match request::parse_request(&req, payload.len(), cfg.world) {
             Request::Hello { rank } => {
@@ -311,6 +321,7 @@ async fn client(
             Request::Unknown(other) => (fail(format!("unknown request {other:?}")), vec![]),
         };
         write_msg(&mut s, head, &body).await?;
+        spare = body;
     }
     Ok(())
 }
@@ -388,9 +399,14 @@ async fn run_one(cfg: &ServiceConfig, ring: &mut RingNet, op_id: u64, parts: Vec
         Err(_) => vec![Ok(()); parts.len()],
     };
     for (p, w) in parts.into_iter().zip(written) {
-        let reply = match (&result, &p.data, w) {
+        let reply = match (&result, p.data, w) {
             (Err(e), _, _) => Err(e.clone()),
-            (Ok(out), Data::Sent(_), _) => Ok(work[..*out].to_vec()),
+            // The rank's own request buffer carries the reply (no fresh allocation).
+            (Ok(out), Data::Sent(mut v), _) => {
+                v.clear();
+                v.extend_from_slice(&work[..*out]);
+                Ok(v)
+            }
             (Ok(_), Data::InPlace(_), w) => w.map(|()| Vec::new()),
         };
         let _ = p.reply.send(reply);
