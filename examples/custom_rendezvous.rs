@@ -1,6 +1,6 @@
 //! Custom rendezvous with the meshd library, without the CLI: join a mesh from seeds and a
 //! token, await the agreed roster (master, ranks, addresses), then use the same QUIC
-//! endpoint for a ring allreduce.
+//! endpoint for a ring allreduce, a broadcast and a barrier.
 //!
 //! Run the same line for each node (here two nodes on loopback):
 //!
@@ -57,12 +57,18 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let addrs = roster.members.iter().map(|m| m.addr).collect();
     let mut ring =
         RingNet::new(mesh.transport().clone(), rank, addrs, Arc::new(tokio::sync::Mutex::new(incoming)));
+    //    Every node issues the same operations with the same ids, in the same order.
     let work = tokio::spawn(async move {
         let mut buf: Vec<u8> = (0..1000).flat_map(|_| ((rank + 1) as f32).to_le_bytes()).collect();
-        ring.allreduce(1, &mut buf, DType::F32, ReduceOp::Sum).await.map(|_| buf)
+        ring.allreduce(1, &mut buf, DType::F32, ReduceOp::Sum).await?;
+        // Node 0's bytes to everyone (any length), then wait for every node.
+        let mut msg = if rank == 0 { *b"hello from node 0" } else { [0u8; 17] };
+        ring.broadcast(2, &mut msg, 0).await?;
+        ring.barrier(3).await?;
+        Ok::<_, meshd::collective::CollectiveError>((buf, msg))
     });
     tokio::pin!(work);
-    let buf = loop {
+    let (buf, msg) = loop {
         tokio::select! {
             r = &mut work => break r??,
             _ = mesh.next(None) => {}
@@ -70,6 +76,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let first = f32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]);
     println!("allreduce sum over {} nodes: {first}", roster.members.len());
+    println!("broadcast from node 0: {}", String::from_utf8_lossy(&msg));
     meshd::job::finish_together(&mut mesh, &roster, Duration::from_secs(3)).await;
     mesh.shutdown().await;
     Ok(())

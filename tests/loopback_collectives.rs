@@ -76,3 +76,82 @@ fn in_place_requests_that_cannot_be_served_are_refused_with_the_cause() {
     assert!(out.status.success(), "{stdout}\n{stderr}");
     assert!(stdout.contains("IN-PLACE OK"), "{stdout}\n{stderr}");
 }
+
+/// The Rust library without the CLI (as `examples/custom_rendezvous.rs` uses it), 3 nodes
+/// in this process on loopback: rendezvous, then an allreduce, a broadcast from node 1 of
+/// an odd length, and a barrier, all over the mesh's own QUIC endpoint.
+#[test]
+fn rust_library_allreduce_broadcast_barrier() {
+    use meshd::collective::RingNet;
+    use meshd::mesh::{Mesh, MeshConfig};
+    use meshd::proto::membership::MembershipConfig;
+    use meshd::proto::reduce::{DType, ReduceOp};
+    use meshd::proto::rendezvous::RdzvConfig;
+    use meshd::transport::auth::Token;
+    use std::sync::Arc;
+
+    async fn node(port: u16) -> (usize, Vec<u8>, Vec<u8>) {
+        let peers = (29711..=29713)
+            .map(|p| (format!("127.0.0.1:{p}"), std::net::SocketAddr::from(([127, 0, 0, 1], p))))
+            .collect();
+        let mut mesh = Mesh::start(MeshConfig {
+            node: meshd::random_node_id(),
+            port,
+            token: Some(Token::new("library-test")),
+            run_id: "library-test".into(),
+            peers,
+            iface: None,
+            nproc: 1,
+            cmd_hash: 0,
+            membership: MembershipConfig::default(),
+        })
+        .await
+        .expect("mesh");
+        let incoming = mesh.transport().take_data_streams().expect("data streams");
+        let rdzv = RdzvConfig { min_nodes: 3, max_nodes: 3, ..RdzvConfig::default() };
+        let roster = mesh.rendezvous(0, rdzv, 29500, Duration::from_secs(60)).await.expect("roster");
+        let rank = roster.node_rank(mesh.node()).expect("in the roster");
+        let addrs = roster.members.iter().map(|m| m.addr).collect();
+        let mut ring =
+            RingNet::new(mesh.transport().clone(), rank, addrs, Arc::new(tokio::sync::Mutex::new(incoming)));
+        let work = tokio::spawn(async move {
+            let mut sum: Vec<u8> =
+                (0..1001).flat_map(|i| ((rank + 1) as f32 * i as f32).to_le_bytes()).collect();
+            ring.allreduce(1, &mut sum, DType::F32, ReduceOp::Sum).await?;
+            let mut msg = if rank == 1 { b"node one speaking".to_vec() } else { vec![0u8; 17] };
+            ring.broadcast(2, &mut msg, 1).await?;
+            assert!(ring.broadcast(3, &mut msg, 3).await.is_err(), "root 3 of 3 nodes is refused");
+            ring.barrier(4).await?;
+            Ok::<_, meshd::collective::CollectiveError>((sum, msg))
+        });
+        tokio::pin!(work);
+        let (sum, msg) = loop {
+            tokio::select! {
+                r = &mut work => break r.expect("task").expect("collectives"),
+                _ = mesh.next(None) => {}
+            }
+        };
+        meshd::job::finish_together(&mut mesh, &roster, Duration::from_secs(3)).await;
+        mesh.shutdown().await;
+        (rank, sum, msg)
+    }
+
+    let rt =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    let results = rt.block_on(async {
+        let tasks: Vec<_> = (29711..=29713).map(|p| tokio::spawn(node(p))).collect();
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(tokio::time::timeout(Duration::from_secs(90), t).await.expect("in time").expect("node"));
+        }
+        out
+    });
+    let mut ranks: Vec<usize> = results.iter().map(|r| r.0).collect();
+    ranks.sort();
+    assert_eq!(ranks, [0, 1, 2]);
+    let want: Vec<u8> = (0..1001).flat_map(|i| (6.0 * i as f32).to_le_bytes()).collect();
+    for (rank, sum, msg) in results {
+        assert_eq!(sum, want, "node {rank}: allreduce");
+        assert_eq!(msg, b"node one speaking", "node {rank}: broadcast");
+    }
+}

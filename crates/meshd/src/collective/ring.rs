@@ -204,6 +204,36 @@ impl RingNet {
 }
 
 impl RingNet {
+    /// Copies `buf` of node `root` (roster order) into `buf` of every node, byte for byte,
+    /// any length. Runs as a ring allreduce of wrapping 64-bit integer sums in which every
+    /// other node contributes zeros, so it costs what an allreduce of that size costs.
+    pub async fn broadcast(
+        &mut self,
+        op_id: u64,
+        buf: &mut [u8],
+        root: usize,
+    ) -> Result<(), CollectiveError> {
+        let n = self.addrs.len();
+        if root >= n {
+            return Err(CollectiveError::Request(format!("broadcast root {root} is not a node (world {n})")));
+        }
+        if n <= 1 {
+            return Ok(());
+        }
+        let mut words = vec![0u8; buf.len().div_ceil(8) * 8];
+        if self.rank == root {
+            words[..buf.len()].copy_from_slice(buf);
+        }
+        self.allreduce(op_id, &mut words, DType::I64, ReduceOp::Sum).await?;
+        buf.copy_from_slice(&words[..buf.len()]);
+        Ok(())
+    }
+
+    /// Returns once every node has called `barrier` with this `op_id`.
+    pub async fn barrier(&mut self, op_id: u64) -> Result<(), CollectiveError> {
+        self.allreduce(op_id, &mut [0u8; 8], DType::I64, ReduceOp::Sum).await
+    }
+
     /// The transport's own ceiling for a ring: every node streams `data` to the next node
     /// while reading as many bytes from the previous one, with no framing, no reduction and
     /// no copies. A ring allreduce of S bytes moves 2(n-1)/n x S per link, so compare its
