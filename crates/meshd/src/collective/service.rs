@@ -393,11 +393,20 @@ async fn run_one(cfg: &ServiceConfig, ring: &mut RingNet, op_id: u64, parts: Vec
         }
         return;
     }
+    let started = std::time::Instant::now();
     let result = reduce_parts(cfg, ring, op_id, &kind, &parts, work).await;
+    let reduced = started.elapsed();
     let written = match &result {
         Ok(out) => write_back(&parts, &work[..*out]),
         Err(_) => vec![Ok(()); parts.len()],
     };
+    debug!(
+        "collective #{}: {}: gathered, reduced and ring in {:?}, written back in {:?}",
+        op_id & ((1 << 40) - 1),
+        describe(&kind, len),
+        reduced,
+        started.elapsed() - reduced
+    );
     for (p, w) in parts.into_iter().zip(written) {
         let reply = match (&result, p.data, w) {
             (Err(e), _, _) => Err(e.clone()),
@@ -528,7 +537,9 @@ async fn reduce_parts(
         Kind::AllReduce(d, o) => {
             acc.resize(len, 0);
             let ring_op = if *o == ReduceOp::Avg { ReduceOp::Sum } else { *o };
+            let t = std::time::Instant::now();
             gather_local(parts, acc, *d, ring_op)?;
+            debug!("local gather of {len} bytes from {} ranks in {:?}", parts.len(), t.elapsed());
             (*d, *o, len)
         }
         // Broadcast as a byte-exact sum: the root's bytes plus zeros from everyone else,
