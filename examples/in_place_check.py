@@ -4,7 +4,10 @@ and the service keeps working. Prints `IN-PLACE OK` on success.
     meshd run --nnodes 1 -- python3 examples/in_place_check.py
 """
 import array
+import json
 import os
+import socket
+import struct
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
@@ -31,6 +34,17 @@ refused(dict(ar, addr=4096, len=4), b"\0\0\0\0", why="carries no payload")
 refused(dict(ar, addr=0, len=4), why="addr must be")
 refused(dict(ar, addr=2**64 - 8, len=64), why="wraps")
 refused(dict(ar, addr=4096), why="needs len")
+
+# A probe at an address meshd cannot read: no in-place buffers for that connection (and
+# meshd says once, at info level, that buffers go through the socket).
+raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+raw.connect(os.environ["MESHD_SOCKET"])
+hello = json.dumps({"op": "hello", "rank": c.rank, "probe_addr": 8, "probe": "00" * 16}).encode()
+raw.sendall(struct.pack(">I", len(hello)) + hello)
+(n,) = struct.unpack(">I", raw.recv(4, socket.MSG_WAITALL))
+reply = json.loads(raw.recv(n, socket.MSG_WAITALL))
+assert reply["ok"] and reply["in_place"] is False, reply
+raw.close()
 
 # A second connection that skipped the probe may not name addresses.
 os.environ["MESHD_IN_PLACE"] = "0"

@@ -75,6 +75,9 @@ fn in_place_requests_that_cannot_be_served_are_refused_with_the_cause() {
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "{stdout}\n{stderr}");
     assert!(stdout.contains("IN-PLACE OK"), "{stdout}\n{stderr}");
+    // The refused probe is reported once, at info level, with what to check.
+    assert_eq!(stderr.matches("local ranks' buffers go through the socket").count(), 1, "{stderr}");
+    assert!(stderr.contains("ptrace_scope"), "{stderr}");
 }
 
 /// The Rust library without the CLI (as `examples/custom_rendezvous.rs` uses it), 3 nodes

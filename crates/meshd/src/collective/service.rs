@@ -26,7 +26,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 /// Where and for whom the service runs.
 #[derive(Clone, Debug)]
@@ -338,7 +338,15 @@ fn probe(pid: i32, addr: u64, want: [u8; request::PROBE_LEN]) -> bool {
             false
         }
         Err(e) => {
-            debug!("process {pid}: cross-memory attach refused ({e}); buffers go through the socket");
+            // Once per meshd at info: the slower path should not go unnoticed.
+            static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+            if SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                debug!("process {pid}: cross-memory attach refused ({e}); buffers go through the socket");
+            } else {
+                info!(
+                    "local ranks' buffers go through the socket (slower): the kernel refused meshd access to process {pid}'s memory ({e}); check /proc/sys/kernel/yama/ptrace_scope (0 or 1 allows it) and seccomp"
+                );
+            }
             false
         }
     }
