@@ -75,7 +75,6 @@ fn main() {
     let meshd_lat: Vec<f64> =
         ring(&mut lab, "8", "50", false).iter().filter_map(|v| v["results"][0]["time_s"].as_f64()).collect();
 
-    // 2. Gloo (PyTorch), one process per host, launched by meshd run.
     // `meshd run` of one of the examples' Python benchmarks on the 3 hosts.
     let py_job = |nproc: &str, collective: &str, script: &str| -> Vec<String> {
         let script = format!("{}/examples/{script}", env!("CARGO_MANIFEST_DIR"));
@@ -94,6 +93,7 @@ fn main() {
         v.extend(["--", "/usr/bin/python3", &script, "--size", &sz].map(String::from));
         v
     };
+    // 2. Gloo (PyTorch), one process per host, launched by meshd run.
     let gloo = py_job("1", "auto", "gloo_allreduce_bench.py");
     let gloo: Vec<&str> = gloo.iter().map(String::as_str).collect();
     let (mut gloo_bus, mut gloo_lat, mut gloo_time) = (Vec::new(), Vec::new(), Vec::new());

@@ -99,20 +99,18 @@ impl RingNet {
 
     /// QUIC's view of the link to the next node, if connected.
     pub fn next_link_stats(&self) -> Option<crate::transport::PathStats> {
-        let n = self.addrs.len();
-        if n <= 1 {
-            return None;
-        }
-        self.transport.path_stats(self.addrs[(self.rank + 1) % n])
+        self.neighbour_stats(1)
     }
 
     /// QUIC's view of the link from the previous node, if connected.
     pub fn prev_link_stats(&self) -> Option<crate::transport::PathStats> {
+        self.neighbour_stats(self.addrs.len().saturating_sub(1))
+    }
+
+    /// Path stats of the node `step` places after this one in the ring (none alone).
+    fn neighbour_stats(&self, step: usize) -> Option<crate::transport::PathStats> {
         let n = self.addrs.len();
-        if n <= 1 {
-            return None;
-        }
-        self.transport.path_stats(self.addrs[(self.rank + n - 1) % n])
+        (n > 1).then(|| self.transport.path_stats(self.addrs[(self.rank + step) % n])).flatten()
     }
 
     async fn stream_from(&mut self, peer: SocketAddr, op: u64) -> Result<quinn::RecvStream, CollectiveError> {
