@@ -40,6 +40,10 @@ pub struct Args {
     /// see the same load); the per-round ratios are printed.
     #[arg(long, default_value_t = 3)]
     pub rounds: u32,
+    /// QUIC connections this node sends over to the next node (default: MESHD_LANES, or
+    /// one per two runtime threads). Both the ring and the bare ring use them.
+    #[arg(long, value_parser = clap::value_parser!(u8).range(1..=meshd_proto::wire::MAX_LANES as i64))]
+    pub lanes: Option<u8>,
 }
 
 #[derive(Debug)]
@@ -218,12 +222,16 @@ pub async fn main(which: Which) -> Result<ExitCode> {
     let rank = roster.node_rank(mesh.node()).context("not in the roster")?;
     let addrs: Vec<_> = roster.members.iter().map(|m| m.addr).collect();
     let n = addrs.len();
-    let ring = RingNet::new(
+    let mut ring = RingNet::new(
         mesh.transport().clone(),
         rank,
         addrs.clone(),
         std::sync::Arc::new(tokio::sync::Mutex::new(incoming)),
     );
+    if let Some(l) = a.lanes {
+        ring.lanes = l as usize;
+    }
+    let lanes = ring.lanes;
     let sizes: Vec<usize> = match a.size {
         Some(s) => vec![s.max(4)],
         None => {
@@ -259,11 +267,13 @@ pub async fn main(which: Which) -> Result<ExitCode> {
             .collect();
         println!(
             "{}",
-            json!({"nodes": n, "rank": rank, "dtype": "float32", "op": "sum", "results": results, "ceiling_gbs": ceiling.as_ref().map(|c| c.gbs), "ceiling_cpu_s_per_gb": ceiling.as_ref().map(|c| c.cpu_per_gb), "ceiling_datagrams_per_send": ceiling.as_ref().map(|c| c.batch.tx_per_call), "ceiling_acks_per_datagram": ceiling.as_ref().map(|c| c.batch.acks_per_rx), "ceiling_ratios": ceiling.as_ref().map(|c| c.ratios.clone()),
-                "path": path.map(|p| json!({"mtu": p.mtu, "rtt_us": p.rtt.as_micros() as u64, "sent_packets": p.sent_packets, "lost_packets": p.lost_packets, "congestion_events": p.congestion_events}))})
+            json!({"nodes": n, "rank": rank, "lanes": lanes, "dtype": "float32", "op": "sum", "results": results, "ceiling_gbs": ceiling.as_ref().map(|c| c.gbs), "ceiling_cpu_s_per_gb": ceiling.as_ref().map(|c| c.cpu_per_gb), "ceiling_datagrams_per_send": ceiling.as_ref().map(|c| c.batch.tx_per_call), "ceiling_acks_per_datagram": ceiling.as_ref().map(|c| c.batch.acks_per_rx), "ceiling_ratios": ceiling.as_ref().map(|c| c.ratios.clone()),
+                "path": path.map(|p| json!({"mtu": p.mtu, "rtt_us": p.rtt.as_micros() as u64, "sent_packets": p.sent_packets, "lost_packets": p.lost_packets, "congestion_events": p.congestion_events, "connections": p.connections}))})
         );
     } else {
-        println!("# meshd ring allreduce over QUIC: {n} nodes, this node rank {rank}, float32 sum");
+        println!(
+            "# meshd ring allreduce over QUIC: {n} nodes, this node rank {rank}, float32 sum, {lanes} lane(s) to the next node"
+        );
         println!(
             "# {:>12} {:>10} {:>6} {:>12} {:>10} {:>10} {:>10} {:>8} {:>8}",
             "size(B)", "count", "iters", "time(us)", "algbw", "busbw", "cpu(s/GB)", "dgm/send", "acks/dgm"
@@ -296,7 +306,8 @@ pub async fn main(which: Which) -> Result<ExitCode> {
         }
         if let Some(p) = path {
             println!(
-                "# path to the next node: UDP payload {} B (MTU discovery), rtt {} us, {} of {} packets lost, {} congestion events",
+                "# path to the next node: {} connection(s), UDP payload {} B (MTU discovery), rtt {} us, {} of {} packets lost, {} congestion events",
+                p.connections,
                 p.mtu,
                 p.rtt.as_micros(),
                 p.lost_packets,

@@ -66,9 +66,16 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     common::init_tracing();
     tune_allocator();
-    // Two workers by default: meshd shares the machine with the job's own processes.
-    let threads =
-        std::env::var("MESHD_THREADS").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(2).max(1);
+    // One worker per 8 cores, from 2 to 8: meshd shares the machine with the job's own
+    // processes, but on a many-core GPU node the QUIC ring's lanes need cores of their own.
+    let threads = std::env::var("MESHD_THREADS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or_else(|| {
+            let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
+            (cores / 8).clamp(2, 8)
+        })
+        .max(1);
     let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(threads).enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {

@@ -253,6 +253,43 @@ fn oversized_hello_and_frame_close_the_connection_with_a_reason() {
     });
 }
 
+/// Lanes (extra connections for bulk data): a lane number over the limit and a probe that
+/// claims a lane are refused with the reason; an authenticated lane is answered with its
+/// number and does not count as the peer's connection (no PeerUp, not in `connected`).
+#[test]
+fn lane_hellos_out_of_bounds_are_refused() {
+    let _g = serial();
+    runtime().block_on(async {
+        let (victim, _events) = transport(4).await;
+        let to = victim.local_addr();
+        let ep = client_endpoint();
+        let token = Token::new(TOKEN);
+        let lane_hello = |c: &quinn::Connection, lane: u8, run: u64| {
+            let mut h = hello(c, &token, node(70), run);
+            h.lane = lane;
+            wire::encode(&h)
+        };
+
+        let c = ep.connect(to, "meshd").expect("connect").await.expect("handshake");
+        let _ = send_hello(&c, &lane_hello(&c, wire::MAX_LANES as u8, RUN)).await;
+        let why = close_reason(&c, Duration::from_secs(5)).await;
+        assert_eq!(why, Some((4, "lane 16 is not allowed (a probe has none; at most 16)".to_string())));
+
+        let c = ep.connect(to, "meshd").expect("connect").await.expect("handshake");
+        let _ = send_hello(&c, &lane_hello(&c, 1, 0)).await;
+        let why = close_reason(&c, Duration::from_secs(5)).await;
+        assert_eq!(why, Some((4, "lane 1 is not allowed (a probe has none; at most 16)".to_string())));
+
+        let c = ep.connect(to, "meshd").expect("connect").await.expect("handshake");
+        let answer = send_hello(&c, &lane_hello(&c, 2, RUN)).await.expect("lane accepted");
+        assert_eq!(answer.lane, 2, "the answer names the lane");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(victim.connected().is_empty(), "a lane is not a peer connection: {:?}", victim.connected());
+        assert!(c.close_reason().is_none(), "the lane stays open");
+        ep.close(0u32.into(), b"");
+    });
+}
+
 // ---- lab cases ------------------------------------------------------------------------------
 
 const LAB_TOKEN: &str = "lab-hostile-token-P7v3Qw";

@@ -81,11 +81,19 @@ fn collectives_store_and_barrier_across_firewalled_hosts() {
     let mut lab = firewalled_lab();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/collectives_check.py");
     let peers = lab.peers();
-    // Buffers read and written in place (the default), then sent through the socket.
-    for (in_place, want) in [("1", "in_place=True"), ("0", "in_place=False")] {
+    // Buffers read and written in place (the default), then sent through the socket, with
+    // the ring's data spread over 3 lanes (connections) per link in 64 KiB chunks.
+    for (in_place, want, lanes, chunk) in
+        [("1", "in_place=True", "1", "1048576"), ("0", "in_place=False", "3", "65536")]
+    {
         let args =
             [meshd(), "run", "--nnodes", "3", "--peers", &peers, "--nproc-per-node", "2", "--", PY, script];
-        let env = [("MESHD_TOKEN", "quic"), ("MESHD_IN_PLACE", in_place)];
+        let env = [
+            ("MESHD_TOKEN", "quic"),
+            ("MESHD_IN_PLACE", in_place),
+            ("MESHD_LANES", lanes),
+            ("MESHD_RING_CHUNK", chunk),
+        ];
         for (i, (code, out, err)) in lab.run_on_all(&args, &env, Duration::from_secs(180)).iter().enumerate()
         {
             assert_eq!(*code, Some(0), "host {i}, MESHD_IN_PLACE={in_place}:\n{out}\n{err}");
@@ -96,7 +104,7 @@ fn collectives_store_and_barrier_across_firewalled_hosts() {
 }
 
 #[test]
-fn bench_allreduce_checks_results_and_interleaves_the_bare_ring() {
+fn bench_allreduce_checks_results_and_interleaves_the_bare_ring_over_lanes() {
     if !lab::available() {
         return;
     }
@@ -117,6 +125,8 @@ fn bench_allreduce_checks_results_and_interleaves_the_bare_ring() {
         "--ceiling",
         "--rounds",
         "2",
+        "--lanes",
+        "3",
         "--json",
     ];
     let res = lab.run_on_all(&args, &[("MESHD_TOKEN", "bench")], Duration::from_secs(120));
@@ -136,6 +146,9 @@ fn bench_allreduce_checks_results_and_interleaves_the_bare_ring() {
         assert_eq!(ratios.len(), 2, "{out}");
         assert!(ratios.iter().all(|r| r.as_f64().is_some_and(|r| r > 0.0 && r.is_finite())), "{out}");
         assert!(v["ceiling_gbs"].as_f64().is_some_and(|c| c > 0.0), "{out}");
+        // Three connections to the next node, all through the firewall's one UDP port.
+        assert_eq!(v["lanes"], 3, "{out}");
+        assert_eq!(v["path"]["connections"], 3, "{out}");
     }
     ranks.sort();
     assert_eq!(ranks, [0, 1, 2]);

@@ -82,7 +82,9 @@ fn in_place_requests_that_cannot_be_served_are_refused_with_the_cause() {
 
 /// The Rust library without the CLI (as `examples/custom_rendezvous.rs` uses it), 3 nodes
 /// in this process on loopback: rendezvous, then an allreduce, a broadcast from node 1 of
-/// an odd length, and a barrier, all over the mesh's own QUIC endpoint.
+/// an odd length, and a barrier, all over the mesh's own QUIC endpoint. Then an allreduce
+/// of 100,003 floats in 4 KiB chunks with a different number of lanes on each node (rank
+/// r sends over r + 1 connections), which must open exactly those lanes and agree.
 #[test]
 fn rust_library_allreduce_broadcast_barrier() {
     use meshd::collective::RingNet;
@@ -93,7 +95,7 @@ fn rust_library_allreduce_broadcast_barrier() {
     use meshd::transport::auth::Token;
     use std::sync::Arc;
 
-    async fn node(port: u16) -> (usize, Vec<u8>, Vec<u8>) {
+    async fn node(port: u16) -> (usize, Vec<u8>, Vec<u8>, Vec<u8>) {
         let peers = (29711..=29713)
             .map(|p| (format!("127.0.0.1:{p}"), std::net::SocketAddr::from(([127, 0, 0, 1], p))))
             .collect();
@@ -125,10 +127,17 @@ fn rust_library_allreduce_broadcast_barrier() {
             ring.broadcast(2, &mut msg, 1).await?;
             assert!(ring.broadcast(3, &mut msg, 3).await.is_err(), "root 3 of 3 nodes is refused");
             ring.barrier(4).await?;
-            Ok::<_, meshd::collective::CollectiveError>((sum, msg))
+            ring.lanes = rank + 1;
+            ring.chunk_bytes = 4096;
+            let mut big: Vec<u8> =
+                (0..100_003).flat_map(|i| ((rank as i32 - 1) * (i % 1000)).to_le_bytes()).collect();
+            ring.allreduce(5, &mut big, DType::I32, ReduceOp::Max).await?;
+            let conns = ring.next_link_stats().map(|p| p.connections);
+            assert_eq!(conns, Some(rank + 1), "node {rank}: connections to the next node");
+            Ok::<_, meshd::collective::CollectiveError>((sum, msg, big))
         });
         tokio::pin!(work);
-        let (sum, msg) = loop {
+        let (sum, msg, big) = loop {
             tokio::select! {
                 r = &mut work => break r.expect("task").expect("collectives"),
                 _ = mesh.next(None) => {}
@@ -136,7 +145,7 @@ fn rust_library_allreduce_broadcast_barrier() {
         };
         meshd::job::finish_together(&mut mesh, &roster, Duration::from_secs(3)).await;
         mesh.shutdown().await;
-        (rank, sum, msg)
+        (rank, sum, msg, big)
     }
 
     let rt =
@@ -153,8 +162,10 @@ fn rust_library_allreduce_broadcast_barrier() {
     ranks.sort();
     assert_eq!(ranks, [0, 1, 2]);
     let want: Vec<u8> = (0..1001).flat_map(|i| (6.0 * i as f32).to_le_bytes()).collect();
-    for (rank, sum, msg) in results {
+    let big_want: Vec<u8> = (0..100_003).flat_map(|i: i32| (i % 1000).to_le_bytes()).collect();
+    for (rank, sum, msg, big) in results {
         assert_eq!(sum, want, "node {rank}: allreduce");
         assert_eq!(msg, b"node one speaking", "node {rank}: broadcast");
+        assert!(big == big_want, "node {rank}: allreduce over lanes");
     }
 }

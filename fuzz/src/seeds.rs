@@ -155,6 +155,7 @@ pub fn handshake_inputs() -> Vec<Vec<u8>> {
         mac: [0xa5; 32],
         has_token,
         observed,
+        lane: 0,
     };
     let reply = StatusReply {
         node: id(1),

@@ -152,6 +152,7 @@ pub fn hello(conn: &quinn::Connection, token: &Token, node: NodeId, run_hash: u6
         mac: token.mac(&ex, Role::Client, &node.0, run_hash),
         has_token: true,
         observed: None,
+        lane: 0,
     }
 }
 

@@ -2,7 +2,7 @@
 //!
 //! Every QUIC connection between two nodes starts with an [`AuthHello`] exchange on its
 //! first bidirectional stream (the protocol version travels there as well as in the ALPN
-//! `meshd/1`). After that, [`Frame`]s travel either as QUIC datagrams (gossip probes, where
+//! `meshd/2`). After that, [`Frame`]s travel either as QUIC datagrams (gossip probes, where
 //! loss is information) or length-prefixed on unidirectional streams (everything that must
 //! arrive). Enums are append-only: a new variant goes at the end so older nodes decode the
 //! old ones unchanged and refuse the new ones with a clear error.
@@ -13,9 +13,9 @@ use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
 
 /// Version of the frame format; bumped on any incompatible change.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 /// ALPN protocol id; a peer speaking another version fails the TLS handshake.
-pub const ALPN: &[u8] = b"meshd/1";
+pub const ALPN: &[u8] = b"meshd/2";
 /// Largest frame accepted on a stream. Bigger length prefixes are refused before reading.
 pub const MAX_FRAME: usize = 4 << 20;
 
@@ -35,7 +35,14 @@ pub struct AuthHello {
     /// The address the sender saw its peer connect from (server side only): the peer's
     /// proof of which of its addresses is really reachable.
     pub observed: Option<SocketAddr>,
+    /// 0 for a node's connection to a peer; `k` in `1..=`[`MAX_LANES`]` - 1` for the k-th
+    /// extra connection ("lane") that carries only bulk collective data, so that several
+    /// connections' packet work and encryption run on several cores.
+    pub lane: u8,
 }
+
+/// Most connections (the main one and its lanes) one node opens to another.
+pub const MAX_LANES: usize = 16;
 
 /// Everything nodes say to each other once authenticated.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

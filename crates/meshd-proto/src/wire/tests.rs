@@ -35,6 +35,7 @@ fn frames_round_trip() {
         mac: [7; 32],
         has_token: true,
         observed: Some("198.19.0.3:40000".parse().expect("addr")),
+        lane: 3,
     };
     assert_eq!(decode::<AuthHello>(&encode(&hello)).expect("hello"), hello);
 }

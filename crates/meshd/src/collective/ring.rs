@@ -13,11 +13,26 @@ use meshd_proto::reduce::{DType, ReduceOp};
 use meshd_proto::ring::{
     CHUNK_HEADER_LEN, RingError, RingPlan, RingState, decode_chunk_header, encode_chunk_header,
 };
+use meshd_proto::wire::MAX_LANES;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{Mutex, mpsc};
+
+/// Bytes at the start of each ring data stream: its lane, then how many lanes the sender
+/// uses for the operation.
+const LANE_PREAMBLE: usize = 2;
+
+/// Lanes when `MESHD_LANES` does not say: one per two runtime workers (each lane keeps one
+/// task busy sending to the next node and one receiving from the previous), at least one.
+fn default_lanes() -> usize {
+    if let Some(n) = std::env::var("MESHD_LANES").ok().and_then(|v| v.parse::<usize>().ok()) {
+        return n.clamp(1, MAX_LANES);
+    }
+    let workers = tokio::runtime::Handle::try_current().map(|h| h.metrics().num_workers()).unwrap_or(1);
+    (workers / 2).clamp(1, MAX_LANES)
+}
 
 /// Collective failures.
 #[derive(Debug, thiserror::Error)]
@@ -58,9 +73,13 @@ pub struct RingNet {
     rank: usize,
     addrs: Vec<SocketAddr>,
     incoming: Arc<Mutex<mpsc::Receiver<DataStream>>>,
-    stash: HashMap<(SocketAddr, u64), quinn::RecvStream>,
+    stash: HashMap<(SocketAddr, u64), Vec<quinn::RecvStream>>,
     /// Chunk size in bytes (pipelining grain).
     pub chunk_bytes: usize,
+    /// Most lanes (QUIC connections) this node sends an operation's data over to the next
+    /// node: chunk `c` of every segment travels on lane `c % lanes`. Each connection is
+    /// driven by its own task, so lanes let a fast link use several cores.
+    pub lanes: usize,
     /// How long to wait for a neighbour to start an operation.
     pub join_timeout: Duration,
 }
@@ -83,6 +102,7 @@ impl RingNet {
             incoming,
             stash: HashMap::new(),
             chunk_bytes,
+            lanes: default_lanes(),
             join_timeout: Duration::from_secs(300),
         }
     }
@@ -114,7 +134,7 @@ impl RingNet {
     }
 
     async fn stream_from(&mut self, peer: SocketAddr, op: u64) -> Result<quinn::RecvStream, CollectiveError> {
-        if let Some(s) = self.stash.remove(&(peer, op)) {
+        if let Some(s) = self.stash.get_mut(&(peer, op)).and_then(|v| v.pop()) {
             return Ok(s);
         }
         let deadline = tokio::time::Instant::now() + self.join_timeout;
@@ -129,8 +149,62 @@ impl RingNet {
                 return Ok(ds.recv);
             }
             // Another operation's stream (a faster neighbour is ahead): keep it, bounded.
-            if self.stash.len() < 1024 {
-                self.stash.insert((ds.from, ds.op), ds.recv);
+            if self.stash.values().map(Vec::len).sum::<usize>() < 1024 {
+                self.stash.entry((ds.from, ds.op)).or_default().push(ds.recv);
+            }
+        }
+    }
+
+    /// Opens `lanes` data streams to `next` for `op`, each starting with its lane preamble.
+    async fn open_lanes(
+        &self,
+        next: SocketAddr,
+        op: u64,
+        lanes: usize,
+    ) -> Result<Vec<quinn::SendStream>, CollectiveError> {
+        let mut sends = Vec::with_capacity(lanes);
+        for lane in 0..lanes {
+            let mut s = self.transport.open_data_lane(next, op, lane).await?;
+            s.write_all(&[lane as u8, lanes as u8])
+                .await
+                .map_err(|e| CollectiveError::Link { peer: next, reason: e.to_string() })?;
+            sends.push(s);
+        }
+        Ok(sends)
+    }
+
+    /// The data streams `prev` opened for `op`, in lane order: as many as the first one's
+    /// preamble announces, each named once.
+    async fn accept_lanes(
+        &mut self,
+        prev: SocketAddr,
+        op: u64,
+    ) -> Result<Vec<quinn::RecvStream>, CollectiveError> {
+        let link = |reason: String| CollectiveError::Link { peer: prev, reason };
+        let mut slots: Vec<Option<quinn::RecvStream>> = Vec::new();
+        let mut got = 0;
+        loop {
+            let mut recv = self.stream_from(prev, op).await?;
+            let mut pre = [0u8; LANE_PREAMBLE];
+            tokio::time::timeout(self.join_timeout, recv.read_exact(&mut pre))
+                .await
+                .map_err(|_| CollectiveError::Timeout { peer: prev, op, timeout: self.join_timeout })?
+                .map_err(|e| link(format!("lane preamble: {e}")))?;
+            let (lane, total) = (pre[0] as usize, pre[1] as usize);
+            if total == 0 || total > MAX_LANES || lane >= total {
+                return Err(link(format!("bad lane preamble: lane {lane} of {total} (at most {MAX_LANES})")));
+            }
+            if slots.is_empty() {
+                slots.resize_with(total, || None);
+            } else if slots.len() != total {
+                return Err(link(format!("lanes disagree: {total} announced after {}", slots.len())));
+            }
+            if slots[lane].replace(recv).is_some() {
+                return Err(link(format!("lane {lane} opened twice")));
+            }
+            got += 1;
+            if got == total {
+                return Ok(slots.into_iter().flatten().collect());
             }
         }
     }
@@ -160,13 +234,24 @@ impl RingNet {
         let mut state = RingState::new(plan);
         let next = self.addrs[(self.rank + 1) % n];
         let prev = self.addrs[(self.rank + n - 1) % n];
-        let send = self.transport.open_data(next, op_id).await?;
-        let recv = self.stream_from(prev, op_id).await?;
+        // More lanes than chunks per segment would carry nothing.
+        let lanes = self.lanes.clamp(1, MAX_LANES).min(state.plan().chunk_count(0).max(1));
+        let sends = self.open_lanes(next, op_id, lanes).await?;
+        let recvs = self.accept_lanes(prev, op_id).await?;
 
-        let (wtx, wrx) = mpsc::channel::<(u64, Bytes)>(64);
-        let writer = tokio::spawn(write_frames(send, wrx, next));
+        let mut wtxs = Vec::with_capacity(lanes);
+        let mut writers = Vec::with_capacity(lanes);
+        for send in sends {
+            let (wtx, wrx) = mpsc::channel::<(u64, Bytes)>(64);
+            wtxs.push(wtx);
+            writers.push(tokio::spawn(write_frames(send, wrx, next)));
+        }
         let (rtx, mut rrx) = mpsc::channel::<Result<(u64, Vec<Bytes>), CollectiveError>>(64);
-        let reader = tokio::spawn(read_frames(recv, rtx, prev, max_chunk));
+        let readers: Vec<_> = recvs
+            .into_iter()
+            .map(|recv| tokio::spawn(read_frames(recv, rtx.clone(), prev, max_chunk)))
+            .collect();
+        drop(rtx); // the channel closes when every reader has ended
         let result = async {
             loop {
                 while let Some(t) = state.poll_send() {
@@ -174,7 +259,7 @@ impl RingNet {
                     // packet each) instead made quinn write a STREAM frame per piece, which
                     // cost more than the copy (measured: docs/PERFORMANCE.md).
                     let chunk = Bytes::copy_from_slice(&buf[t.range.clone()]);
-                    if wtx.send((t.id(), chunk)).await.is_err() {
+                    if wtxs[t.chunk_index % lanes].send((t.id(), chunk)).await.is_err() {
                         return Err(CollectiveError::Link { peer: next, reason: "writer stopped".into() });
                     }
                 }
@@ -192,10 +277,17 @@ impl RingNet {
             }
         }
         .await;
-        drop(wtx);
-        let w =
-            writer.await.unwrap_or_else(|e| Err(CollectiveError::Link { peer: next, reason: e.to_string() }));
-        reader.abort();
+        drop(wtxs);
+        let mut w = Ok(());
+        for writer in writers {
+            let r = writer
+                .await
+                .unwrap_or_else(|e| Err(CollectiveError::Link { peer: next, reason: e.to_string() }));
+            w = w.and(r);
+        }
+        for reader in readers {
+            reader.abort();
+        }
         result?;
         w
     }
@@ -249,30 +341,59 @@ impl RingNet {
         }
         let next = self.addrs[(self.rank + 1) % n];
         let prev = self.addrs[(self.rank + n - 1) % n];
+        let lanes = self.lanes.clamp(1, MAX_LANES);
         let start = tokio::time::Instant::now();
-        let mut send = self.transport.open_data(next, op_id).await?;
-        let mut recv = self.stream_from(prev, op_id).await?;
-        let writer = tokio::spawn(async move {
-            let mut off = 0;
-            while off < bytes {
-                let b = data.slice(off..bytes.min(off + (1 << 20)));
-                off += b.len();
-                send.write_chunk(b).await.map_err(|e| e.to_string())?;
-            }
-            send.finish().map_err(|e| e.to_string())
-        });
+        let sends = self.open_lanes(next, op_id, lanes).await?;
+        let recvs = self.accept_lanes(prev, op_id).await?;
+        // Lane l sends the l-th of `lanes` contiguous parts, in 1 MiB writes.
+        let part = bytes.div_ceil(lanes);
+        let writers: Vec<_> = sends
+            .into_iter()
+            .enumerate()
+            .map(|(l, mut send)| {
+                let data = data.clone();
+                tokio::spawn(async move {
+                    let (mut off, end) = ((l * part).min(bytes), ((l + 1) * part).min(bytes));
+                    while off < end {
+                        let b = data.slice(off..end.min(off + (1 << 20)));
+                        off += b.len();
+                        send.write_chunk(b).await.map_err(|e| e.to_string())?;
+                    }
+                    send.finish().map_err(|e| e.to_string())
+                })
+            })
+            .collect();
+        let readers: Vec<_> = recvs
+            .into_iter()
+            .map(|mut recv| {
+                tokio::spawn(async move {
+                    let mut got = 0usize;
+                    while let Some(c) = recv.read_chunk(usize::MAX, true).await.map_err(|e| e.to_string())? {
+                        got += c.bytes.len();
+                    }
+                    Ok::<usize, String>(got)
+                })
+            })
+            .collect();
         let mut got = 0usize;
-        while got < bytes {
-            match recv.read_chunk(usize::MAX, true).await {
-                Ok(Some(c)) => got += c.bytes.len(),
-                Ok(None) => break,
-                Err(e) => return Err(CollectiveError::Link { peer: prev, reason: e.to_string() }),
-            }
+        for reader in readers {
+            got += reader
+                .await
+                .map_err(|e| CollectiveError::Link { peer: prev, reason: e.to_string() })?
+                .map_err(|reason| CollectiveError::Link { peer: prev, reason })?;
         }
-        writer
-            .await
-            .map_err(|e| CollectiveError::Link { peer: next, reason: e.to_string() })?
-            .map_err(|reason| CollectiveError::Link { peer: next, reason })?;
+        if got != bytes {
+            return Err(CollectiveError::Link {
+                peer: prev,
+                reason: format!("received {got} bytes of {bytes}"),
+            });
+        }
+        for writer in writers {
+            writer
+                .await
+                .map_err(|e| CollectiveError::Link { peer: next, reason: e.to_string() })?
+                .map_err(|reason| CollectiveError::Link { peer: next, reason })?;
+        }
         Ok(start.elapsed())
     }
 }

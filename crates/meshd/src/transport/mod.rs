@@ -15,7 +15,7 @@ mod tls;
 use auth::{Role, Token};
 use bytes::Bytes;
 use meshd_proto::NodeId;
-use meshd_proto::wire::{self, AuthHello, Frame, PROTOCOL_VERSION, Query, StatusReply};
+use meshd_proto::wire::{self, AuthHello, Frame, MAX_LANES, PROTOCOL_VERSION, Query, StatusReply};
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
@@ -90,14 +90,16 @@ pub struct PathStats {
     pub lost_packets: u64,
     /// Times the congestion window was cut.
     pub congestion_events: u64,
-    /// UDP datagrams sent on this connection.
+    /// UDP datagrams sent on the link (all its connections).
     pub tx_datagrams: u64,
     /// Send system calls they took (fewer per datagram = fuller GSO batches).
     pub tx_calls: u64,
-    /// UDP datagrams received on this connection.
+    /// UDP datagrams received on the link.
     pub rx_datagrams: u64,
     /// ACK frames sent to the peer.
     pub acks_sent: u64,
+    /// Open connections to the peer: the main one and its lanes (either end's).
+    pub connections: usize,
 }
 
 /// Transport failures.
@@ -207,6 +209,10 @@ struct Inner {
     status: Mutex<Bytes>,
     data_tx: mpsc::Sender<DataStream>,
     data_rx: Mutex<Option<mpsc::Receiver<DataStream>>>,
+    /// Lane connections, opened by either end: (peer, lane 1..) -> connection.
+    lanes: Mutex<HashMap<(SocketAddr, u8), quinn::Connection>>,
+    /// Held while a lane is being connected, so that two operations do not open it twice.
+    lane_connect: tokio::sync::Mutex<()>,
 }
 
 /// A node's QUIC endpoint. Cheap to clone.
@@ -395,6 +401,8 @@ impl Transport {
             status: Mutex::new(Bytes::from(wire::encode(&StatusReply::default()))),
             data_tx,
             data_rx: Mutex::new(Some(data_rx)),
+            lanes: Mutex::new(HashMap::new()),
+            lane_connect: tokio::sync::Mutex::new(()),
         });
         tokio::spawn(accept_loop(inner.clone()));
         Ok((Transport { inner }, rx))
@@ -429,7 +437,7 @@ impl Transport {
     /// kept for later sends.
     pub async fn probe(&self, to: SocketAddr) -> Result<ProbeInfo, TransportError> {
         let start = Instant::now();
-        let (_, node, observed) = connect(&self.inner, canonical(to)).await?;
+        let (_, node, observed) = connect(&self.inner, canonical(to), 0).await?;
         Ok(ProbeInfo { node, observed, rtt: start.elapsed() })
     }
 
@@ -443,15 +451,44 @@ impl Transport {
         let to = canonical(to);
         let conn = match existing(&self.inner, to) {
             Some(c) => c,
-            None => connect(&self.inner, to).await?.0,
+            None => connect(&self.inner, to, 0).await?.0,
         };
-        let err = |reason: String| TransportError::Peer { addr: to, reason };
-        let mut s = conn.open_uni().await.map_err(|e| err(e.to_string()))?;
-        let mut head = [0u8; 9];
-        head[0] = DATA_TAG;
-        head[1..].copy_from_slice(&op.to_be_bytes());
-        s.write_all(&head).await.map_err(|e| err(e.to_string()))?;
-        Ok(s)
+        open_data_on(&conn, to, op).await
+    }
+
+    /// Opens a bulk data stream to `to` for operation `op` on lane `lane`: lane 0 is the
+    /// main connection, lanes `1..`[`MAX_LANES`] are extra connections to the same peer
+    /// (through the same UDP port), opened and authenticated on first use and kept. Each
+    /// connection's packets are built, encrypted and decrypted by its own task, so several
+    /// lanes spread one link's work over several cores.
+    pub async fn open_data_lane(
+        &self,
+        to: SocketAddr,
+        op: u64,
+        lane: usize,
+    ) -> Result<quinn::SendStream, TransportError> {
+        if lane == 0 {
+            return self.open_data(to, op).await;
+        }
+        let to = canonical(to);
+        if lane >= MAX_LANES {
+            return Err(TransportError::Peer {
+                addr: to,
+                reason: format!("lane {lane} is over the {MAX_LANES}-lane limit"),
+            });
+        }
+        let lane = lane as u8;
+        let conn = match existing_lane(&self.inner, to, lane) {
+            Some(c) => c,
+            None => {
+                let _one = self.inner.lane_connect.lock().await;
+                match existing_lane(&self.inner, to, lane) {
+                    Some(c) => c,
+                    None => connect(&self.inner, to, lane).await?.0,
+                }
+            }
+        };
+        open_data_on(&conn, to, op).await
     }
 
     /// Sets what `meshd status` probes are told.
@@ -465,7 +502,7 @@ impl Transport {
         let to = canonical(to);
         let conn = match existing(&self.inner, to) {
             Some(c) => c,
-            None => connect(&self.inner, to).await?.0,
+            None => connect(&self.inner, to, 0).await?.0,
         };
         let err = |reason: String| TransportError::Peer { addr: to, reason };
         let fut = async {
@@ -497,33 +534,81 @@ impl Transport {
 
     /// For each connected peer, the UDP datagrams its connection has received so far:
     /// when the count moves, the peer is alive and sending, whatever else is queued.
+    /// Lanes count with their peer's main connection.
     pub fn rx_datagrams(&self) -> Vec<(NodeId, u64)> {
-        lock(&self.inner.conns).values().map(|(c, n)| (*n, c.stats().udp_rx.datagrams)).collect()
+        let conns = lock(&self.inner.conns);
+        let lanes = lock(&self.inner.lanes);
+        conns
+            .iter()
+            .map(|(addr, (c, n))| {
+                let on_lanes: u64 = lanes
+                    .iter()
+                    .filter(|((a, _), _)| a == addr)
+                    .map(|(_, l)| l.stats().udp_rx.datagrams)
+                    .sum();
+                (*n, c.stats().udp_rx.datagrams + on_lanes)
+            })
+            .collect()
     }
 
     /// QUIC's view of the path to `addr`, if connected: the MTU discovery reached, packets
     /// sent and lost, and congestion events.
     pub fn path_stats(&self, addr: SocketAddr) -> Option<PathStats> {
-        lock(&self.inner.conns).get(&canonical(addr)).map(|(c, _)| {
-            let s = c.stats();
-            PathStats {
-                mtu: s.path.current_mtu,
-                rtt: s.path.rtt,
-                sent_packets: s.path.sent_packets,
-                lost_packets: s.path.lost_packets,
-                congestion_events: s.path.congestion_events,
-                tx_datagrams: s.udp_tx.datagrams,
-                tx_calls: s.udp_tx.ios,
-                rx_datagrams: s.udp_rx.datagrams,
-                acks_sent: s.frame_tx.acks,
-            }
-        })
+        let addr = canonical(addr);
+        let main = lock(&self.inner.conns).get(&addr).map(|(c, _)| c.stats())?;
+        let mut p = PathStats::from(&main);
+        // Counters add up over the link's lanes; MTU and RTT are the main connection's.
+        let lanes = lock(&self.inner.lanes);
+        for c in lanes.iter().filter(|((a, _), c)| *a == addr && c.close_reason().is_none()).map(|(_, c)| c) {
+            let l = PathStats::from(&c.stats());
+            p.connections += 1;
+            p.sent_packets += l.sent_packets;
+            p.lost_packets += l.lost_packets;
+            p.congestion_events += l.congestion_events;
+            p.tx_datagrams += l.tx_datagrams;
+            p.tx_calls += l.tx_calls;
+            p.rx_datagrams += l.rx_datagrams;
+            p.acks_sent += l.acks_sent;
+        }
+        Some(p)
     }
 
     /// Closes every connection and waits briefly for the close to be sent.
     pub async fn shutdown(&self) {
         self.inner.endpoint.close(code::BYE.into(), b"node stopping");
         let _ = tokio::time::timeout(Duration::from_millis(300), self.inner.endpoint.wait_idle()).await;
+    }
+}
+
+/// Opens a data stream for operation `op` on `conn` and writes its header.
+async fn open_data_on(
+    conn: &quinn::Connection,
+    to: SocketAddr,
+    op: u64,
+) -> Result<quinn::SendStream, TransportError> {
+    let err = |reason: String| TransportError::Peer { addr: to, reason };
+    let mut s = conn.open_uni().await.map_err(|e| err(e.to_string()))?;
+    let mut head = [0u8; 9];
+    head[0] = DATA_TAG;
+    head[1..].copy_from_slice(&op.to_be_bytes());
+    s.write_all(&head).await.map_err(|e| err(e.to_string()))?;
+    Ok(s)
+}
+
+impl From<&quinn::ConnectionStats> for PathStats {
+    fn from(s: &quinn::ConnectionStats) -> Self {
+        PathStats {
+            mtu: s.path.current_mtu,
+            rtt: s.path.rtt,
+            sent_packets: s.path.sent_packets,
+            lost_packets: s.path.lost_packets,
+            congestion_events: s.path.congestion_events,
+            tx_datagrams: s.udp_tx.datagrams,
+            tx_calls: s.udp_tx.ios,
+            rx_datagrams: s.udp_rx.datagrams,
+            acks_sent: s.frame_tx.acks,
+            connections: 1,
+        }
     }
 }
 
@@ -537,7 +622,7 @@ async fn peer_sender(inner: Arc<Inner>, to: SocketAddr, mut rx: mpsc::Receiver<(
             None if failed_until.is_some_and(|t| Instant::now() < t) => {
                 continue; // peer recently unreachable: drop instead of queueing connect attempts
             }
-            None => match connect(&inner, to).await {
+            None => match connect(&inner, to, 0).await {
                 Ok((c, _, _)) => c,
                 Err(e) => match existing(&inner, to) {
                     Some(c) => c,
@@ -572,7 +657,18 @@ fn existing(inner: &Inner, to: SocketAddr) -> Option<quinn::Connection> {
     conns.get(&to).filter(|(c, _)| c.close_reason().is_none()).map(|(c, _)| c.clone())
 }
 
-fn my_hello(inner: &Inner, conn: &quinn::Connection, role: Role, observed: Option<SocketAddr>) -> AuthHello {
+fn existing_lane(inner: &Inner, to: SocketAddr, lane: u8) -> Option<quinn::Connection> {
+    let lanes = lock(&inner.lanes);
+    lanes.get(&(to, lane)).filter(|c| c.close_reason().is_none()).cloned()
+}
+
+fn my_hello(
+    inner: &Inner,
+    conn: &quinn::Connection,
+    role: Role,
+    observed: Option<SocketAddr>,
+    lane: u8,
+) -> AuthHello {
     let cfg = &inner.cfg;
     let mac = match (&cfg.token, exporter(conn)) {
         (Some(t), Some(ex)) => t.mac(&ex, role, &cfg.node.0, cfg.run_hash),
@@ -585,6 +681,7 @@ fn my_hello(inner: &Inner, conn: &quinn::Connection, role: Role, observed: Optio
         mac,
         has_token: cfg.token.is_some(),
         observed,
+        lane,
     }
 }
 
@@ -634,6 +731,12 @@ fn check_hello(
     if h.node == cfg.node {
         return Err((code::PROTOCOL, "it is this node itself".into()));
     }
+    if h.lane as usize >= MAX_LANES || (h.lane > 0 && h.run_hash == 0) {
+        return Err((
+            code::PROTOCOL,
+            format!("lane {} is not allowed (a probe has none; at most {MAX_LANES})", h.lane),
+        ));
+    }
     Ok(())
 }
 
@@ -676,9 +779,12 @@ async fn read_hello(recv: &mut quinn::RecvStream) -> Result<AuthHello, String> {
     wire::decode(&body).map_err(|e| format!("bad hello: {e}"))
 }
 
+/// Connects and authenticates; lane 0 registers the connection as the peer's, a lane above
+/// 0 keeps it for bulk data only.
 async fn connect(
     inner: &Arc<Inner>,
     to: SocketAddr,
+    lane: u8,
 ) -> Result<(quinn::Connection, NodeId, Option<SocketAddr>), TransportError> {
     let peer_err = |reason: String| TransportError::Peer { addr: to, reason };
     let fut = async {
@@ -687,9 +793,9 @@ async fn connect(
             .connect(to, "meshd")
             .map_err(|e| peer_err(e.to_string()))?
             .await
-            .map_err(|e| peer_err(format!("QUIC handshake failed: {e}")))?;
+            .map_err(|e| peer_err(handshake_failure(&e)))?;
         let (mut send, mut recv) = conn.open_bi().await.map_err(|e| peer_err(e.to_string()))?;
-        let hello = my_hello(inner, &conn, Role::Client, None);
+        let hello = my_hello(inner, &conn, Role::Client, None, lane);
         send.write_all(&wire::encode(&hello)).await.map_err(|e| peer_err(e.to_string()))?;
         let _ = send.finish();
         let theirs = match read_hello(&mut recv).await {
@@ -703,6 +809,10 @@ async fn connect(
         if let Err((code, reason)) = check_hello(inner, &conn, Role::Server, &theirs) {
             return Err(refuse(inner, &conn, code, &reason));
         }
+        if theirs.lane != lane {
+            let reason = format!("it answered lane {} for lane {lane}", theirs.lane);
+            return Err(refuse(inner, &conn, code::PROTOCOL, &reason));
+        }
         Ok((conn, theirs.node, theirs.observed))
     };
     let (conn, node, observed) =
@@ -713,8 +823,36 @@ async fn connect(
                 to.port()
             ))
         })??;
-    register(inner, conn.clone(), node, observed);
+    if lane == 0 {
+        register(inner, conn.clone(), node, observed);
+    } else {
+        lock(&inner.lanes).insert((to, lane), conn.clone());
+        tokio::spawn(read_streams(inner.clone(), conn.clone(), node));
+    }
     Ok((conn, node, observed))
+}
+
+/// What an authenticated incoming connection is.
+enum Accepted {
+    /// A node's connection to this one.
+    Peer,
+    /// A probe (`meshd ifaces`, `meshd status`).
+    Probe,
+    /// An extra connection for bulk data: its lane number.
+    Lane(u8),
+}
+
+/// Words a failed QUIC handshake. TLS alert 120 (no_application_protocol) means the peer
+/// does not speak this ALPN: another meshd protocol version.
+fn handshake_failure(e: &quinn::ConnectionError) -> String {
+    let alpn = |code: quinn::TransportErrorCode| code == quinn::TransportErrorCode::crypto(120);
+    match e {
+        quinn::ConnectionError::ConnectionClosed(c) if alpn(c.error_code) => format!(
+            "QUIC handshake failed: it does not speak {} (another meshd version? run the same meshd on every node)",
+            String::from_utf8_lossy(wire::ALPN)
+        ),
+        _ => format!("QUIC handshake failed: {e}"),
+    }
 }
 
 async fn accept_loop(inner: Arc<Inner>) {
@@ -758,18 +896,33 @@ async fn accept_loop(inner: Arc<Inner>) {
                     return None;
                 }
                 let observed = Some(canonical(conn.remote_address()));
-                let hello = my_hello(&inner, &conn, Role::Server, observed);
+                let hello = my_hello(&inner, &conn, Role::Server, observed, theirs.lane);
                 send.write_all(&wire::encode(&hello)).await.ok()?;
                 let _ = send.finish();
-                Some((conn, theirs.node, theirs.run_hash == 0 && inner.cfg.run_hash != 0))
+                let kind = if theirs.lane > 0 {
+                    Accepted::Lane(theirs.lane)
+                } else if theirs.run_hash == 0 && inner.cfg.run_hash != 0 {
+                    Accepted::Probe
+                } else {
+                    Accepted::Peer
+                };
+                Some((conn, theirs.node, kind))
             };
             // Half-open or silent handshakes are dropped after the connect timeout.
             let done = tokio::time::timeout(inner.cfg.connect_timeout, fut).await;
             drop(permit);
             match done {
                 // A probe gets its answer and nothing else: no frame of it is read.
-                Ok(Some((conn, _, true))) => serve_queries(&inner, conn).await,
-                Ok(Some((conn, node, false))) => register(&inner, conn, node, None),
+                Ok(Some((conn, _, Accepted::Probe))) => serve_queries(&inner, conn).await,
+                Ok(Some((conn, node, Accepted::Peer))) => register(&inner, conn, node, None),
+                // A lane carries the peer's bulk data streams only: it is not the peer's
+                // connection for gossip and raises no PeerUp.
+                // Kept so that this node may send on it too (either end may open streams).
+                Ok(Some((conn, node, Accepted::Lane(lane)))) => {
+                    let from = canonical(conn.remote_address());
+                    lock(&inner.lanes).insert((from, lane), conn.clone());
+                    read_streams(inner, conn, node).await
+                }
                 _ => {}
             }
         });
@@ -866,5 +1019,32 @@ async fn read_streams(inner: Arc<Inner>, conn: quinn::Connection, node: NodeId) 
     let mut conns = lock(&inner.conns);
     if conns.get(&from).is_some_and(|(c, _)| c.stable_id() == conn.stable_id()) {
         conns.remove(&from);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A node of another protocol version (ALPN `meshd/1`) is named as such, not as a bare
+    /// TLS alert.
+    #[tokio::test]
+    async fn another_protocol_version_is_named() {
+        let (server, _) = tls::configs_with_alpn(Arc::new(quinn::TransportConfig::default()), b"meshd/1")
+            .expect("old configs");
+        let old =
+            quinn::Endpoint::server(server, "127.0.0.1:0".parse().expect("addr")).expect("old endpoint");
+        let to = old.local_addr().expect("addr");
+        let accept = tokio::spawn(async move {
+            if let Some(incoming) = old.accept().await {
+                let _ = incoming.await;
+            }
+        });
+        let mut cfg = TransportConfig::new(NodeId::from_u128(1), 0);
+        cfg.bind = "127.0.0.1".parse().expect("ip");
+        let (t, _events) = Transport::bind(cfg).expect("bind");
+        let err = t.probe(to).await.expect_err("the handshake must fail").to_string();
+        assert!(err.contains("does not speak meshd/2") && err.contains("another meshd version"), "{err}");
+        accept.abort();
     }
 }

@@ -1,5 +1,5 @@
 //! TLS for QUIC: a throw-away self-signed certificate per node, TLS 1.3 only, ALPN
-//! `meshd/1`. Peer certificates are not trusted for identity (the token MAC in
+//! `meshd/2` (the protocol version). Peer certificates are not trusted for identity (the token MAC in
 //! [`super::auth`] is); their handshake signatures are still verified properly.
 
 use rustls::DigitallySignedStruct;
@@ -11,6 +11,14 @@ use std::sync::Arc;
 /// Builds the quinn server and client configs.
 pub fn configs(
     transport: Arc<quinn::TransportConfig>,
+) -> Result<(quinn::ServerConfig, quinn::ClientConfig), super::TransportError> {
+    configs_with_alpn(transport, meshd_proto::wire::ALPN)
+}
+
+/// [`configs`] for another ALPN (tests speak as another protocol version).
+pub(crate) fn configs_with_alpn(
+    transport: Arc<quinn::TransportConfig>,
+    alpn: &[u8],
 ) -> Result<(quinn::ServerConfig, quinn::ClientConfig), super::TransportError> {
     let tls_err = |e: String| super::TransportError::Tls(e);
     let provider = Arc::new(rustls::crypto::ring::default_provider());
@@ -25,7 +33,7 @@ pub fn configs(
         .with_no_client_auth()
         .with_single_cert(vec![cert], key)
         .map_err(|e| tls_err(e.to_string()))?;
-    server.alpn_protocols = vec![meshd_proto::wire::ALPN.to_vec()];
+    server.alpn_protocols = vec![alpn.to_vec()];
     let server =
         quinn::crypto::rustls::QuicServerConfig::try_from(server).map_err(|e| tls_err(e.to_string()))?;
     let mut server = quinn::ServerConfig::with_crypto(Arc::new(server));
@@ -37,7 +45,7 @@ pub fn configs(
         .dangerous()
         .with_custom_certificate_verifier(Arc::new(AnyCert(provider)))
         .with_no_client_auth();
-    client.alpn_protocols = vec![meshd_proto::wire::ALPN.to_vec()];
+    client.alpn_protocols = vec![alpn.to_vec()];
     let client =
         quinn::crypto::rustls::QuicClientConfig::try_from(client).map_err(|e| tls_err(e.to_string()))?;
     let mut client = quinn::ClientConfig::new(Arc::new(client));
