@@ -427,6 +427,8 @@ pub enum Action {
     Copy {
         /// The transfer received.
         transfer: Transfer,
+        /// This was the last all-gather step: the chunk is not sent on.
+        last: bool,
     },
 }
 
@@ -434,7 +436,7 @@ impl Action {
     /// The transfer this action applies.
     pub fn transfer(&self) -> &Transfer {
         match self {
-            Action::Reduce { transfer, .. } | Action::Copy { transfer } => transfer,
+            Action::Reduce { transfer, .. } | Action::Copy { transfer, .. } => transfer,
         }
     }
 
@@ -474,38 +476,18 @@ impl Action {
         if total != dst.len() {
             return Err(ReduceError::LengthMismatch { acc: dst.len(), other: total }.into());
         }
-        let es = dtype.size();
-        let reduce = matches!(self, Action::Reduce { .. });
-        if reduce && dst.len() % es != 0 {
-            return Err(ReduceError::NotMultiple { len: dst.len(), size: es, dtype }.into());
-        }
-        let (mut at, mut carry, mut carried) = (0usize, [0u8; 16], 0usize);
-        for part in parts {
-            let mut p = part.as_ref();
-            if !reduce {
+        if !matches!(self, Action::Reduce { .. }) {
+            let mut at = 0;
+            for p in parts {
+                let p = p.as_ref();
                 dst[at..at + p.len()].copy_from_slice(p);
                 at += p.len();
-                continue;
             }
-            if carried > 0 {
-                // Finish the element split across the previous piece and this one.
-                let take = (es - carried).min(p.len());
-                carry[carried..carried + take].copy_from_slice(&p[..take]);
-                carried += take;
-                p = &p[take..];
-                if carried < es {
-                    continue;
-                }
-                reduce::reduce_into(dtype, op, &mut dst[at..at + es], &carry[..es])?;
-                at += es;
-            }
-            let whole = p.len() / es * es;
-            reduce::reduce_into(dtype, op, &mut dst[at..at + whole], &p[..whole])?;
-            at += whole;
-            let rest = &p[whole..];
-            carry[..rest.len()].copy_from_slice(rest);
-            carried = rest.len();
+            return Ok(());
         }
+        for_elements(parts, dtype, dst.len(), |at, p| {
+            Ok(reduce::reduce_into(dtype, op, &mut dst[at..at + p.len()], p)?)
+        })?;
         if let Action::Reduce { last: true, .. } = self {
             if op == ReduceOp::Avg {
                 reduce::finish_avg(dtype, dst, u32::try_from(n).unwrap_or(u32::MAX))?;
@@ -513,6 +495,107 @@ impl Action {
         }
         Ok(())
     }
+
+    /// [`Action::apply_parts`], and in the same pass over the data the bytes this rank
+    /// sends next for the same chunk (`None` after the last all-gather step, which is
+    /// not sent on). Saves the driver copying the chunk out of `buf` afterwards.
+    ///
+    /// A reduce-scatter chunk that is only passed on (every step but the last) is not
+    /// written to `buf` at all: its partial sum is what travels, and the all-gather
+    /// overwrites that range of `buf` with the final value before this rank reads it
+    /// again. Every other action leaves `buf` exactly as `apply_parts` would.
+    pub fn apply_forward<P: AsRef<[u8]>>(
+        &self,
+        buf: &mut [u8],
+        parts: &[P],
+        dtype: DType,
+        op: ReduceOp,
+        n: usize,
+    ) -> Result<Option<Vec<u8>>, RingError> {
+        let range = self.range();
+        let have = buf.len();
+        let dst = buf.get_mut(range.clone()).ok_or(RingError::BufferTooSmall { need: range.end, have })?;
+        let total: usize = parts.iter().map(|p| p.as_ref().len()).sum();
+        if total != dst.len() {
+            return Err(ReduceError::LengthMismatch { acc: dst.len(), other: total }.into());
+        }
+        let mut out = Vec::with_capacity(dst.len());
+        match self {
+            Action::Copy { last: true, .. } => {
+                self.apply_parts(buf, parts, dtype, op, n)?;
+                return Ok(None);
+            }
+            Action::Copy { last: false, .. } => {
+                let mut at = 0;
+                for p in parts {
+                    let p = p.as_ref();
+                    dst[at..at + p.len()].copy_from_slice(p);
+                    out.extend_from_slice(p);
+                    at += p.len();
+                }
+            }
+            // Piece by piece (about a packet each, so the block stays in L1 cache):
+            // copy the local partial sum out, add the received one to it.
+            Action::Reduce { last: false, .. } => for_elements(parts, dtype, dst.len(), |at, p| {
+                let end = out.len() + p.len();
+                out.extend_from_slice(&dst[at..at + p.len()]);
+                Ok(reduce::reduce_into(dtype, op, &mut out[at..end], p)?)
+            })?,
+            Action::Reduce { last: true, .. } => {
+                let avg = (op == ReduceOp::Avg).then(|| u32::try_from(n).unwrap_or(u32::MAX));
+                for_elements(parts, dtype, dst.len(), |at, p| {
+                    let block = &mut dst[at..at + p.len()];
+                    reduce::reduce_into(dtype, op, block, p)?;
+                    if let Some(n) = avg {
+                        reduce::finish_avg(dtype, block, n)?;
+                    }
+                    out.extend_from_slice(block);
+                    Ok(())
+                })?
+            }
+        }
+        Ok(Some(out))
+    }
+}
+
+/// Walks a payload that arrives in `parts` as runs of whole `dtype` elements: calls
+/// `f(offset, run)` in order, re-joining an element split across two parts in a small
+/// buffer. `len` (the payload's total length) must be a whole number of elements.
+fn for_elements<P: AsRef<[u8]>>(
+    parts: &[P],
+    dtype: DType,
+    len: usize,
+    mut f: impl FnMut(usize, &[u8]) -> Result<(), RingError>,
+) -> Result<(), RingError> {
+    let es = dtype.size();
+    if len % es != 0 {
+        return Err(ReduceError::NotMultiple { len, size: es, dtype }.into());
+    }
+    let (mut at, mut carry, mut carried) = (0usize, [0u8; 16], 0usize);
+    for part in parts {
+        let mut p = part.as_ref();
+        if carried > 0 {
+            // Finish the element split across the previous piece and this one.
+            let take = (es - carried).min(p.len());
+            carry[carried..carried + take].copy_from_slice(&p[..take]);
+            carried += take;
+            p = &p[take..];
+            if carried < es {
+                continue;
+            }
+            f(at, &carry[..es])?;
+            at += es;
+        }
+        let whole = p.len() / es * es;
+        if whole > 0 {
+            f(at, &p[..whole])?;
+            at += whole;
+        }
+        let rest = &p[whole..];
+        carry[..rest.len()].copy_from_slice(rest);
+        carried = rest.len();
+    }
+    Ok(())
 }
 
 /// One rank's progress through its [`RingPlan`], for a driver that does the IO.
@@ -597,7 +680,8 @@ impl RingState {
             self.ready.push_back((g + 1, c));
         }
         let per = self.plan.steps_per_phase();
-        Ok(if g < per { Action::Reduce { transfer, last: g + 1 == per } } else { Action::Copy { transfer } })
+        let last = g + 1 == per || g + 1 == self.plan.total_steps();
+        Ok(if g < per { Action::Reduce { transfer, last } } else { Action::Copy { transfer, last } })
     }
 
     /// Every transfer sent (polled) and received. Immediately true for `n = 1`.

@@ -180,7 +180,7 @@ fn hostile_inputs_are_refused_without_changing_state() {
     assert_eq!(s.received.len(), size.0);
     assert!(s.ready.len() <= 2 * (p.world() - 1) * p.chunk_count(0));
     // Applying an action checks its buffer and payload.
-    let a = Action::Copy { transfer: p.transfer(4, 0, 0).expect("chunk") };
+    let a = Action::Copy { transfer: p.transfer(4, 0, 0).expect("chunk"), last: false };
     assert!(matches!(
         a.apply(&mut [0; 4], &[0; 8], DType::F32, ReduceOp::Sum, 4),
         Err(RingError::BufferTooSmall { .. })
@@ -242,8 +242,29 @@ fn reference(plan: &RingPlan, data: &[Vec<u8>], dtype: DType, op: ReduceOp) -> V
 /// Runs an allreduce of `n` ranks in one process. Messages go from rank r to r + 1 and
 /// are delivered in a seeded random order: per link FIFO (one QUIC stream) or any order
 /// (many streams, datagram-like).
+///
+/// Runs twice: applying each chunk with [`Action::apply`] and sending copies out of the
+/// buffer, then as the QUIC driver does, with [`Action::apply_forward`] on the payload cut
+/// into random pieces and sending the bytes it returns (the buffer is then never read for
+/// a forwarded chunk, and partial sums never land in it).
 fn simulate(n: usize, len: usize, chunk: usize, dtype: DType, op: ReduceOp, fifo: bool, seed: u64) {
-    let what = format!("n={n} len={len} chunk={chunk} {dtype} {op} fifo={fifo} seed={seed}");
+    simulate_mode(n, len, chunk, dtype, op, fifo, seed, false);
+    simulate_mode(n, len, chunk, dtype, op, fifo, seed, true);
+}
+
+#[allow(clippy::too_many_arguments)]
+fn simulate_mode(
+    n: usize,
+    len: usize,
+    chunk: usize,
+    dtype: DType,
+    op: ReduceOp,
+    fifo: bool,
+    seed: u64,
+    forward: bool,
+) {
+    let what =
+        format!("n={n} len={len} chunk={chunk} {dtype} {op} fifo={fifo} seed={seed} forward={forward}");
     let mut rng = Rng::new(seed);
     let data: Vec<Vec<u8>> = (0..n).map(|_| random_data(dtype, len, &mut rng)).collect();
     let mut bufs = data.clone();
@@ -256,13 +277,30 @@ fn simulate(n: usize, len: usize, chunk: usize, dtype: DType, op: ReduceOp, fifo
     }
     // links[r]: in flight from r to r + 1.
     let mut links: Vec<VecDeque<Msg>> = (0..n).map(|_| VecDeque::new()).collect();
-    let drain = |r: usize, states: &mut [RingState], bufs: &[Vec<u8>], links: &mut [VecDeque<Msg>]| {
+    // What apply_forward returned, per rank: the next send of that chunk.
+    let mut prepared: Vec<Option<(std::ops::Range<usize>, Vec<u8>)>> = vec![None; n];
+    let drain = |r: usize,
+                 states: &mut [RingState],
+                 bufs: &[Vec<u8>],
+                 links: &mut [VecDeque<Msg>],
+                 prepared: &mut [Option<(std::ops::Range<usize>, Vec<u8>)>]| {
         while let Some(t) = states[r].poll_send() {
-            links[r].push_back(Msg { id: t.id(), payload: bufs[r][t.range].to_vec() });
+            let payload = match prepared[r].take() {
+                Some((range, bytes)) => {
+                    assert_eq!(range, t.range, "the forwarded chunk is the next one sent");
+                    bytes
+                }
+                None => {
+                    // Only a rank's own data (step 0) is sent from its buffer.
+                    assert!(!forward || (t.phase == Phase::ReduceScatter && t.step == 0), "{t:?}");
+                    bufs[r][t.range.clone()].to_vec()
+                }
+            };
+            links[r].push_back(Msg { id: t.id(), payload });
         }
     };
     for r in 0..n {
-        drain(r, &mut states, &bufs, &mut links);
+        drain(r, &mut states, &bufs, &mut links, &mut prepared);
     }
     let mut counts = Counts::default();
     let mut max_in_flight = 0;
@@ -282,8 +320,20 @@ fn simulate(n: usize, len: usize, chunk: usize, dtype: DType, op: ReduceOp, fifo
             Action::Reduce { .. } => *counts.reduced.entry(key).or_default() += 1,
             Action::Copy { .. } => *counts.copied.entry(key).or_default() += 1,
         }
-        action.apply(&mut bufs[to], &msg.payload, dtype, op, n).expect(&what);
-        drain(to, &mut states, &bufs, &mut links);
+        if forward {
+            let p = &msg.payload;
+            let mut cuts: Vec<usize> = (0..rng.below(5)).map(|_| rng.below(p.len() + 1)).collect();
+            cuts.extend([0, p.len()]);
+            cuts.sort_unstable();
+            let parts: Vec<&[u8]> = cuts.windows(2).map(|w| &p[w[0]..w[1]]).collect();
+            let out = action.apply_forward(&mut bufs[to], &parts, dtype, op, n).expect(&what);
+            let last_copy = matches!(action, Action::Copy { last: true, .. });
+            assert_eq!(out.is_none(), last_copy, "{what}: only the last all-gather step is not sent on");
+            prepared[to] = out.map(|o| (action.range(), o));
+        } else {
+            action.apply(&mut bufs[to], &msg.payload, dtype, op, n).expect(&what);
+        }
+        drain(to, &mut states, &bufs, &mut links, &mut prepared);
     }
     for (r, s) in states.iter().enumerate() {
         assert!(
@@ -380,9 +430,10 @@ fn apply_parts_equals_apply_for_any_split() {
             while state.poll_send().is_some() {}
             let step = plan.step(Phase::ReduceScatter, plan.steps_per_phase() - 1).expect("last step");
             let t = plan.recvs(&step).next().expect("a chunk");
-            for action in
-                [Action::Reduce { transfer: t.clone(), last: true }, Action::Copy { transfer: t.clone() }]
-            {
+            for action in [
+                Action::Reduce { transfer: t.clone(), last: true },
+                Action::Copy { transfer: t.clone(), last: false },
+            ] {
                 let base: Vec<u8> = (0..plan.len_bytes()).map(|_| (rng.below(7) as u8) << 2).collect();
                 let payload: Vec<u8> = (0..t.range.len()).map(|_| (rng.below(7) as u8) << 2).collect();
                 let mut want = base.clone();

@@ -252,13 +252,18 @@ impl RingNet {
             .map(|recv| tokio::spawn(read_frames(recv, rtx.clone(), prev, max_chunk)))
             .collect();
         drop(rtx); // the channel closes when every reader has ended
+        // The bytes the last received chunk goes on as, made while applying it.
+        let mut forward: Option<(std::ops::Range<usize>, Bytes)> = None;
         let result = async {
             loop {
                 while let Some(t) = state.poll_send() {
-                    // One contiguous copy: forwarding quinn's received pieces (about one
-                    // packet each) instead made quinn write a STREAM frame per piece, which
-                    // cost more than the copy (measured: docs/PERFORMANCE.md).
-                    let chunk = Bytes::copy_from_slice(&buf[t.range.clone()]);
+                    // One contiguous buffer per chunk: forwarding quinn's received pieces
+                    // (about one packet each) instead made quinn write a STREAM frame per
+                    // piece, which cost more than the copy (measured: docs/PERFORMANCE.md).
+                    let chunk = match forward.take() {
+                        Some((range, bytes)) if range == t.range => bytes,
+                        _ => Bytes::copy_from_slice(&buf[t.range.clone()]),
+                    };
                     if wtxs[t.chunk_index % lanes].send((t.id(), chunk)).await.is_err() {
                         return Err(CollectiveError::Link { peer: next, reason: "writer stopped".into() });
                     }
@@ -272,8 +277,10 @@ impl RingNet {
                 })??;
                 let len = parts.iter().map(|p| p.len()).sum();
                 let action = state.on_received(id, len)?;
-                // Reduce or copy straight from the received pieces (no gathering copy).
-                action.apply_parts(buf, &parts, dtype, op, n)?;
+                // Reduce or copy straight from the received pieces (no gathering copy),
+                // making the bytes sent on in the same pass.
+                let next = action.apply_forward(buf, &parts, dtype, op, n)?;
+                forward = next.map(|v| (action.range(), Bytes::from(v)));
             }
         }
         .await;
