@@ -957,6 +957,15 @@ async fn serve_queries(inner: &Inner, conn: quinn::Connection) {
 fn register(inner: &Arc<Inner>, conn: quinn::Connection, node: NodeId, observed: Option<SocketAddr>) {
     let addr = canonical(conn.remote_address());
     lock(&inner.conns).insert(addr, (conn.clone(), node));
+    // A new connection to the peer (it restarted, or the old one failed): its lanes belong
+    // to the old one and may lead nowhere; they are opened again when next needed.
+    lock(&inner.lanes).retain(|(a, _), lane| {
+        let keep = *a != addr;
+        if !keep {
+            lane.close(code::BYE.into(), b"peer reconnected");
+        }
+        keep
+    });
     let _ = inner.events.try_send(TransportEvent::PeerUp { addr, node, observed });
     tokio::spawn(read_datagrams(inner.clone(), conn.clone(), node));
     tokio::spawn(read_streams(inner.clone(), conn, node));
