@@ -84,7 +84,8 @@ fn in_place_requests_that_cannot_be_served_are_refused_with_the_cause() {
 /// in this process on loopback: rendezvous, then an allreduce, a broadcast from node 1 of
 /// an odd length, and a barrier, all over the mesh's own QUIC endpoint. Then an allreduce
 /// of 100,003 floats in 4 KiB chunks with a different number of lanes on each node (rank
-/// r sends over r + 1 connections), which must open exactly those lanes and agree.
+/// r sends over r + 1 connections), which must open exactly those lanes and agree, and one
+/// of 60 MiB, more than a link buffers.
 #[test]
 fn rust_library_allreduce_broadcast_barrier() {
     use meshd::collective::RingNet;
@@ -134,6 +135,24 @@ fn rust_library_allreduce_broadcast_barrier() {
             ring.allreduce(5, &mut big, DType::I32, ReduceOp::Max).await?;
             let conns = ring.next_link_stats().map(|p| p.connections);
             assert_eq!(conns, Some(rank + 1), "node {rank}: connections to the next node");
+            // Segments larger than what a link buffers (a 16 MiB stream window plus the
+            // driver's queues of 4 KiB chunks): every node must keep reading while its
+            // sends wait, or the ring deadlocks.
+            ring.lanes = 1;
+            let mut huge: Vec<u8> = (0..(60usize << 20) / 4)
+                .flat_map(|i| ((i % 7) as i32 * (rank as i32 + 1)).to_le_bytes())
+                .collect();
+            tokio::time::timeout(
+                Duration::from_secs(60),
+                ring.allreduce(6, &mut huge, DType::I32, ReduceOp::Sum),
+            )
+            .await
+            .map_err(|_| meshd::collective::CollectiveError::Request("60 MiB allreduce hung".into()))??;
+            let bad = huge
+                .chunks_exact(4)
+                .enumerate()
+                .position(|(i, c)| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) != (i % 7) as i32 * 6);
+            assert_eq!(bad, None, "node {rank}: 60 MiB allreduce, first wrong element");
             Ok::<_, meshd::collective::CollectiveError>((sum, msg, big))
         });
         tokio::pin!(work);

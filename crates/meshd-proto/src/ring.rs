@@ -602,7 +602,12 @@ fn for_elements<P: AsRef<[u8]>>(
 ///
 /// Contract: the driver applies each [`Action`] to its buffer before its next call to
 /// [`RingState::poll_send`], and copies (or sends) a transfer's range out of the buffer
-/// before it applies further actions. Memory is fixed at construction (a bit per
+/// before it applies further actions. A driver that sends what [`Action::apply_forward`]
+/// returns may instead go on receiving and applying while sendable transfers wait for
+/// room on the link (and must, or a ring whose segments outgrow the links' buffers
+/// deadlocks): the only transfers it still copies out of the buffer are its own step-0
+/// chunks, and no action writes such a chunk's range before that chunk has been sent
+/// around the whole ring. Memory is fixed at construction (a bit per
 /// expected transfer and a queue of at most one entry per expected transfer): nothing a
 /// peer sends makes it grow.
 #[derive(Clone, Debug)]

@@ -252,35 +252,73 @@ impl RingNet {
             .map(|recv| tokio::spawn(read_frames(recv, rtx.clone(), prev, max_chunk)))
             .collect();
         drop(rtx); // the channel closes when every reader has ended
-        // The bytes the last received chunk goes on as, made while applying it.
-        let mut forward: Option<(std::ops::Range<usize>, Bytes)> = None;
+        // The bytes received chunks go on as, made while applying them, by range start.
+        let mut forwards: HashMap<usize, (std::ops::Range<usize>, Bytes)> = HashMap::new();
+        // A chunk its lane's queue had no room for: (lane, transfer id, bytes).
+        let mut pending: Option<(usize, u64, Bytes)> = None;
+        let writer_stopped = || CollectiveError::Link { peer: next, reason: "writer stopped".into() };
         let result = async {
             loop {
-                while let Some(t) = state.poll_send() {
-                    // One contiguous buffer per chunk: forwarding quinn's received pieces
-                    // (about one packet each) instead made quinn write a STREAM frame per
-                    // piece, which cost more than the copy (measured: docs/PERFORMANCE.md).
-                    let chunk = match forward.take() {
-                        Some((range, bytes)) if range == t.range => bytes,
-                        _ => Bytes::copy_from_slice(&buf[t.range.clone()]),
+                // Hand every sendable chunk to its lane's writer while the queues take them.
+                loop {
+                    let (lane, id, bytes) = match pending.take() {
+                        Some(p) => p,
+                        None => match state.poll_send() {
+                            // One contiguous buffer per chunk: forwarding quinn's received
+                            // pieces (about one packet each) made quinn write a STREAM frame
+                            // per piece, which cost more than the copy (docs/PERFORMANCE.md).
+                            // Only a node's own step-0 chunks are copied out of `buf`.
+                            Some(t) => {
+                                let bytes = match forwards.remove(&t.range.start) {
+                                    Some((range, bytes)) if range == t.range => bytes,
+                                    _ => Bytes::copy_from_slice(&buf[t.range.clone()]),
+                                };
+                                (t.chunk_index % lanes, t.id(), bytes)
+                            }
+                            None => break,
+                        },
                     };
-                    if wtxs[t.chunk_index % lanes].send((t.id(), chunk)).await.is_err() {
-                        return Err(CollectiveError::Link { peer: next, reason: "writer stopped".into() });
+                    match wtxs[lane].try_send((id, bytes)) {
+                        Ok(()) => {}
+                        Err(mpsc::error::TrySendError::Full((id, bytes))) => {
+                            pending = Some((lane, id, bytes));
+                            break;
+                        }
+                        Err(mpsc::error::TrySendError::Closed(_)) => return Err(writer_stopped()),
                     }
                 }
-                if state.is_done() {
+                if state.is_done() && pending.is_none() {
                     return Ok(());
                 }
-                let (id, parts) = rrx.recv().await.ok_or_else(|| CollectiveError::Link {
-                    peer: prev,
-                    reason: "stream ended early".into(),
-                })??;
-                let len = parts.iter().map(|p| p.len()).sum();
-                let action = state.on_received(id, len)?;
-                // Reduce or copy straight from the received pieces (no gathering copy),
-                // making the bytes sent on in the same pass.
-                let next = action.apply_forward(buf, &parts, dtype, op, n)?;
-                forward = next.map(|v| (action.range(), Bytes::from(v)));
+                // Wait for room on the full lane or for the next chunk from the previous
+                // node, whichever comes first. Waiting for room alone deadlocks the ring
+                // once a segment outgrows the queues and windows of a link (about 144 MiB
+                // at 1 MiB chunks): every node would wait to send and none would read.
+                let blocked = pending.as_ref().map_or(0, |p| p.0);
+                tokio::select! {
+                    permit = wtxs[blocked].reserve(), if pending.is_some() => {
+                        let permit = permit.map_err(|_| writer_stopped())?;
+                        if let Some((_, id, bytes)) = pending.take() {
+                            permit.send((id, bytes));
+                        }
+                    }
+                    msg = rrx.recv(), if state.recvs_left() > 0 => {
+                        let (id, parts) = msg.ok_or_else(|| CollectiveError::Link {
+                            peer: prev,
+                            reason: "stream ended early".into(),
+                        })??;
+                        let len = parts.iter().map(|p| p.len()).sum();
+                        let action = state.on_received(id, len)?;
+                        // Reduce or copy straight from the received pieces (no gathering
+                        // copy), making the bytes sent on in the same pass.
+                        if let Some(v) = action.apply_forward(buf, &parts, dtype, op, n)? {
+                            forwards.insert(action.range().start, (action.range(), Bytes::from(v)));
+                        }
+                    }
+                    else => {
+                        return Err(CollectiveError::Link { peer: prev, reason: "ring stalled: nothing to send or receive".into() });
+                    }
+                }
             }
         }
         .await;
