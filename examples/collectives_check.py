@@ -53,6 +53,16 @@ try:
     h = torch.ones(77, dtype=torch.float16)
     c.allreduce(h, op="sum")
     assert (h == float(world)).all(), h[:3]
+    # The host buffer CUDA tensors are staged through (no GPU here: the helper itself):
+    # one per dtype and size, reused, and pageable where CUDA cannot pin.
+    g = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    s1 = meshd._staging(g)
+    assert s1.shape == (12,) and s1.dtype == torch.float32 and s1.is_contiguous(), s1
+    assert meshd._staging(g.clone()) is s1, "same dtype and size: the same buffer"
+    assert meshd._staging(g.double()) is not s1, "another dtype: another buffer"
+    s1.copy_(g.reshape(-1))
+    c.allreduce(s1, op="sum")
+    assert (s1.view(g.shape) == g * world).all(), s1
 except ImportError:
     pass
 

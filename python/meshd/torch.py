@@ -4,8 +4,9 @@
     model = DistributedDataParallel(model)
     model.register_comm_hook(None, meshd.torch.allreduce_hook)
 
-The hook sends each gradient bucket to the node's meshd (CUDA buckets are staged through
-host memory), which averages it across every rank of the job over meshd's one UDP port.
+The hook sends each gradient bucket to the node's meshd (CUDA buckets are staged through a
+pinned host buffer, reused from step to step), which averages it across every rank of the
+job over meshd's one UDP port.
 It works where NCCL's and Gloo's TCP sockets cannot: DDP then only needs a process group
 for its own bookkeeping, which can be a local one (``init_local_process_group``).
 """
