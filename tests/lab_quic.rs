@@ -99,6 +99,7 @@ fn collectives_store_and_barrier_across_firewalled_hosts() {
             assert_eq!(*code, Some(0), "host {i}, MESHD_IN_PLACE={in_place}:\n{out}\n{err}");
             assert_eq!(out.matches("COLLECTIVES OK").count(), 2, "host {i}:\n{out}\n{err}");
             assert_eq!(out.matches(want).count(), 2, "host {i}:\n{out}\n{err}");
+            assert!(err.contains(&format!("ring over {lanes} lane(s)")), "host {i}:\n{err}");
         }
     }
 }

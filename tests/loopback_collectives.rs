@@ -139,19 +139,28 @@ fn rust_library_allreduce_broadcast_barrier() {
             // driver's queues of 4 KiB chunks): every node must keep reading while its
             // sends wait, or the ring deadlocks.
             ring.lanes = 1;
-            let mut huge: Vec<u8> = (0..(60usize << 20) / 4)
-                .flat_map(|i| ((i % 7) as i32 * (rank as i32 + 1)).to_le_bytes())
-                .collect();
+            // Built and checked on a blocking thread: a debug build takes seconds over
+            // 60 MiB, and on a runtime worker that would stall every node's QUIC timers.
+            let mut huge = tokio::task::spawn_blocking(move || -> Vec<u8> {
+                (0..(60usize << 20) / 4)
+                    .flat_map(|i| ((i % 7) as i32 * (rank as i32 + 1)).to_le_bytes())
+                    .collect()
+            })
+            .await
+            .expect("build");
             tokio::time::timeout(
                 Duration::from_secs(60),
                 ring.allreduce(6, &mut huge, DType::I32, ReduceOp::Sum),
             )
             .await
             .map_err(|_| meshd::collective::CollectiveError::Request("60 MiB allreduce hung".into()))??;
-            let bad = huge
-                .chunks_exact(4)
-                .enumerate()
-                .position(|(i, c)| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) != (i % 7) as i32 * 6);
+            let bad = tokio::task::spawn_blocking(move || {
+                huge.chunks_exact(4)
+                    .enumerate()
+                    .position(|(i, c)| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) != (i % 7) as i32 * 6)
+            })
+            .await
+            .expect("check");
             assert_eq!(bad, None, "node {rank}: 60 MiB allreduce, first wrong element");
             Ok::<_, meshd::collective::CollectiveError>((sum, msg, big))
         });

@@ -193,11 +193,18 @@ pub async fn run(mesh: &mut Mesh, cfg: &JobConfig, run_id: &str) -> Result<JobOu
             finish_together(mesh, &roster, Duration::from_secs(3)).await;
             return Ok(JobOutcome { code: 1, message: format!("launch refused by the preflight: {why}") });
         }
-        info!("preflight passed; collective: {}", verdict.collective);
         let user_has = |k: &str| std::env::var_os(k).is_some();
         let iface = mesh.choice().name.clone();
         let addrs: Vec<SocketAddr> = roster.members.iter().map(|m| m.addr).collect();
         let ring = RingNet::new(mesh.transport().clone(), node_rank, addrs.clone(), incoming.clone());
+        if verdict.collective == "quic" {
+            info!(
+                "preflight passed; collective: quic (ring over {} lane(s) to the next node; MESHD_LANES)",
+                ring.lanes
+            );
+        } else {
+            info!("preflight passed; collective: {}", verdict.collective);
+        }
         let svc_cfg = ServiceConfig {
             path: service::default_path(run_id, mesh.addr().port()),
             local_world: roster.members[node_rank].nproc,
