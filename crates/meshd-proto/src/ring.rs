@@ -458,6 +458,18 @@ impl Action {
         self.apply_parts(buf, &[payload], dtype, op, n)
     }
 
+    /// The chunk's range of `buf`, once `parts` is known to fill it exactly.
+    fn target<'b, P: AsRef<[u8]>>(&self, buf: &'b mut [u8], parts: &[P]) -> Result<&'b mut [u8], RingError> {
+        let range = self.range();
+        let have = buf.len();
+        let dst = buf.get_mut(range.clone()).ok_or(RingError::BufferTooSmall { need: range.end, have })?;
+        let total: usize = parts.iter().map(|p| p.as_ref().len()).sum();
+        if total != dst.len() {
+            return Err(ReduceError::LengthMismatch { acc: dst.len(), other: total }.into());
+        }
+        Ok(dst)
+    }
+
     /// [`Action::apply`] for a payload that arrives in pieces (a transport's received
     /// segments), without first gathering them into one buffer. Pieces may split an
     /// element anywhere; the result is bitwise the same as applying the joined payload.
@@ -469,13 +481,7 @@ impl Action {
         op: ReduceOp,
         n: usize,
     ) -> Result<(), RingError> {
-        let range = self.range();
-        let have = buf.len();
-        let dst = buf.get_mut(range.clone()).ok_or(RingError::BufferTooSmall { need: range.end, have })?;
-        let total: usize = parts.iter().map(|p| p.as_ref().len()).sum();
-        if total != dst.len() {
-            return Err(ReduceError::LengthMismatch { acc: dst.len(), other: total }.into());
-        }
+        let dst = self.target(buf, parts)?;
         if !matches!(self, Action::Reduce { .. }) {
             let mut at = 0;
             for p in parts {
@@ -512,13 +518,7 @@ impl Action {
         op: ReduceOp,
         n: usize,
     ) -> Result<Option<Vec<u8>>, RingError> {
-        let range = self.range();
-        let have = buf.len();
-        let dst = buf.get_mut(range.clone()).ok_or(RingError::BufferTooSmall { need: range.end, have })?;
-        let total: usize = parts.iter().map(|p| p.as_ref().len()).sum();
-        if total != dst.len() {
-            return Err(ReduceError::LengthMismatch { acc: dst.len(), other: total }.into());
-        }
+        let dst = self.target(buf, parts)?;
         let mut out = Vec::with_capacity(dst.len());
         match self {
             Action::Copy { last: true, .. } => {
