@@ -27,8 +27,11 @@ const LANE_PREAMBLE: usize = 2;
 /// Lanes when `MESHD_LANES` does not say: one per two runtime workers (each lane keeps one
 /// task busy sending to the next node and one receiving from the previous), at least one.
 fn default_lanes() -> usize {
-    if let Some(n) = std::env::var("MESHD_LANES").ok().and_then(|v| v.parse::<usize>().ok()) {
-        return n.clamp(1, MAX_LANES);
+    if let Ok(v) = std::env::var("MESHD_LANES") {
+        match v.trim().parse::<usize>() {
+            Ok(n) if (1..=MAX_LANES).contains(&n) => return n,
+            _ => tracing::warn!("MESHD_LANES={v:?} is not a number from 1 to {MAX_LANES}; using the default"),
+        }
     }
     let workers = tokio::runtime::Handle::try_current().map(|h| h.metrics().num_workers()).unwrap_or(1);
     (workers / 2).clamp(1, MAX_LANES)
