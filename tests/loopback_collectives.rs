@@ -197,3 +197,19 @@ fn rust_library_allreduce_broadcast_barrier() {
         assert!(big == big_want, "node {rank}: allreduce over lanes");
     }
 }
+
+/// The DDP hook without a meshd (`tests/python/ddp_hook_async.py`): allreduces run on the
+/// hook's own thread while backward goes on, gradients come out right over several
+/// buckets, and a failed allreduce fails `backward()` and is said on stderr.
+#[test]
+fn ddp_hook_allreduces_in_the_background_and_a_failure_fails_backward() {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/python/ddp_hook_async.py");
+    let out = std::process::Command::new("/usr/bin/python3")
+        .arg(script)
+        .output()
+        .expect("python3 (Debian's python3-torch: .ci/run installs it)");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("HOOK OK"), "{stdout}\n{stderr}");
+    assert!(stderr.contains("meshd DDP hook: allreduce failed: meshd stopped answering (test)"), "{stderr}");
+}

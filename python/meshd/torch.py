@@ -11,6 +11,10 @@ It works where NCCL's and Gloo's TCP sockets cannot: DDP then only needs a proce
 for its own bookkeeping, which can be a local one (``init_local_process_group``).
 """
 
+import queue
+import sys
+import threading
+
 import torch
 import torch.distributed as dist
 
@@ -19,14 +23,59 @@ import meshd
 __all__ = ["allreduce_hook", "init_local_process_group"]
 
 
+class _Worker:
+    """One thread that runs this process's hook allreduces in the order DDP submits them
+    (every rank submits its buckets in the same order, and meshd pairs the ranks'
+    requests in order), so that communication overlaps the rest of the backward pass."""
+
+    def __init__(self):
+        self._queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="meshd-ddp-hook", daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while True:
+            fn, fut = self._queue.get()
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+                # Said here too: DDP reports a failed future only as "Unable to cast ... to
+                # Tensor" (PyTorch 1.13).
+                print(f"meshd DDP hook: allreduce failed: {e}", file=sys.stderr, flush=True)
+                fut.set_exception(e)
+
+    def submit(self, fn, devices=None):
+        fut = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
+        self._queue.put((fn, fut))
+        return fut
+
+
+_worker = None
+_worker_lock = threading.Lock()
+
+
+def _get_worker():
+    global _worker
+    with _worker_lock:
+        if _worker is None:
+            _worker = _Worker()
+        return _worker
+
+
 def allreduce_hook(state, bucket):
-    """DDP comm hook: average ``bucket`` across all ranks with meshd's QUIC ring."""
+    """DDP comm hook: average ``bucket`` across all ranks with meshd's QUIC ring.
+
+    Returns at once: the allreduce runs on a background thread while backward goes on,
+    and DDP waits for every bucket's future before ``backward()`` returns."""
     client = state if isinstance(state, meshd.Client) else meshd.connect()
     tensor = bucket.buffer()
-    client.allreduce(tensor, op="avg")
-    fut = torch.futures.Future()
-    fut.set_result(tensor)
-    return fut
+
+    def run():
+        client.allreduce(tensor, op="avg")
+        return tensor
+
+    devices = [tensor.device] if tensor.device.type == "cuda" else None
+    return _get_worker().submit(run, devices)
 
 
 def init_local_process_group(backend="gloo"):
