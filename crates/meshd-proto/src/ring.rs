@@ -483,12 +483,7 @@ impl Action {
     ) -> Result<(), RingError> {
         let dst = self.target(buf, parts)?;
         if !matches!(self, Action::Reduce { .. }) {
-            let mut at = 0;
-            for p in parts {
-                let p = p.as_ref();
-                dst[at..at + p.len()].copy_from_slice(p);
-                at += p.len();
-            }
+            copy_parts(dst, parts, |_| {});
             return Ok(());
         }
         for_elements(parts, dtype, dst.len(), |at, p| {
@@ -518,22 +513,14 @@ impl Action {
         op: ReduceOp,
         n: usize,
     ) -> Result<Option<Vec<u8>>, RingError> {
+        if let Action::Copy { last: true, .. } = self {
+            self.apply_parts(buf, parts, dtype, op, n)?;
+            return Ok(None);
+        }
         let dst = self.target(buf, parts)?;
         let mut out = Vec::with_capacity(dst.len());
         match self {
-            Action::Copy { last: true, .. } => {
-                self.apply_parts(buf, parts, dtype, op, n)?;
-                return Ok(None);
-            }
-            Action::Copy { last: false, .. } => {
-                let mut at = 0;
-                for p in parts {
-                    let p = p.as_ref();
-                    dst[at..at + p.len()].copy_from_slice(p);
-                    out.extend_from_slice(p);
-                    at += p.len();
-                }
-            }
+            Action::Copy { .. } => copy_parts(dst, parts, |p| out.extend_from_slice(p)),
             // Piece by piece (about a packet each, so the block stays in L1 cache):
             // copy the local partial sum out, add the received one to it.
             Action::Reduce { last: false, .. } => for_elements(parts, dtype, dst.len(), |at, p| {
@@ -555,6 +542,17 @@ impl Action {
             }
         }
         Ok(Some(out))
+    }
+}
+
+/// Copies `parts` one after another into `dst`, handing each to `also` as well.
+fn copy_parts<P: AsRef<[u8]>>(dst: &mut [u8], parts: &[P], mut also: impl FnMut(&[u8])) {
+    let mut at = 0;
+    for p in parts {
+        let p = p.as_ref();
+        dst[at..at + p.len()].copy_from_slice(p);
+        also(p);
+        at += p.len();
     }
 }
 

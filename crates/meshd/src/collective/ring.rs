@@ -137,8 +137,15 @@ impl RingNet {
     }
 
     async fn stream_from(&mut self, peer: SocketAddr, op: u64) -> Result<quinn::RecvStream, CollectiveError> {
-        if let Some(s) = self.stash.get_mut(&(peer, op)).and_then(|v| v.pop()) {
-            return Ok(s);
+        if let Some(waiting) = self.stash.get_mut(&(peer, op)) {
+            let s = waiting.pop();
+            if waiting.is_empty() {
+                // No empty entry left behind: one per operation would add up over a job.
+                self.stash.remove(&(peer, op));
+            }
+            if let Some(s) = s {
+                return Ok(s);
+            }
         }
         let deadline = tokio::time::Instant::now() + self.join_timeout;
         let incoming = self.incoming.clone();
