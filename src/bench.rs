@@ -3,7 +3,7 @@
 
 use crate::run::{self, JobArgs};
 use anyhow::{Context, Result, bail};
-use meshd::collective::RingNet;
+use meshd::collective::{CollectiveBuffer, RingNet};
 use meshd::mesh::{Mesh, MeshInput};
 use meshd::proto::membership::MemberEvent;
 use meshd::proto::reduce::{DType, ReduceOp};
@@ -44,6 +44,10 @@ pub struct Args {
     /// one per two runtime threads). Both the ring and the bare ring use them.
     #[arg(long, value_parser = clap::value_parser!(u8).range(1..=meshd_proto::wire::MAX_LANES as i64))]
     pub lanes: Option<u8>,
+    /// Run the allreduce on a plain slice, copying each chunk it sends, instead of on a
+    /// buffer whose chunks are lent to QUIC without copying: to measure what lending saves.
+    #[arg(long)]
+    pub copy: bool,
 }
 
 #[derive(Debug)]
@@ -114,13 +118,30 @@ struct Timed {
     batch: Batching,
 }
 
+/// One allreduce of `buf`: lending its chunks to QUIC, or with `copy` as a plain slice.
+async fn allreduce(ring: &mut RingNet, op: u64, buf: &mut CollectiveBuffer, copy: bool) -> Result<()> {
+    if copy {
+        let slice = buf.try_as_mut().context("the buffer is still lent")?;
+        ring.allreduce(op, slice, DType::F32, ReduceOp::Sum).await?;
+    } else {
+        ring.allreduce_buffer(op, buf, DType::F32, ReduceOp::Sum).await?;
+    }
+    Ok(())
+}
+
 /// `iters` allreduces of `buf`, started together on every node.
-async fn timed_ring(ring: &mut RingNet, op: &mut u64, buf: &mut [u8], iters: u32) -> Result<Timed> {
+async fn timed_ring(
+    ring: &mut RingNet,
+    op: &mut u64,
+    buf: &mut CollectiveBuffer,
+    iters: u32,
+    copy: bool,
+) -> Result<Timed> {
     align(ring, op).await?;
     let (t, cpu, link) = (Instant::now(), cpu_seconds(), links(ring));
     for _ in 0..iters {
         *op += 1;
-        ring.allreduce(*op, buf, DType::F32, ReduceOp::Sum).await?;
+        allreduce(ring, *op, buf, copy).await?;
     }
     Ok(Timed { secs: t.elapsed().as_secs_f64(), cpu: cpu_seconds() - cpu, batch: batching(ring, link) })
 }
@@ -150,6 +171,7 @@ async fn sweep(
     sizes: Vec<usize>,
     iters: Option<u32>,
     ceiling: Option<u32>,
+    copy: bool,
 ) -> Result<(Vec<Row>, Option<Ceiling>)> {
     let n = ring.world();
     let rank = ring.rank();
@@ -159,16 +181,16 @@ async fn sweep(
     let count = sizes.len();
     for (i, bytes) in sizes.into_iter().enumerate() {
         let elems = bytes / 4;
-        let mut buf = vec![0u8; elems * 4];
+        let mut buf = CollectiveBuffer::zeroed(elems * 4);
         // Check the result once per size: every node contributes rank + 1.
-        for c in buf.chunks_exact_mut(4) {
+        for c in buf.reset(elems * 4).chunks_exact_mut(4) {
             c.copy_from_slice(&((rank + 1) as f32).to_le_bytes());
         }
         op += 1;
-        ring.allreduce(op, &mut buf, DType::F32, ReduceOp::Sum).await?;
+        allreduce(&mut ring, op, &mut buf, copy).await?;
         let want = (n * (n + 1) / 2) as f32;
         if let Some(bad) =
-            buf.chunks_exact(4).position(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) != want)
+            buf.as_slice().chunks_exact(4).position(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) != want)
         {
             bail!("wrong allreduce result at element {bad} of {elems} ({bytes} bytes): expected {want}");
         }
@@ -185,7 +207,7 @@ async fn sweep(
         let (mut secs, mut cpu, mut batch) = (0.0, 0.0, None);
         let (mut c_secs, mut c_cpu, mut c_batch, mut ratios) = (0.0, 0.0, None, Vec::new());
         for _ in 0..rounds {
-            let r = timed_ring(&mut ring, &mut op, &mut buf, iters).await?;
+            let r = timed_ring(&mut ring, &mut op, &mut buf, iters, copy).await?;
             (secs, cpu) = (secs + r.secs, cpu + r.cpu);
             batch.get_or_insert(r.batch);
             if ceiling.is_some() && i + 1 == count && n > 1 {
@@ -238,7 +260,7 @@ pub async fn main(which: Which) -> Result<ExitCode> {
             std::iter::successors(Some(1024usize), |s| Some(s * 4)).take_while(|s| *s <= a.max_size).collect()
         }
     };
-    let task = tokio::spawn(sweep(ring, sizes, a.iters, a.ceiling.then_some(a.rounds)));
+    let task = tokio::spawn(sweep(ring, sizes, a.iters, a.ceiling.then_some(a.rounds), a.copy));
     tokio::pin!(task);
     // Keep the mesh alive (answer probes) while the ring runs; a dead member ends the bench.
     let (rows, ceiling) = loop {
@@ -267,12 +289,13 @@ pub async fn main(which: Which) -> Result<ExitCode> {
             .collect();
         println!(
             "{}",
-            json!({"nodes": n, "rank": rank, "lanes": lanes, "dtype": "float32", "op": "sum", "results": results, "ceiling_gbs": ceiling.as_ref().map(|c| c.gbs), "ceiling_cpu_s_per_gb": ceiling.as_ref().map(|c| c.cpu_per_gb), "ceiling_datagrams_per_send": ceiling.as_ref().map(|c| c.batch.tx_per_call), "ceiling_acks_per_datagram": ceiling.as_ref().map(|c| c.batch.acks_per_rx), "ceiling_ratios": ceiling.as_ref().map(|c| c.ratios.clone()),
+            json!({"nodes": n, "rank": rank, "lanes": lanes, "chunks_sent": if a.copy { "copied" } else { "lent" }, "dtype": "float32", "op": "sum", "results": results, "ceiling_gbs": ceiling.as_ref().map(|c| c.gbs), "ceiling_cpu_s_per_gb": ceiling.as_ref().map(|c| c.cpu_per_gb), "ceiling_datagrams_per_send": ceiling.as_ref().map(|c| c.batch.tx_per_call), "ceiling_acks_per_datagram": ceiling.as_ref().map(|c| c.batch.acks_per_rx), "ceiling_ratios": ceiling.as_ref().map(|c| c.ratios.clone()),
                 "path": path.map(|p| json!({"mtu": p.mtu, "rtt_us": p.rtt.as_micros() as u64, "sent_packets": p.sent_packets, "lost_packets": p.lost_packets, "congestion_events": p.congestion_events, "connections": p.connections}))})
         );
     } else {
         println!(
-            "# meshd ring allreduce over QUIC: {n} nodes, this node rank {rank}, float32 sum, {lanes} lane(s) to the next node"
+            "# meshd ring allreduce over QUIC: {n} nodes, this node rank {rank}, float32 sum, {lanes} lane(s) to the next node, chunks sent {}",
+            if a.copy { "as copies (--copy)" } else { "lent without copying" }
         );
         println!(
             "# {:>12} {:>10} {:>6} {:>12} {:>10} {:>10} {:>10} {:>8} {:>8}",

@@ -84,11 +84,12 @@ fn in_place_requests_that_cannot_be_served_are_refused_with_the_cause() {
 /// in this process on loopback: rendezvous, then an allreduce, a broadcast from node 1 of
 /// an odd length, and a barrier, all over the mesh's own QUIC endpoint. Then an allreduce
 /// of 100,003 floats in 4 KiB chunks with a different number of lanes on each node (rank
-/// r sends over r + 1 connections), which must open exactly those lanes and agree, and one
-/// of 60 MiB, more than a link buffers.
+/// r sends over r + 1 connections), which must open exactly those lanes and agree, one
+/// of 60 MiB, more than a link buffers, and three on a `CollectiveBuffer` whose chunks
+/// are lent to QUIC rather than copied.
 #[test]
 fn rust_library_allreduce_broadcast_barrier() {
-    use meshd::collective::RingNet;
+    use meshd::collective::{CollectiveBuffer, RingNet};
     use meshd::mesh::{Mesh, MeshConfig};
     use meshd::proto::membership::MembershipConfig;
     use meshd::proto::reduce::{DType, ReduceOp};
@@ -162,6 +163,53 @@ fn rust_library_allreduce_broadcast_barrier() {
             .await
             .expect("check");
             assert_eq!(bad, None, "node {rank}: 60 MiB allreduce, first wrong element");
+            // Chunks lent to QUIC instead of copied: three operations in a row on one
+            // CollectiveBuffer (each writes chunks the previous may still have lent), and
+            // a range this test holds for 300 ms, which the ring must leave alone until
+            // it is released (it waits, and reads on meanwhile).
+            ring.chunk_bytes = 256 << 10;
+            ring.lanes = 2;
+            let mut lent = tokio::task::spawn_blocking(move || {
+                CollectiveBuffer::from_vec(
+                    (0..(24usize << 20) / 4)
+                        .flat_map(|i| ((i % 7) as i32 * (rank as i32 + 1)).to_le_bytes())
+                        .collect(),
+                )
+            })
+            .await
+            .expect("build");
+            let hold = lent.lend(0..256 << 10);
+            let held = hold.to_vec();
+            let mut release = Some(tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                let untouched = hold[..] == held[..];
+                drop(hold);
+                (Instant::now(), untouched)
+            }));
+            for (op, times) in [(7, 6), (8, 18), (9, 54)] {
+                tokio::time::timeout(
+                    Duration::from_secs(60),
+                    ring.allreduce_buffer(op, &mut lent, DType::I32, ReduceOp::Sum),
+                )
+                .await
+                .map_err(|_| meshd::collective::CollectiveError::Request("lent allreduce hung".into()))??;
+                let done = Instant::now();
+                if let Some(release) = release.take() {
+                    let (released, untouched) = release.await.expect("release");
+                    assert!(untouched, "node {rank}: a lent range was written");
+                    assert!(done >= released, "node {rank}: finished before the held range was released");
+                }
+                let (back, bad) = tokio::task::spawn_blocking(move || {
+                    let bad = lent.as_slice().chunks_exact(4).enumerate().position(|(i, c)| {
+                        i32::from_le_bytes([c[0], c[1], c[2], c[3]]) != (i % 7) as i32 * times
+                    });
+                    (lent, bad)
+                })
+                .await
+                .expect("check");
+                lent = back;
+                assert_eq!(bad, None, "node {rank}: lent allreduce {op}, first wrong element");
+            }
             Ok::<_, meshd::collective::CollectiveError>((sum, msg, big))
         });
         tokio::pin!(work);

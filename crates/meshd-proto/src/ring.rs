@@ -482,6 +482,35 @@ impl Action {
         n: usize,
     ) -> Result<(), RingError> {
         let dst = self.target(buf, parts)?;
+        self.apply_in(dst, parts, dtype, op, n)
+    }
+
+    /// [`Action::apply_parts`] onto `dst`, the chunk's own bytes (`range()` of the buffer)
+    /// rather than the whole buffer: for a driver that must not hold a reference to the
+    /// rest of its buffer (ranges of it are being sent).
+    pub fn apply_to<P: AsRef<[u8]>>(
+        &self,
+        dst: &mut [u8],
+        parts: &[P],
+        dtype: DType,
+        op: ReduceOp,
+        n: usize,
+    ) -> Result<(), RingError> {
+        let total: usize = parts.iter().map(|p| p.as_ref().len()).sum();
+        if total != dst.len() || dst.len() != self.range().len() {
+            return Err(ReduceError::LengthMismatch { acc: dst.len(), other: total }.into());
+        }
+        self.apply_in(dst, parts, dtype, op, n)
+    }
+
+    fn apply_in<P: AsRef<[u8]>>(
+        &self,
+        dst: &mut [u8],
+        parts: &[P],
+        dtype: DType,
+        op: ReduceOp,
+        n: usize,
+    ) -> Result<(), RingError> {
         if !matches!(self, Action::Reduce { .. }) {
             copy_parts(dst, parts, |_| {});
             return Ok(());

@@ -2,10 +2,12 @@
 //! ([`ring`]) and the node-local service that ranks reach through `MESHD_SOCKET`
 //! ([`service`]), whose socket requests [`request`] parses.
 
+pub mod buffer;
 pub mod cma;
 pub mod request;
 pub mod ring;
 pub mod service;
 
+pub use buffer::CollectiveBuffer;
 pub use ring::{CollectiveError, RingNet};
 pub use service::{Service, ServiceConfig};

@@ -7,18 +7,19 @@
 //! and a writer task keep both directions moving at once (a ring where every node blocks
 //! writing would deadlock), while this task owns the buffer and the state.
 
+use super::buffer::CollectiveBuffer;
 use crate::transport::{DataStream, Transport, TransportError};
 use bytes::Bytes;
 use meshd_proto::reduce::{DType, ReduceOp};
 use meshd_proto::ring::{
-    CHUNK_HEADER_LEN, RingError, RingPlan, RingState, decode_chunk_header, encode_chunk_header,
+    Action, CHUNK_HEADER_LEN, RingError, RingPlan, RingState, decode_chunk_header, encode_chunk_header,
 };
 use meshd_proto::wire::MAX_LANES;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::{Mutex, mpsc};
+use tokio::sync::{Mutex, Notify, mpsc};
 
 /// Bytes at the start of each ring data stream: its lane, then how many lanes the sender
 /// uses for the operation.
@@ -221,12 +222,64 @@ impl RingNet {
 
     /// In-place allreduce of `buf` (little-endian elements of `dtype`) across the nodes.
     /// `op` is applied as given (`Avg` divides by the number of nodes).
+    ///
+    /// Every chunk this node sends is first copied out of `buf` (QUIC keeps what it sends
+    /// until it is acknowledged); [`RingNet::allreduce_buffer`] sends without those copies.
     pub async fn allreduce(
         &mut self,
         op_id: u64,
         buf: &mut [u8],
         dtype: DType,
         op: ReduceOp,
+    ) -> Result<(), CollectiveError> {
+        let n = self.addrs.len();
+        self.run_ring(op_id, &mut Plain(buf), dtype, op, n).await
+    }
+
+    /// [`RingNet::allreduce`] of a [`CollectiveBuffer`], whose chunks go to the next node
+    /// without being copied: lent to the transport, and written again only once the
+    /// transport has dropped them. The same result, with less memory traffic; the largest
+    /// collectives gain most (docs/PERFORMANCE.md).
+    pub async fn allreduce_buffer(
+        &mut self,
+        op_id: u64,
+        buf: &mut CollectiveBuffer,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError> {
+        let n = self.addrs.len();
+        self.run_ring(op_id, buf, dtype, op, n).await
+    }
+
+    /// [`RingNet::allreduce_buffer`] where `Avg` divides by `divisor` rather than by the
+    /// number of nodes: for buffers that already sum several ranks of a node.
+    pub(crate) async fn allreduce_buffer_dividing(
+        &mut self,
+        op_id: u64,
+        buf: &mut CollectiveBuffer,
+        dtype: DType,
+        op: ReduceOp,
+        divisor: usize,
+    ) -> Result<(), CollectiveError> {
+        if self.addrs.len() <= 1 && op == ReduceOp::Avg {
+            // No ring to divide where it completes a chunk: divide here.
+            let bytes = buf
+                .try_as_mut()
+                .ok_or_else(|| CollectiveError::Request("the buffer is still lent".into()))?;
+            let divisor = u32::try_from(divisor).unwrap_or(u32::MAX);
+            return meshd_proto::reduce::finish_avg(dtype, bytes, divisor)
+                .map_err(|e| CollectiveError::Request(e.to_string()));
+        }
+        self.run_ring(op_id, buf, dtype, op, divisor).await
+    }
+
+    async fn run_ring<M: RingMemory>(
+        &mut self,
+        op_id: u64,
+        buf: &mut M,
+        dtype: DType,
+        op: ReduceOp,
+        divisor: usize,
     ) -> Result<(), CollectiveError> {
         let n = self.addrs.len();
         if buf.len() % dtype.size() != 0 {
@@ -266,6 +319,11 @@ impl RingNet {
         let mut forwards: HashMap<usize, (std::ops::Range<usize>, Bytes)> = HashMap::new();
         // A chunk its lane's queue had no room for: (lane, transfer id, bytes).
         let mut pending: Option<(usize, u64, Bytes)> = None;
+        // Received chunks whose range is still lent to the transport (being sent, or not
+        // yet acknowledged), in arrival order: applied once the loan ends.
+        let mut deferred: VecDeque<(u64, Vec<Bytes>)> = VecDeque::new();
+        let released = buf.released();
+        let how = Reduction { dtype, op, divisor };
         let writer_stopped = || CollectiveError::Link { peer: next, reason: "writer stopped".into() };
         let result = async {
             loop {
@@ -277,11 +335,11 @@ impl RingNet {
                             // One contiguous buffer per chunk: forwarding quinn's received
                             // pieces (about one packet each) made quinn write a STREAM frame
                             // per piece, which cost more than the copy (docs/PERFORMANCE.md).
-                            // Only a node's own step-0 chunks are copied out of `buf`.
+                            // Only a node's own step-0 chunks come straight from `buf`.
                             Some(t) => {
                                 let bytes = match forwards.remove(&t.range.start) {
                                     Some((range, bytes)) if range == t.range => bytes,
-                                    _ => Bytes::copy_from_slice(&buf[t.range.clone()]),
+                                    _ => buf.send(t.range.clone()),
                                 };
                                 (t.chunk_index % lanes, t.id(), bytes)
                             }
@@ -300,10 +358,12 @@ impl RingNet {
                 if state.is_done() && pending.is_none() {
                     return Ok(());
                 }
-                // Wait for room on the full lane or for the next chunk from the previous
-                // node, whichever comes first. Waiting for room alone deadlocks the ring
-                // once a segment outgrows the queues and windows of a link (about 144 MiB
-                // at 1 MiB chunks): every node would wait to send and none would read.
+                // Wait for room on the full lane, for the next chunk from the previous node,
+                // or for a loan to end, whichever comes first. Waiting for room alone
+                // deadlocks the ring once a segment outgrows the queues and windows of a
+                // link (about 144 MiB at 1 MiB chunks): every node would wait to send and
+                // none would read. For the same reason a chunk whose range is still lent
+                // is set aside rather than waited for: reading goes on.
                 let blocked = pending.as_ref().map_or(0, |p| p.0);
                 tokio::select! {
                     permit = wtxs[blocked].reserve(), if pending.is_some() => {
@@ -312,17 +372,26 @@ impl RingNet {
                             permit.send((id, bytes));
                         }
                     }
-                    msg = rrx.recv(), if state.recvs_left() > 0 => {
+                    msg = rrx.recv(), if state.recvs_left() > deferred.len() => {
                         let (id, parts) = msg.ok_or_else(|| CollectiveError::Link {
                             peer: prev,
                             reason: "stream ended early".into(),
                         })??;
-                        let len = parts.iter().map(|p| p.len()).sum();
-                        let action = state.on_received(id, len)?;
-                        // Reduce or copy straight from the received pieces (no gathering
-                        // copy), making the bytes sent on in the same pass.
-                        if let Some(v) = action.apply_forward(buf, &parts, dtype, op, n)? {
-                            forwards.insert(action.range().start, (action.range(), Bytes::from(v)));
+                        let range = state.expect(id)?.range;
+                        if buf.is_lent(&range) {
+                            deferred.push_back((id, parts));
+                        } else {
+                            apply_received(&mut state, buf, &mut forwards, id, &parts, how)?;
+                        }
+                    }
+                    _ = released.notified(), if !deferred.is_empty() => {
+                        for _ in 0..deferred.len() {
+                            let Some((id, parts)) = deferred.pop_front() else { break };
+                            if buf.is_lent(&state.expect(id)?.range) {
+                                deferred.push_back((id, parts));
+                            } else {
+                                apply_received(&mut state, buf, &mut forwards, id, &parts, how)?;
+                            }
                         }
                     }
                     else => {
@@ -345,6 +414,115 @@ impl RingNet {
         }
         result?;
         w
+    }
+}
+
+/// Accepts received transfer `id` and applies it to `buf` (whose range for it is not
+/// lent), keeping the bytes that go on to the next node. `Avg` divides by `divisor`.
+fn apply_received<M: RingMemory>(
+    state: &mut RingState,
+    buf: &mut M,
+    forwards: &mut HashMap<usize, (std::ops::Range<usize>, Bytes)>,
+    id: u64,
+    parts: &[Bytes],
+    how: Reduction,
+) -> Result<(), CollectiveError> {
+    let len = parts.iter().map(|p| p.len()).sum();
+    let action = state.on_received(id, len)?;
+    if let Some(bytes) = buf.apply(&action, parts, how.dtype, how.op, how.divisor)? {
+        forwards.insert(action.range().start, (action.range(), bytes));
+    }
+    Ok(())
+}
+
+/// How received chunks are combined: element type, operation, and what `Avg` divides by.
+#[derive(Clone, Copy)]
+struct Reduction {
+    dtype: DType,
+    op: ReduceOp,
+    divisor: usize,
+}
+
+/// What the ring driver needs of the memory it reduces in: a plain slice (chunks sent are
+/// copies) or a [`CollectiveBuffer`] (chunks sent are loans).
+trait RingMemory {
+    fn len(&self) -> usize;
+    /// Whether part of `range` is lent to the transport (and must not be written yet).
+    fn is_lent(&self, range: &std::ops::Range<usize>) -> bool;
+    /// The bytes of `range` to send as they are (a node's own step-0 chunks).
+    fn send(&self, range: std::ops::Range<usize>) -> Bytes;
+    /// Applies `action` (its range is not lent) and returns the bytes to send on, if any.
+    fn apply(
+        &mut self,
+        action: &Action,
+        parts: &[Bytes],
+        dtype: DType,
+        op: ReduceOp,
+        n: usize,
+    ) -> Result<Option<Bytes>, CollectiveError>;
+    /// Notified when a loan ends.
+    fn released(&self) -> Arc<Notify>;
+}
+
+/// A caller's slice: every chunk sent is a copy.
+struct Plain<'a>(&'a mut [u8]);
+
+impl RingMemory for Plain<'_> {
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    fn is_lent(&self, _: &std::ops::Range<usize>) -> bool {
+        false
+    }
+    fn send(&self, range: std::ops::Range<usize>) -> Bytes {
+        Bytes::copy_from_slice(&self.0[range])
+    }
+    fn apply(
+        &mut self,
+        action: &Action,
+        parts: &[Bytes],
+        dtype: DType,
+        op: ReduceOp,
+        n: usize,
+    ) -> Result<Option<Bytes>, CollectiveError> {
+        // Reduce or copy straight from the received pieces (no gathering copy), making
+        // the bytes sent on in the same pass.
+        Ok(action.apply_forward(self.0, parts, dtype, op, n)?.map(Bytes::from))
+    }
+    fn released(&self) -> Arc<Notify> {
+        Arc::new(Notify::new()) // nothing is lent
+    }
+}
+
+impl RingMemory for CollectiveBuffer {
+    fn len(&self) -> usize {
+        CollectiveBuffer::len(self)
+    }
+    fn is_lent(&self, range: &std::ops::Range<usize>) -> bool {
+        CollectiveBuffer::is_lent(self, range)
+    }
+    fn send(&self, range: std::ops::Range<usize>) -> Bytes {
+        self.lend(range)
+    }
+    fn apply(
+        &mut self,
+        action: &Action,
+        parts: &[Bytes],
+        dtype: DType,
+        op: ReduceOp,
+        n: usize,
+    ) -> Result<Option<Bytes>, CollectiveError> {
+        let range = action.range();
+        let dst = self.range_mut(range.clone()).ok_or_else(|| {
+            CollectiveError::Request(format!("ring: bytes {range:?} of the buffer are still being sent"))
+        })?;
+        // In place; what goes on is a loan of the result (a partial sum until the
+        // last reduce-scatter step, which the all-gather overwrites once the loan ends).
+        action.apply_to(dst, parts, dtype, op, n)?;
+        Ok((!matches!(action, Action::Copy { last: true, .. })).then(|| self.lend(range)))
+    }
+    fn released(&self) -> Arc<Notify> {
+        CollectiveBuffer::released(self)
     }
 }
 

@@ -11,6 +11,7 @@
 //! `store_set`, `store_get`; replies carry `ok` and, on failure, `error` in words. The
 //! parsing is in [`super::request`] (pure, fuzzed).
 
+use super::buffer::CollectiveBuffer;
 use super::cma::{self, Remote};
 use super::request::{self, Kind, Request};
 use super::ring::RingNet;
@@ -364,9 +365,7 @@ async fn collectives(cfg: ServiceConfig, mut ring: RingNet, mut rx: mpsc::Receiv
     let n = cfg.local_world as usize;
     let mut slots: BTreeMap<u64, Vec<Option<Part>>> = BTreeMap::new();
     let mut next = 1u64;
-    // Reused from one collective to the next (a training job reduces the same buckets again
-    // and again): a fresh buffer each time costs a page fault per 4 KiB.
-    let mut work = Vec::new();
+    let mut work = Work::default();
     while let Some(req) = rx.recv().await {
         if req.seq < next || req.local as usize >= n || slots.len() > 4096 {
             let _ = req.part.reply.send(Err("collective out of order".into()));
@@ -384,7 +383,32 @@ async fn collectives(cfg: ServiceConfig, mut ring: RingNet, mut rx: mpsc::Receiv
     }
 }
 
-async fn run_one(cfg: &ServiceConfig, ring: &mut RingNet, op_id: u64, parts: Vec<Part>, work: &mut Vec<u8>) {
+/// The node's memory for collectives, reused from one to the next (a training job reduces
+/// the same buckets again and again: a fresh buffer each time costs a page fault per
+/// 4 KiB). Two buffers, because the ring lends its chunks to QUIC and the last of them may
+/// still be unacknowledged when the next collective starts; that one then takes the other.
+#[derive(Debug, Default)]
+struct Work {
+    bufs: [CollectiveBuffer; 2],
+    last: usize,
+}
+
+impl Work {
+    /// A buffer of `len` bytes with nothing lent out (its contents are stale).
+    fn next(&mut self, len: usize) -> &mut CollectiveBuffer {
+        let i = if self.bufs[self.last].loans() == 0 { self.last } else { 1 - self.last };
+        self.last = i;
+        self.bufs[i].reset(len);
+        &mut self.bufs[i]
+    }
+
+    /// The buffer the last collective ran in.
+    fn last(&self) -> &[u8] {
+        self.bufs[self.last].as_slice()
+    }
+}
+
+async fn run_one(cfg: &ServiceConfig, ring: &mut RingNet, op_id: u64, parts: Vec<Part>, work: &mut Work) {
     let kind = parts[0].kind.clone();
     let len = parts[0].data.len();
     if let Some(bad) = parts.iter().find(|p| p.kind != kind || p.data.len() != len) {
@@ -402,8 +426,9 @@ async fn run_one(cfg: &ServiceConfig, ring: &mut RingNet, op_id: u64, parts: Vec
         return;
     }
     let started = std::time::Instant::now();
-    let result = reduce_parts(cfg, ring, op_id, &kind, &parts, work).await;
+    let result = reduce_parts(ring, op_id, &kind, &parts, work, cfg.world).await;
     let reduced = started.elapsed();
+    let work = work.last();
     let written = match &result {
         Ok(out) => write_back(&parts, &work[..*out]),
         Err(_) => vec![Ok(()); parts.len()],
@@ -529,46 +554,46 @@ fn write_back(parts: &[Part], result: &[u8]) -> Vec<Result<(), String>> {
     out
 }
 
-/// Reduces the local parts into `acc`, runs the ring, and returns the result's length
-/// (the result is `acc[..len]`).
+/// Reduces the local parts into the next of `work`'s buffers, runs the ring there, and
+/// returns the result's length (the result is `work.last()[..len]`).
 async fn reduce_parts(
-    cfg: &ServiceConfig,
     ring: &mut RingNet,
     op_id: u64,
     kind: &Kind,
     parts: &[Part],
-    acc: &mut Vec<u8>,
+    work: &mut Work,
+    ranks: u32,
 ) -> Result<usize, String> {
     let len = parts[0].data.len();
-    acc.clear();
-    let (dtype, op, out) = match kind {
+    let (dtype, op, acc, out) = match kind {
         Kind::AllReduce(d, o) => {
-            acc.resize(len, 0);
+            let acc = work.next(len);
             let ring_op = if *o == ReduceOp::Avg { ReduceOp::Sum } else { *o };
             let t = std::time::Instant::now();
-            gather_local(parts, acc, *d, ring_op)?;
+            gather_local(parts, acc.try_as_mut().unwrap_or_default(), *d, ring_op)?;
             debug!("local gather of {len} bytes from {} ranks in {:?}", parts.len(), t.elapsed());
-            (*d, *o, len)
+            (*d, *o, acc, len)
         }
         // Broadcast as a byte-exact sum: the root's bytes plus zeros from everyone else,
         // as wrapping int64 additions (identity on the root's bits).
         Kind::Broadcast(root) => {
-            acc.resize(len.div_ceil(8) * 8, 0);
+            let acc = work.next(len.div_ceil(8) * 8);
+            let bytes = acc.try_as_mut().unwrap_or_default();
+            bytes.fill(0);
             if let Some(p) = parts.iter().find(|p| p.global == *root) {
-                p.data.read(0, &mut acc[..len])?;
+                p.data.read(0, &mut bytes[..len])?;
             }
-            (DType::I64, ReduceOp::Sum, len)
+            (DType::I64, ReduceOp::Sum, acc, len)
         }
         Kind::Barrier => {
-            acc.resize(8, 0);
-            (DType::I64, ReduceOp::Sum, 0)
+            let acc = work.next(8);
+            acc.try_as_mut().unwrap_or_default().fill(0);
+            (DType::I64, ReduceOp::Sum, acc, 0)
         }
     };
-    let ring_op = if op == ReduceOp::Avg { ReduceOp::Sum } else { op };
-    ring.allreduce(op_id, acc, dtype, ring_op).await.map_err(|e| e.to_string())?;
-    if op == ReduceOp::Avg {
-        reduce::finish_avg(dtype, acc, cfg.world).map_err(|e| e.to_string())?;
-    }
+    // An average divides the sum over every rank of the job (not every node) once, where
+    // the ring completes each chunk, so all nodes spread the same divided bytes.
+    ring.allreduce_buffer_dividing(op_id, acc, dtype, op, ranks as usize).await.map_err(|e| e.to_string())?;
     Ok(out)
 }
 
