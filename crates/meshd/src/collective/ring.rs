@@ -322,6 +322,7 @@ impl RingNet {
         // Received chunks whose range is still lent to the transport (being sent, or not
         // yet acknowledged), in arrival order: applied once the loan ends.
         let mut deferred: VecDeque<(u64, Vec<Bytes>)> = VecDeque::new();
+        let mut waited = 0usize;
         let released = buf.released();
         let how = Reduction { dtype, op, divisor };
         let writer_stopped = || CollectiveError::Link { peer: next, reason: "writer stopped".into() };
@@ -379,6 +380,7 @@ impl RingNet {
                         })??;
                         let range = state.expect(id)?.range;
                         if buf.is_lent(&range) {
+                            waited += 1;
                             deferred.push_back((id, parts));
                         } else {
                             apply_received(&mut state, buf, &mut forwards, id, &parts, how)?;
@@ -411,6 +413,11 @@ impl RingNet {
         }
         for reader in readers {
             reader.abort();
+        }
+        if waited > 0 {
+            tracing::debug!(
+                "ring operation {op_id}: {waited} received chunk(s) waited for their range to come back from QUIC"
+            );
         }
         result?;
         w
