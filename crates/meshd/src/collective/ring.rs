@@ -333,10 +333,9 @@ impl RingNet {
                     let (lane, id, bytes) = match pending.take() {
                         Some(p) => p,
                         None => match state.poll_send() {
-                            // One contiguous buffer per chunk: forwarding quinn's received
-                            // pieces (about one packet each) made quinn write a STREAM frame
-                            // per piece, which cost more than the copy (docs/PERFORMANCE.md).
-                            // Only a node's own step-0 chunks come straight from `buf`.
+                            // One contiguous buffer per chunk (forwarding quinn's received
+                            // pieces, about a packet each, measured slower: docs/PERFORMANCE.md):
+                            // what a received chunk became, or a node's own step-0 chunk.
                             Some(t) => {
                                 let bytes = match forwards.remove(&t.range.start) {
                                     Some((range, bytes)) if range == t.range => bytes,
