@@ -634,7 +634,11 @@ fn for_elements<P: AsRef<[u8]>>(
 /// room on the link (and must, or a ring whose segments outgrow the links' buffers
 /// deadlocks): the only transfers it still copies out of the buffer are its own step-0
 /// chunks, and no action writes such a chunk's range before that chunk has been sent
-/// around the whole ring. Memory is fixed at construction (a bit per
+/// around the whole ring. A driver that sends ranges of its buffer without copying them
+/// (lends them to a transport that may retransmit) must not write a lent range: it holds
+/// a received transfer back, without calling [`RingState::on_received`], until the loan
+/// ends, and then applies the action in place ([`Action::apply_to`]). Memory is fixed at
+/// construction (a bit per
 /// expected transfer and a queue of at most one entry per expected transfer): nothing a
 /// peer sends makes it grow.
 #[derive(Clone, Debug)]
