@@ -38,6 +38,11 @@ try:
     x = np.full(12345, rank, dtype=np.float32)
     c.allreduce(x, op="avg")
     assert np.allclose(x, (world - 1) / 2), x[:3]
+    # Large enough that the ring lends its chunks to QUIC: the average still divides by
+    # every rank of the job, not by the nodes.
+    z = np.full(1_000_003, rank, dtype=np.float32)
+    c.allreduce(z, op="avg")
+    assert np.allclose(z, (world - 1) / 2), z[:3]
     y = np.arange(5, dtype=np.int32) * (rank + 1)
     c.allreduce(y)
     assert (y == np.arange(5, dtype=np.int32) * (world * (world + 1) // 2)).all(), y
