@@ -85,8 +85,8 @@ fn in_place_requests_that_cannot_be_served_are_refused_with_the_cause() {
 /// an odd length, and a barrier, all over the mesh's own QUIC endpoint. Then an allreduce
 /// of 100,003 floats in 4 KiB chunks with a different number of lanes on each node (rank
 /// r sends over r + 1 connections), which must open exactly those lanes and agree, one
-/// of 60 MiB, more than a link buffers, and three on a `CollectiveBuffer` whose chunks
-/// are lent to QUIC rather than copied.
+/// of 60 MiB, more than a link buffers, three on a `CollectiveBuffer` whose chunks are
+/// lent to QUIC rather than copied, a small (direct) one, and one the nodes disagree on.
 #[test]
 fn rust_library_allreduce_broadcast_barrier() {
     use meshd::collective::{CollectiveBuffer, RingNet};
@@ -209,6 +209,39 @@ fn rust_library_allreduce_broadcast_barrier() {
                 .expect("check");
                 lent = back;
                 assert_eq!(bad, None, "node {rank}: lent allreduce {op}, first wrong element");
+            }
+            // A small allreduce goes direct (one hop); one whose range is held goes on
+            // only once the hold ends, and leaves the held bytes alone.
+            let mut small = CollectiveBuffer::from_vec(
+                (0..16384).flat_map(|i: i32| (i * (rank as i32 + 1)).to_le_bytes()).collect(),
+            );
+            let hold = small.lend(0..65536);
+            let held = hold.to_vec();
+            let release = tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                let untouched = hold[..] == held[..];
+                drop(hold);
+                (Instant::now(), untouched)
+            });
+            ring.allreduce_buffer(10, &mut small, DType::I32, ReduceOp::Sum).await?;
+            let done = Instant::now();
+            let (released, untouched) = release.await.expect("release");
+            assert!(untouched && done >= released, "node {rank}: the direct allreduce wrote a held range");
+            let want: Vec<u8> = (0..16384).flat_map(|i: i32| (i * 6).to_le_bytes()).collect();
+            assert!(small.as_slice() == &want[..], "node {rank}: direct allreduce");
+            // Nodes that disagree on the size (two go direct, one around the ring) get
+            // errors, not a hang: the direct side names what it received.
+            ring.join_timeout = Duration::from_secs(5);
+            let mut odd = vec![0u8; if rank == 2 { 1 << 20 } else { 4096 }];
+            let err = tokio::time::timeout(
+                Duration::from_secs(30),
+                ring.allreduce(11, &mut odd, DType::F32, ReduceOp::Sum),
+            )
+            .await
+            .expect("a size mismatch must not hang")
+            .expect_err("a size mismatch must fail");
+            if rank == 0 {
+                assert!(err.to_string().contains("not a direct contribution"), "{err}");
             }
             Ok::<_, meshd::collective::CollectiveError>((sum, msg, big))
         });

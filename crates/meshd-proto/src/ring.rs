@@ -108,6 +108,53 @@ pub fn decode_transfer_id(id: u64) -> (Phase, usize, usize) {
     (phase, ((id >> 32) & 0x7fff_ffff) as usize, (id & 0xffff_ffff) as usize)
 }
 
+/// Allreduces of at most this many bytes, among at most [`DIRECT_MAX_WORLD`] nodes, go
+/// straight from every node to every other node, and each node reduces all contributions
+/// itself: one hop instead of the ring's 2(n-1), each of which waits for the one before.
+/// Part of the wire protocol: every node must choose the same way ([`is_direct`]).
+/// Measured on 3 lab hosts (MTU 9000): 64 KiB took 796 us direct against 1117 us around
+/// the ring, 256 KiB 2388 against 1939 us.
+pub const DIRECT_MAX_BYTES: usize = 64 << 10;
+/// Most nodes for a direct allreduce: each node sends n - 1 copies of its buffer.
+pub const DIRECT_MAX_WORLD: usize = 16;
+/// The transfer id of a direct contribution. No [`RingPlan`] produces it (its step would
+/// be 2^31 - 1), so a node that runs the ring where its neighbour went direct, or the
+/// other way round, finds out at the first header.
+pub const DIRECT_TRANSFER_ID: u64 = u64::MAX;
+
+/// Whether an allreduce of `len_bytes` across `world` nodes goes direct rather than
+/// around the ring.
+pub fn is_direct(world: usize, len_bytes: usize) -> bool {
+    (2..=DIRECT_MAX_WORLD).contains(&world) && len_bytes <= DIRECT_MAX_BYTES
+}
+
+/// The result of a direct allreduce into `out`: every node's contribution (in rank order,
+/// so every node computes the same bits whatever order they arrived in) reduced with `op`,
+/// and for `Avg` divided by `divisor`.
+pub fn direct_reduce<P: AsRef<[u8]>>(
+    contributions: &[P],
+    dtype: DType,
+    op: ReduceOp,
+    divisor: u32,
+    out: &mut [u8],
+) -> Result<(), RingError> {
+    let Some((first, rest)) = contributions.split_first() else {
+        return Err(ReduceError::LengthMismatch { acc: out.len(), other: 0 }.into());
+    };
+    let first = first.as_ref();
+    if first.len() != out.len() {
+        return Err(ReduceError::LengthMismatch { acc: out.len(), other: first.len() }.into());
+    }
+    out.copy_from_slice(first);
+    for c in rest {
+        reduce::reduce_into(dtype, op, out, c.as_ref())?;
+    }
+    if op == ReduceOp::Avg {
+        reduce::finish_avg(dtype, out, divisor)?;
+    }
+    Ok(())
+}
+
 /// Bytes of the header before each chunk's payload on a data stream: the [`transfer_id`]
 /// (u64 big-endian), then the payload's length (u32 big-endian).
 pub const CHUNK_HEADER_LEN: usize = 12;

@@ -455,3 +455,43 @@ fn apply_parts_equals_apply_for_any_split() {
         }
     }
 }
+
+#[test]
+fn direct_choice_and_id_never_collide_with_the_ring() {
+    assert!(!is_direct(1, 8), "one node has nothing to exchange");
+    assert!(is_direct(2, 8) && is_direct(DIRECT_MAX_WORLD, DIRECT_MAX_BYTES));
+    assert!(!is_direct(DIRECT_MAX_WORLD + 1, 8));
+    assert!(!is_direct(3, DIRECT_MAX_BYTES + 1));
+    // The largest world's plan has steps below 2^31 - 1: no ring id is the direct one.
+    let (phase, step, _) = decode_transfer_id(DIRECT_TRANSFER_ID);
+    assert_eq!((phase, step), (Phase::AllGather, 0x7fff_ffff));
+    assert!(step + 1 > MAX_WORLD - 1, "a ring step is at most MAX_WORLD - 2");
+}
+
+#[test]
+fn direct_reduce_is_rank_order_whatever_the_data() {
+    let mut rng = Rng::new(11);
+    for dtype in [DType::F32, DType::F16, DType::I64] {
+        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Min, ReduceOp::Max] {
+            let n = 2 + rng.below(7);
+            let elems = 1 + rng.below(50);
+            let data: Vec<Vec<u8>> = (0..n).map(|_| random_data(dtype, elems, &mut rng)).collect();
+            let mut want = data[0].clone();
+            for d in &data[1..] {
+                reduce_into(dtype, op, &mut want, d).expect("reduce");
+            }
+            if op == ReduceOp::Avg {
+                finish_avg(dtype, &mut want, n as u32).expect("avg");
+            }
+            let mut got = vec![0u8; want.len()];
+            direct_reduce(&data, dtype, op, n as u32, &mut got).expect("direct");
+            assert_eq!(got, want, "{dtype:?} {op:?} n={n}");
+        }
+    }
+    let mut out = [0u8; 8];
+    assert!(direct_reduce(&[[0u8; 4]], DType::I32, ReduceOp::Sum, 1, &mut out).is_err(), "length mismatch");
+    assert!(
+        direct_reduce::<[u8; 8]>(&[], DType::I32, ReduceOp::Sum, 1, &mut out).is_err(),
+        "nothing to reduce"
+    );
+}

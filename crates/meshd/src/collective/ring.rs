@@ -12,7 +12,8 @@ use crate::transport::{DataStream, Transport, TransportError};
 use bytes::Bytes;
 use meshd_proto::reduce::{DType, ReduceOp};
 use meshd_proto::ring::{
-    Action, CHUNK_HEADER_LEN, RingError, RingPlan, RingState, decode_chunk_header, encode_chunk_header,
+    Action, CHUNK_HEADER_LEN, DIRECT_TRANSFER_ID, RingError, RingPlan, RingState, decode_chunk_header,
+    direct_reduce, encode_chunk_header, is_direct,
 };
 use meshd_proto::wire::MAX_LANES;
 use std::collections::{HashMap, VecDeque};
@@ -292,6 +293,9 @@ impl RingNet {
         if n <= 1 {
             return Ok(());
         }
+        if is_direct(n, buf.len()) {
+            return self.run_direct(op_id, buf, Reduction { dtype, op, divisor }).await;
+        }
         let plan = RingPlan::new(n, self.rank, buf.len() / dtype.size(), dtype.size(), self.chunk_bytes)?;
         let max_chunk = plan.chunk_bytes().max(dtype.size());
         let mut state = RingState::new(plan);
@@ -423,6 +427,90 @@ impl RingNet {
     }
 }
 
+impl RingNet {
+    /// A small allreduce in one hop ([`is_direct`]): this node's buffer goes to every other
+    /// node at once, and each node reduces all of them in rank order itself.
+    async fn run_direct<M: RingMemory>(
+        &mut self,
+        op_id: u64,
+        buf: &mut M,
+        how: Reduction,
+    ) -> Result<(), CollectiveError> {
+        let (n, len) = (self.addrs.len(), buf.len());
+        // A copy, never a loan: this node overwrites its buffer as soon as it has every
+        // contribution, without waiting for the others' ACKs.
+        let mine = buf.copy(0..len);
+        let mut writers = Vec::with_capacity(n - 1);
+        for (i, &peer) in self.addrs.iter().enumerate() {
+            if i == self.rank {
+                continue;
+            }
+            let mut send = self.transport.open_data_lane(peer, op_id, 0).await?;
+            // The stream a one-lane ring would open, holding one frame.
+            let mut parts = [
+                Bytes::from_static(&[0, 1]),
+                Bytes::copy_from_slice(&encode_chunk_header(DIRECT_TRANSFER_ID, len as u32)),
+                mine.clone(),
+            ];
+            writers.push(tokio::spawn(async move {
+                let link = |e: String| CollectiveError::Link { peer, reason: e };
+                send.write_all_chunks(&mut parts).await.map_err(|e| link(e.to_string()))?;
+                send.finish().map_err(|e| link(e.to_string()))
+            }));
+        }
+        let mut contributions = Vec::with_capacity(n);
+        for (i, &peer) in self.addrs.clone().iter().enumerate() {
+            if i == self.rank {
+                contributions.push(mine.clone());
+                continue;
+            }
+            let mut recv = self.stream_from(peer, op_id).await?;
+            let got = tokio::time::timeout(self.join_timeout, read_direct(&mut recv, len))
+                .await
+                .map_err(|_| CollectiveError::Timeout { peer, op: op_id, timeout: self.join_timeout })?
+                .map_err(|reason| CollectiveError::Link { peer, reason })?;
+            contributions.push(got);
+        }
+        let mut out = vec![0u8; len];
+        let divisor = u32::try_from(how.divisor).unwrap_or(u32::MAX);
+        direct_reduce(&contributions, how.dtype, how.op, divisor, &mut out)?;
+        // A loan from an earlier, larger operation on this buffer ends at its ACK.
+        let released = buf.released();
+        while buf.is_lent(&(0..len)) {
+            released.notified().await;
+        }
+        buf.overwrite(&out)?;
+        for writer in writers {
+            writer.await.map_err(|e| CollectiveError::Link {
+                peer: self.addrs[self.rank],
+                reason: e.to_string(),
+            })??;
+        }
+        Ok(())
+    }
+}
+
+/// Reads a direct contribution of `len` bytes: a one-lane preamble and one frame.
+async fn read_direct(recv: &mut quinn::RecvStream, len: usize) -> Result<Bytes, String> {
+    let mut pre = [0u8; LANE_PREAMBLE];
+    recv.read_exact(&mut pre).await.map_err(|e| format!("direct contribution: {e}"))?;
+    let mut head = [0u8; CHUNK_HEADER_LEN];
+    recv.read_exact(&mut head).await.map_err(|e| format!("direct contribution: {e}"))?;
+    // The id first: a ring frame (a node that did not go direct) is named as such.
+    let (id, got) = decode_chunk_header(&head, usize::MAX).map_err(|e| e.to_string())?;
+    if pre != [0, 1] || id != DIRECT_TRANSFER_ID {
+        return Err(format!(
+            "it sent ring transfer {id:#x}, not a direct contribution: does it run another meshd, or an allreduce of another size?"
+        ));
+    }
+    if got != len {
+        return Err(format!("it contributed {got} bytes to an allreduce of {len} bytes here"));
+    }
+    let mut data = vec![0u8; len];
+    recv.read_exact(&mut data).await.map_err(|e| format!("direct contribution: {e}"))?;
+    Ok(Bytes::from(data))
+}
+
 /// Accepts received transfer `id` and applies it to `buf` (whose range for it is not
 /// lent), keeping the bytes that go on to the next node. `Avg` divides by `divisor`.
 fn apply_received<M: RingMemory>(
@@ -457,6 +545,8 @@ trait RingMemory {
     fn is_lent(&self, range: &std::ops::Range<usize>) -> bool;
     /// The bytes of `range` to send as they are (a node's own step-0 chunks).
     fn send(&self, range: std::ops::Range<usize>) -> Bytes;
+    /// A copy of the bytes of `range`.
+    fn copy(&self, range: std::ops::Range<usize>) -> Bytes;
     /// Applies `action` (its range is not lent) and returns the bytes to send on, if any.
     fn apply(
         &mut self,
@@ -468,6 +558,8 @@ trait RingMemory {
     ) -> Result<Option<Bytes>, CollectiveError>;
     /// Notified when a loan ends.
     fn released(&self) -> Arc<Notify>;
+    /// Replaces the whole buffer's bytes with `src` (nothing of it is lent).
+    fn overwrite(&mut self, src: &[u8]) -> Result<(), CollectiveError>;
 }
 
 /// A caller's slice: every chunk sent is a copy.
@@ -481,6 +573,9 @@ impl RingMemory for Plain<'_> {
         false
     }
     fn send(&self, range: std::ops::Range<usize>) -> Bytes {
+        self.copy(range)
+    }
+    fn copy(&self, range: std::ops::Range<usize>) -> Bytes {
         Bytes::copy_from_slice(&self.0[range])
     }
     fn apply(
@@ -498,6 +593,10 @@ impl RingMemory for Plain<'_> {
     fn released(&self) -> Arc<Notify> {
         Arc::new(Notify::new()) // nothing is lent
     }
+    fn overwrite(&mut self, src: &[u8]) -> Result<(), CollectiveError> {
+        self.0.copy_from_slice(src);
+        Ok(())
+    }
 }
 
 impl RingMemory for CollectiveBuffer {
@@ -509,6 +608,9 @@ impl RingMemory for CollectiveBuffer {
     }
     fn send(&self, range: std::ops::Range<usize>) -> Bytes {
         self.lend(range)
+    }
+    fn copy(&self, range: std::ops::Range<usize>) -> Bytes {
+        Bytes::copy_from_slice(&self.as_slice()[range])
     }
     fn apply(
         &mut self,
@@ -529,6 +631,14 @@ impl RingMemory for CollectiveBuffer {
     }
     fn released(&self) -> Arc<Notify> {
         CollectiveBuffer::released(self)
+    }
+    fn overwrite(&mut self, src: &[u8]) -> Result<(), CollectiveError> {
+        let len = src.len();
+        let dst = self
+            .range_mut(0..len)
+            .ok_or_else(|| CollectiveError::Request("ring: the buffer is still being sent".into()))?;
+        dst.copy_from_slice(src);
+        Ok(())
     }
 }
 
