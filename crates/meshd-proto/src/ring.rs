@@ -510,10 +510,7 @@ impl Action {
         let range = self.range();
         let have = buf.len();
         let dst = buf.get_mut(range.clone()).ok_or(RingError::BufferTooSmall { need: range.end, have })?;
-        let total: usize = parts.iter().map(|p| p.as_ref().len()).sum();
-        if total != dst.len() {
-            return Err(ReduceError::LengthMismatch { acc: dst.len(), other: total }.into());
-        }
+        fills(dst, parts)?;
         Ok(dst)
     }
 
@@ -543,10 +540,10 @@ impl Action {
         op: ReduceOp,
         n: usize,
     ) -> Result<(), RingError> {
-        let total: usize = parts.iter().map(|p| p.as_ref().len()).sum();
-        if total != dst.len() || dst.len() != self.range().len() {
-            return Err(ReduceError::LengthMismatch { acc: dst.len(), other: total }.into());
+        if dst.len() != self.range().len() {
+            return Err(ReduceError::LengthMismatch { acc: dst.len(), other: self.range().len() }.into());
         }
+        fills(dst, parts)?;
         self.apply_in(dst, parts, dtype, op, n)
     }
 
@@ -619,6 +616,15 @@ impl Action {
         }
         Ok(Some(out))
     }
+}
+
+/// Checks that `parts` together are exactly as long as `dst`.
+fn fills<P: AsRef<[u8]>>(dst: &[u8], parts: &[P]) -> Result<(), RingError> {
+    let total: usize = parts.iter().map(|p| p.as_ref().len()).sum();
+    if total != dst.len() {
+        return Err(ReduceError::LengthMismatch { acc: dst.len(), other: total }.into());
+    }
+    Ok(())
 }
 
 /// Copies `parts` one after another into `dst`, handing each to `also` as well.

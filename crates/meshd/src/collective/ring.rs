@@ -523,7 +523,7 @@ fn apply_received<M: RingMemory>(
 ) -> Result<(), CollectiveError> {
     let len = parts.iter().map(|p| p.len()).sum();
     let action = state.on_received(id, len)?;
-    if let Some(bytes) = buf.apply(&action, parts, how.dtype, how.op, how.divisor)? {
+    if let Some(bytes) = buf.apply(&action, parts, how)? {
         forwards.insert(action.range().start, (action.range(), bytes));
     }
     Ok(())
@@ -552,9 +552,7 @@ trait RingMemory {
         &mut self,
         action: &Action,
         parts: &[Bytes],
-        dtype: DType,
-        op: ReduceOp,
-        n: usize,
+        how: Reduction,
     ) -> Result<Option<Bytes>, CollectiveError>;
     /// Notified when a loan ends.
     fn released(&self) -> Arc<Notify>;
@@ -582,13 +580,11 @@ impl RingMemory for Plain<'_> {
         &mut self,
         action: &Action,
         parts: &[Bytes],
-        dtype: DType,
-        op: ReduceOp,
-        n: usize,
+        how: Reduction,
     ) -> Result<Option<Bytes>, CollectiveError> {
         // Reduce or copy straight from the received pieces (no gathering copy), making
         // the bytes sent on in the same pass.
-        Ok(action.apply_forward(self.0, parts, dtype, op, n)?.map(Bytes::from))
+        Ok(action.apply_forward(self.0, parts, how.dtype, how.op, how.divisor)?.map(Bytes::from))
     }
     fn released(&self) -> Arc<Notify> {
         Arc::new(Notify::new()) // nothing is lent
@@ -616,9 +612,7 @@ impl RingMemory for CollectiveBuffer {
         &mut self,
         action: &Action,
         parts: &[Bytes],
-        dtype: DType,
-        op: ReduceOp,
-        n: usize,
+        how: Reduction,
     ) -> Result<Option<Bytes>, CollectiveError> {
         let range = action.range();
         let dst = self.range_mut(range.clone()).ok_or_else(|| {
@@ -626,7 +620,7 @@ impl RingMemory for CollectiveBuffer {
         })?;
         // In place; what goes on is a loan of the result (a partial sum until the
         // last reduce-scatter step, which the all-gather overwrites once the loan ends).
-        action.apply_to(dst, parts, dtype, op, n)?;
+        action.apply_to(dst, parts, how.dtype, how.op, how.divisor)?;
         Ok((!matches!(action, Action::Copy { last: true, .. })).then(|| self.lend(range)))
     }
     fn released(&self) -> Arc<Notify> {

@@ -120,30 +120,28 @@ mod tests {
         let (server, _) = rustls_configs(b"meshd/test").expect("server config");
         let (_, client) = rustls_configs(b"meshd/test").expect("client config");
         let name = ServerName::try_from("meshd").expect("name");
-        let mut c = rustls::ClientConnection::new(Arc::new(client), name).expect("client");
-        let mut s = rustls::ServerConnection::new(Arc::new(server)).expect("server");
+        let mut c =
+            rustls::Connection::from(rustls::ClientConnection::new(Arc::new(client), name).expect("client"));
+        let mut s =
+            rustls::Connection::from(rustls::ServerConnection::new(Arc::new(server)).expect("server"));
+        // What one side has to send, handed to the other.
+        fn pump(from: &mut rustls::Connection, to: &mut rustls::Connection) {
+            let mut wire = Vec::new();
+            while from.wants_write() {
+                from.write_tls(&mut wire).expect("write");
+            }
+            let mut rd = &wire[..];
+            while !rd.is_empty() {
+                to.read_tls(&mut rd).expect("read");
+            }
+            to.process_new_packets().expect("handshake");
+        }
         for _ in 0..10 {
             if !c.is_handshaking() && !s.is_handshaking() {
                 break;
             }
-            let mut wire = Vec::new();
-            while c.wants_write() {
-                c.write_tls(&mut wire).expect("client writes");
-            }
-            let mut rd = &wire[..];
-            while !rd.is_empty() {
-                s.read_tls(&mut rd).expect("server reads");
-            }
-            s.process_new_packets().expect("server handshake");
-            let mut wire = Vec::new();
-            while s.wants_write() {
-                s.write_tls(&mut wire).expect("server writes");
-            }
-            let mut rd = &wire[..];
-            while !rd.is_empty() {
-                c.read_tls(&mut rd).expect("client reads");
-            }
-            c.process_new_packets().expect("client handshake");
+            pump(&mut c, &mut s);
+            pump(&mut s, &mut c);
         }
         assert!(!c.is_handshaking() && !s.is_handshaking(), "handshake finished");
         let suite = |x: Option<rustls::SupportedCipherSuite>| x.map(|s| s.suite());
