@@ -452,11 +452,11 @@ impl RingNet {
                 Bytes::copy_from_slice(&encode_chunk_header(DIRECT_TRANSFER_ID, len as u32)),
                 mine.clone(),
             ];
-            writers.push(tokio::spawn(async move {
-                let link = |e: String| CollectiveError::Link { peer, reason: e };
-                send.write_all_chunks(&mut parts).await.map_err(|e| link(e.to_string()))?;
-                send.finish().map_err(|e| link(e.to_string()))
-            }));
+            let task = tokio::spawn(async move {
+                send.write_all_chunks(&mut parts).await.map_err(|e| e.to_string())?;
+                send.finish().map_err(|e| e.to_string())
+            });
+            writers.push((peer, task));
         }
         let mut contributions = Vec::with_capacity(n);
         for (i, &peer) in self.addrs.clone().iter().enumerate() {
@@ -480,11 +480,12 @@ impl RingNet {
             released.notified().await;
         }
         buf.overwrite(&out)?;
-        for writer in writers {
-            writer.await.map_err(|e| CollectiveError::Link {
-                peer: self.addrs[self.rank],
-                reason: e.to_string(),
-            })??;
+        for (peer, writer) in writers {
+            writer
+                .await
+                .map_err(|e| e.to_string())
+                .and_then(|r| r)
+                .map_err(|reason| CollectiveError::Link { peer, reason })?;
         }
         Ok(())
     }
