@@ -340,6 +340,22 @@ mod tests {
         assert!(empty.is_empty() && empty.as_slice().is_empty());
     }
 
+    /// The transport reads a loan on its own thread while the owner writes the range next
+    /// to it (Miri's race and aliasing checks run this: `cargo +nightly miri test -p meshd
+    /// --lib collective::buffer`).
+    #[test]
+    fn a_loan_is_read_on_another_thread_while_its_neighbour_is_written() {
+        let mut b = CollectiveBuffer::from_vec(vec![1; 2 * K]);
+        let sent = b.lend(0..K);
+        let reader =
+            std::thread::spawn(move || (0..4).map(|_| sent.iter().map(|&x| x as usize).sum::<usize>()).max());
+        for round in 0..4u8 {
+            b.range_mut(K..2 * K).expect("not lent").fill(round);
+        }
+        assert_eq!(reader.join().expect("reader"), Some(K), "the loan never changed");
+        assert!(b.try_as_mut().is_some(), "the loan ended with the reader");
+    }
+
     #[tokio::test]
     async fn dropping_a_loan_on_another_thread_wakes_a_waiter() {
         let b = CollectiveBuffer::zeroed(2 * K);
