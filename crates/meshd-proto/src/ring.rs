@@ -507,11 +507,15 @@ impl Action {
 
     /// The chunk's range of `buf`, once `parts` is known to fill it exactly.
     fn target<'b, P: AsRef<[u8]>>(&self, buf: &'b mut [u8], parts: &[P]) -> Result<&'b mut [u8], RingError> {
-        let range = self.range();
-        let have = buf.len();
-        let dst = buf.get_mut(range.clone()).ok_or(RingError::BufferTooSmall { need: range.end, have })?;
+        let dst = self.chunk_of(buf)?;
         fills(dst, parts)?;
         Ok(dst)
+    }
+
+    /// The chunk's range of `buf`, if `buf` is long enough.
+    fn chunk_of<'b>(&self, buf: &'b mut [u8]) -> Result<&'b mut [u8], RingError> {
+        let (range, have) = (self.range(), buf.len());
+        buf.get_mut(range.clone()).ok_or(RingError::BufferTooSmall { need: range.end, have })
     }
 
     /// [`Action::apply`] for a payload that arrives in pieces (a transport's received
@@ -525,8 +529,7 @@ impl Action {
         op: ReduceOp,
         n: usize,
     ) -> Result<(), RingError> {
-        let dst = self.target(buf, parts)?;
-        self.apply_in(dst, parts, dtype, op, n)
+        self.apply_to(self.chunk_of(buf)?, parts, dtype, op, n)
     }
 
     /// [`Action::apply_parts`] onto `dst`, the chunk's own bytes (`range()` of the buffer)
@@ -544,17 +547,6 @@ impl Action {
             return Err(ReduceError::LengthMismatch { acc: dst.len(), other: self.range().len() }.into());
         }
         fills(dst, parts)?;
-        self.apply_in(dst, parts, dtype, op, n)
-    }
-
-    fn apply_in<P: AsRef<[u8]>>(
-        &self,
-        dst: &mut [u8],
-        parts: &[P],
-        dtype: DType,
-        op: ReduceOp,
-        n: usize,
-    ) -> Result<(), RingError> {
         if !matches!(self, Action::Reduce { .. }) {
             copy_parts(dst, parts, |_| {});
             return Ok(());
