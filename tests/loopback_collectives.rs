@@ -86,7 +86,8 @@ fn in_place_requests_that_cannot_be_served_are_refused_with_the_cause() {
 /// of 100,003 floats in 4 KiB chunks with a different number of lanes on each node (rank
 /// r sends over r + 1 connections), which must open exactly those lanes and agree, one
 /// of 60 MiB, more than a link buffers, three on a `CollectiveBuffer` whose chunks are
-/// lent to QUIC rather than copied, a small (direct) one, and one the nodes disagree on.
+/// lent to QUIC rather than copied, a small (direct) one, one the nodes disagree on, and
+/// one after node 0 ran 70 operations the others never joined.
 #[test]
 fn rust_library_allreduce_broadcast_barrier() {
     use meshd::collective::{CollectiveBuffer, RingNet};
@@ -243,6 +244,33 @@ fn rust_library_allreduce_broadcast_barrier() {
             if rank == 0 {
                 assert!(err.to_string().contains("not a direct contribution"), "{err}");
             }
+            // Node 0 runs 70 operations the others never join (each times out after it
+            // opened its streams to node 1), more than the 64 streams a connection may
+            // have open. Node 1 must drop those stale streams, or node 0 could not open
+            // another one and the next real operation would hang.
+            if rank == 0 {
+                ring.join_timeout = Duration::from_millis(50);
+                for op in 100..170 {
+                    let mut alone = vec![0u8; 128 << 10];
+                    let r = tokio::time::timeout(
+                        Duration::from_secs(20),
+                        ring.allreduce(op, &mut alone, DType::F32, ReduceOp::Sum),
+                    )
+                    .await
+                    .map_err(|_| {
+                        meshd::collective::CollectiveError::Request(format!(
+                            "node 0 could not even start operation {op}: node 1 holds its stale streams"
+                        ))
+                    })?;
+                    assert!(r.is_err(), "operation {op} has no partners and must fail");
+                }
+            }
+            ring.join_timeout = Duration::from_secs(30);
+            let mut after: Vec<u8> =
+                (0..65536).flat_map(|i: i32| (i * (rank as i32 + 1)).to_le_bytes()).collect();
+            ring.allreduce(200, &mut after, DType::I32, ReduceOp::Sum).await?;
+            let want: Vec<u8> = (0..65536).flat_map(|i: i32| (i * 6).to_le_bytes()).collect();
+            assert!(after == want, "node {rank}: the allreduce after 70 abandoned operations");
             Ok::<_, meshd::collective::CollectiveError>((sum, msg, big))
         });
         tokio::pin!(work);

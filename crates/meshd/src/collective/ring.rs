@@ -39,6 +39,47 @@ fn default_lanes() -> usize {
     (workers / 2).clamp(1, MAX_LANES)
 }
 
+/// Data streams that arrived for an operation other than the one being run, oldest first.
+///
+/// A neighbour is at most one operation ahead (each operation needs every node's data), so
+/// at most `MAX_LANES` streams per peer are waiting legitimately. Streams of an operation
+/// this node never ran (it failed here before it started) would wait forever, and each
+/// holds one of the connection's 64 concurrent streams (`transport`): after 64 of them the
+/// peer could not open another. So a peer keeps at most [`STASH_PER_PEER`] streams, and the
+/// oldest goes first.
+#[derive(Debug)]
+struct Stash<T> {
+    waiting: VecDeque<(SocketAddr, u64, T)>,
+}
+
+/// Streams kept per peer: twice the most a neighbour one operation ahead can open.
+const STASH_PER_PEER: usize = 2 * MAX_LANES;
+
+impl<T> Default for Stash<T> {
+    fn default() -> Self {
+        Stash { waiting: VecDeque::new() }
+    }
+}
+
+impl<T> Stash<T> {
+    /// The oldest stream kept from `peer` for `op`.
+    fn take(&mut self, peer: SocketAddr, op: u64) -> Option<T> {
+        let i = self.waiting.iter().position(|(p, o, _)| *p == peer && *o == op)?;
+        self.waiting.remove(i).map(|(_, _, t)| t)
+    }
+
+    /// Keeps a stream; returns the peer's oldest one (its operation and the stream, to be
+    /// dropped) when the peer has more than [`STASH_PER_PEER`].
+    fn put(&mut self, peer: SocketAddr, op: u64, t: T) -> Option<(u64, T)> {
+        self.waiting.push_back((peer, op, t));
+        if self.waiting.iter().filter(|(p, _, _)| *p == peer).count() <= STASH_PER_PEER {
+            return None;
+        }
+        let i = self.waiting.iter().position(|(p, _, _)| *p == peer)?;
+        self.waiting.remove(i).map(|(_, o, t)| (o, t))
+    }
+}
+
 /// Collective failures.
 #[derive(Debug, thiserror::Error)]
 pub enum CollectiveError {
@@ -78,7 +119,7 @@ pub struct RingNet {
     rank: usize,
     addrs: Vec<SocketAddr>,
     incoming: Arc<Mutex<mpsc::Receiver<DataStream>>>,
-    stash: HashMap<(SocketAddr, u64), Vec<quinn::RecvStream>>,
+    stash: Stash<quinn::RecvStream>,
     /// Chunk size in bytes (pipelining grain).
     pub chunk_bytes: usize,
     /// Most lanes (QUIC connections) this node sends an operation's data over to the next
@@ -105,7 +146,7 @@ impl RingNet {
             rank,
             addrs,
             incoming,
-            stash: HashMap::new(),
+            stash: Stash::default(),
             chunk_bytes,
             lanes: default_lanes(),
             join_timeout: Duration::from_secs(300),
@@ -139,15 +180,8 @@ impl RingNet {
     }
 
     async fn stream_from(&mut self, peer: SocketAddr, op: u64) -> Result<quinn::RecvStream, CollectiveError> {
-        if let Some(waiting) = self.stash.get_mut(&(peer, op)) {
-            let s = waiting.pop();
-            if waiting.is_empty() {
-                // No empty entry left behind: one per operation would add up over a job.
-                self.stash.remove(&(peer, op));
-            }
-            if let Some(s) = s {
-                return Ok(s);
-            }
+        if let Some(s) = self.stash.take(peer, op) {
+            return Ok(s);
         }
         let deadline = tokio::time::Instant::now() + self.join_timeout;
         let incoming = self.incoming.clone();
@@ -160,9 +194,11 @@ impl RingNet {
             if ds.from == peer && ds.op == op {
                 return Ok(ds.recv);
             }
-            // Another operation's stream (a faster neighbour is ahead): keep it, bounded.
-            if self.stash.values().map(Vec::len).sum::<usize>() < 1024 {
-                self.stash.entry((ds.from, ds.op)).or_default().push(ds.recv);
+            // Another operation's stream (a faster neighbour is ahead, or an operation
+            // this node gave up on): keep it, and drop that peer's oldest kept stream when
+            // it has too many.
+            if let Some((old_op, _dropped)) = self.stash.put(ds.from, ds.op, ds.recv) {
+                tracing::debug!(peer = %ds.from, op = old_op, "dropped a data stream no operation asked for");
             }
         }
     }
@@ -807,5 +843,49 @@ async fn read_frames(
         if tx.send(Ok((id, payload))).await.is_err() {
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{STASH_PER_PEER, Stash};
+    use std::net::SocketAddr;
+
+    fn addr(port: u16) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], port))
+    }
+
+    #[test]
+    fn stash_gives_each_stream_back_once_by_peer_and_operation() {
+        let mut s = Stash::default();
+        assert!(s.put(addr(1), 7, "a").is_none());
+        assert!(s.put(addr(2), 7, "b").is_none());
+        assert!(s.put(addr(1), 7, "c").is_none());
+        assert_eq!(s.take(addr(1), 8), None);
+        assert_eq!(s.take(addr(2), 7), Some("b"));
+        assert_eq!(s.take(addr(2), 7), None);
+        assert_eq!(s.take(addr(1), 7), Some("a"));
+        assert_eq!(s.take(addr(1), 7), Some("c"));
+        assert_eq!(s.take(addr(1), 7), None);
+    }
+
+    #[test]
+    fn stash_drops_a_peers_oldest_streams_beyond_its_share() {
+        let mut s = Stash::default();
+        // Streams of operations 0.. from one peer that no operation here asks for, and one
+        // from another peer that must survive them.
+        assert!(s.put(addr(2), 1000, 1000u64).is_none());
+        let mut dropped = Vec::new();
+        for op in 0..(STASH_PER_PEER as u64 + 5) {
+            if let Some((old, t)) = s.put(addr(1), op, op) {
+                assert_eq!(old, t);
+                dropped.push(old);
+            }
+        }
+        assert_eq!(dropped, vec![0, 1, 2, 3, 4], "the oldest go first");
+        assert_eq!(s.take(addr(1), 4), None);
+        assert_eq!(s.take(addr(1), 5), Some(5));
+        assert_eq!(s.take(addr(1), STASH_PER_PEER as u64 + 4), Some(STASH_PER_PEER as u64 + 4));
+        assert_eq!(s.take(addr(2), 1000), Some(1000));
     }
 }
