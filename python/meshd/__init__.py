@@ -22,6 +22,8 @@ import struct
 __all__ = ["connect", "Client", "MeshdError"]
 
 _MAX_HEADER = 64 << 10
+# Payloads up to this size go in the same send as their header.
+_SMALL = 64 << 10
 
 # Buffer-protocol format characters -> meshd dtype names.
 _FORMATS = {"f": "float32", "d": "float64", "e": "float16", "i": "int32", "q": "int64"}
@@ -141,6 +143,11 @@ class Client:
         self.rank = int(rank if rank is not None else os.environ.get("RANK", "0"))
         self.world_size = int(world_size if world_size is not None else os.environ.get("WORLD_SIZE", "1"))
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        # Replies are read through this buffer: the length, the header and a small body
+        # usually arrive in one recv.
+        self._rbuf = bytearray(_MAX_HEADER + 4)
+        self._rview = memoryview(self._rbuf)
+        self._rlen = 0
         try:
             self._sock.connect(self.path)
         except OSError as e:
@@ -162,8 +169,10 @@ class Client:
         head = dict(head)
         head["nbytes"] = len(payload)
         h = json.dumps(head).encode()
-        self._sock.sendall(struct.pack(">I", len(h)) + h)
-        if len(payload):
+        if len(payload) <= _SMALL:
+            self._sock.sendall(struct.pack(">I", len(h)) + h + payload)
+        else:
+            self._sock.sendall(struct.pack(">I", len(h)) + h)
             self._sock.sendall(payload)
 
     def _recv_exact(self, view):
@@ -175,23 +184,39 @@ class Client:
                 raise MeshdError("meshd closed the connection (job stopping?)")
             got += k
 
+    def _fill(self, need):
+        """Reads until the receive buffer holds at least ``need`` bytes."""
+        while self._rlen < need:
+            k = self._sock.recv_into(self._rview[self._rlen :])
+            if k == 0:
+                raise MeshdError("meshd closed the connection (job stopping?)")
+            self._rlen += k
+
+    def _consume(self, n):
+        """Drops the first ``n`` buffered bytes."""
+        rest = self._rlen - n
+        if rest:
+            self._rbuf[:rest] = self._rbuf[n : self._rlen]
+        self._rlen = rest
+
     def _recv(self, into=None):
-        raw = bytearray(4)
-        self._recv_exact(memoryview(raw))
-        (hl,) = struct.unpack(">I", raw)
+        self._fill(4)
+        (hl,) = struct.unpack_from(">I", self._rbuf, 0)
         if hl > _MAX_HEADER:
             raise MeshdError(f"reply header of {hl} bytes is too large")
-        hb = bytearray(hl)
-        self._recv_exact(memoryview(hb))
-        head = json.loads(hb)
+        self._fill(4 + hl)
+        head = json.loads(self._rbuf[4 : 4 + hl])
+        self._consume(4 + hl)
         n = int(head.get("nbytes", 0))
-        if into is not None and n == len(into):
-            self._recv_exact(into)
-            return head, None
-        body = bytearray(n)
-        if n:
-            self._recv_exact(memoryview(body))
-        return head, bytes(body)
+        direct = into is not None and n == len(into)
+        body = into if direct else memoryview(bytearray(n))
+        took = min(self._rlen, n)
+        if took:
+            body[:took] = self._rview[:took]
+            self._consume(took)
+        if n > took:
+            self._recv_exact(body[took:])
+        return head, (None if direct else bytes(body))
 
     def _call(self, head, payload=b"", into=None):
         self._send(head, payload)

@@ -23,7 +23,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
@@ -203,7 +203,10 @@ async fn accept(
 
 /// Reads one message; the payload goes into `spare` (the previous reply's buffer, so a
 /// rank that sends the same bucket again and again costs no fresh allocation).
-async fn read_msg(s: &mut UnixStream, spare: Vec<u8>) -> std::io::Result<Option<(Value, Vec<u8>)>> {
+async fn read_msg<R: AsyncRead + Unpin>(
+    s: &mut R,
+    spare: Vec<u8>,
+) -> std::io::Result<Option<(Value, Vec<u8>)>> {
     let mut len = [0u8; 4];
     match s.read_exact(&mut len).await {
         Ok(_) => {}
@@ -226,18 +229,29 @@ async fn read_msg(s: &mut UnixStream, spare: Vec<u8>) -> std::io::Result<Option<
     Ok(Some((v, payload)))
 }
 
-async fn write_msg(s: &mut UnixStream, head: Value, payload: &[u8]) -> std::io::Result<()> {
+/// Payloads up to this size go in the same write as their header.
+const SMALL_PAYLOAD: usize = 64 << 10;
+
+async fn write_msg<W: AsyncWrite + Unpin>(s: &mut W, head: Value, payload: &[u8]) -> std::io::Result<()> {
     let mut head = head;
     head["nbytes"] = json!(payload.len());
     let h = serde_json::to_vec(&head).map_err(std::io::Error::other)?;
-    s.write_all(&(h.len() as u32).to_be_bytes()).await?;
-    s.write_all(&h).await?;
-    s.write_all(payload).await?;
+    let small = payload.len() <= SMALL_PAYLOAD;
+    let mut out = Vec::with_capacity(4 + h.len() + if small { payload.len() } else { 0 });
+    out.extend_from_slice(&(h.len() as u32).to_be_bytes());
+    out.extend_from_slice(&h);
+    if small {
+        out.extend_from_slice(payload);
+    }
+    s.write_all(&out).await?;
+    if !small {
+        s.write_all(payload).await?;
+    }
     s.flush().await
 }
 
 async fn client(
-    mut s: UnixStream,
+    s: UnixStream,
     cfg: &ServiceConfig,
     coll: mpsc::Sender<CollReq>,
     store: mpsc::Sender<StoreReq>,
@@ -246,9 +260,12 @@ async fn client(
     let mut me: Option<(u32, u32)> = None; // (global, local)
     // The peer's pid from the kernel: the only process meshd reads or writes for it.
     let pid = s.peer_cred().ok().and_then(|c| c.pid());
+    // Requests are read through a buffer: length, header and a small payload in one read.
+    let (r, mut s) = s.into_split();
+    let mut r = BufReader::with_capacity(request::MAX_HEADER + 4, r);
     let mut in_place = false;
     let mut spare = Vec::new();
-    while let Some((req, payload)) = read_msg(&mut s, std::mem::take(&mut spare)).await? {
+    while let Some((req, payload)) = read_msg(&mut r, std::mem::take(&mut spare)).await? {
         let fail = |e: String| json!({"ok": false, "error": e});
         let (head, body): (Value, Vec<u8>) = match request::parse_request(&req, payload.len(), cfg.world) {
             Request::Hello { rank } => {
