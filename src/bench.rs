@@ -76,13 +76,22 @@ struct Batching {
     acks_per_rx: f64,
 }
 
+/// `(a_after - a_before) / (b_after - b_before)`, from `(after, before)` pairs. Counters
+/// summed over a link's connections go down when one of its lanes was closed or replaced
+/// between the snapshots: NaN then (no figure), as when nothing was counted.
+fn delta_ratio((a1, a0): (u64, u64), (b1, b0): (u64, u64)) -> f64 {
+    match (a1.checked_sub(a0), b1.checked_sub(b0)) {
+        (Some(a), Some(b)) if b > 0 => a as f64 / b as f64,
+        _ => f64::NAN,
+    }
+}
+
 fn batching(ring: &RingNet, before: Links) -> Batching {
-    let ratio = |a: u64, b: u64| if b > 0 { a as f64 / b as f64 } else { f64::NAN };
     let (next, prev) = links(ring);
     let (tx_per_call, acks_per_rx) = match (before, next, prev) {
         ((Some(na), Some(pa)), Some(nb), Some(pb)) => (
-            ratio(nb.tx_datagrams - na.tx_datagrams, nb.tx_calls - na.tx_calls),
-            ratio(pb.acks_sent - pa.acks_sent, pb.rx_datagrams - pa.rx_datagrams),
+            delta_ratio((nb.tx_datagrams, na.tx_datagrams), (nb.tx_calls, na.tx_calls)),
+            delta_ratio((pb.acks_sent, pa.acks_sent), (pb.rx_datagrams, pa.rx_datagrams)),
         ),
         _ => (f64::NAN, f64::NAN),
     };
@@ -340,4 +349,18 @@ pub async fn main(which: Which) -> Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::delta_ratio;
+
+    #[test]
+    fn counters_that_went_backwards_give_no_figure_instead_of_a_panic() {
+        assert_eq!(delta_ratio((130, 30), (60, 10)), 2.0);
+        // A lane closed between the snapshots: its counts left the link's sums.
+        assert!(delta_ratio((20, 30), (60, 10)).is_nan());
+        assert!(delta_ratio((130, 30), (5, 10)).is_nan());
+        assert!(delta_ratio((130, 30), (10, 10)).is_nan(), "nothing sent: no figure");
+    }
 }
