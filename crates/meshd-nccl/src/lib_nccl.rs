@@ -243,10 +243,16 @@ fn python_dirs() -> Result<(Vec<PathBuf>, Vec<PathBuf>), String> {
     cmd.arg("-c").arg(SCRIPT).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::null());
     // A meshd killed (SIGKILL) during the probe must not leave python3 behind. The thread
     // that forks waits for the child below, so the signal cannot fire early.
-    // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
+    // A meshd that died before the prctl sends no signal: the child then gives up.
+    let parent = std::process::id() as libc::pid_t;
+    // SAFETY: prctl and getppid are async-signal-safe; nothing else runs between fork and
+    // exec.
     unsafe {
-        std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+        std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
             libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            if libc::getppid() != parent {
+                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+            }
             Ok(())
         });
     }

@@ -158,10 +158,18 @@ fn start(
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     c.process_group(0);
-    // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
+    // If meshd dies between the fork and the prctl, the death signal never comes: the
+    // child sees another parent then, and gives up instead of running unguarded (a soak
+    // run that SIGKILLed meshd as it started its rank found the rank alive 300 ms later).
+    let meshd_pid = std::process::id() as libc::pid_t;
+    // SAFETY: prctl and getppid are async-signal-safe; nothing else runs between fork and
+    // exec.
     unsafe {
-        c.pre_exec(|| {
+        c.pre_exec(move || {
             libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            if libc::getppid() != meshd_pid {
+                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+            }
             Ok(())
         });
     }
