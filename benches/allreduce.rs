@@ -76,25 +76,11 @@ fn main() {
         ring(&mut lab, "8", "50", false).iter().filter_map(|v| v["results"][0]["time_s"].as_f64()).collect();
 
     // `meshd run` of one of the examples' Python benchmarks on the 3 hosts.
-    let py_job = |nproc: &str, collective: &str, script: &str| -> Vec<String> {
-        let script = format!("{}/examples/{script}", env!("CARGO_MANIFEST_DIR"));
-        let args = [
-            "run",
-            "--nnodes",
-            "3",
-            "--peers",
-            &peers,
-            "--nproc-per-node",
-            nproc,
-            "--collective",
-            collective,
-        ];
-        let mut v: Vec<String> = std::iter::once(meshd()).chain(args).map(String::from).collect();
-        v.extend(["--", "/usr/bin/python3", &script, "--size", &sz].map(String::from));
-        v
+    let py_job = |nproc: usize, collective: &str, script: &str| -> Vec<String> {
+        lab::python_job(&peers, 3, nproc, collective, script, &["--size", &sz])
     };
     // 2. Gloo (PyTorch), one process per host, launched by meshd run.
-    let gloo = py_job("1", "auto", "gloo_allreduce_bench.py");
+    let gloo = py_job(1, "auto", "gloo_allreduce_bench.py");
     let gloo: Vec<&str> = gloo.iter().map(String::as_str).collect();
     let (mut gloo_bus, mut gloo_lat, mut gloo_time) = (Vec::new(), Vec::new(), Vec::new());
     for (_, out, _) in lab.run_on_all(&gloo, &[("MESHD_LOG", "warn")], Duration::from_secs(300)) {
@@ -112,7 +98,7 @@ fn main() {
 
     // 3. The path ranks use: meshd's Python client, 2 ranks per host, buffers read and
     //    written in place (the default) and sent through the socket (MESHD_IN_PLACE=0).
-    let client = py_job("2", "quic", "client_allreduce_bench.py");
+    let client = py_job(2, "quic", "client_allreduce_bench.py");
     let client: Vec<&str> = client.iter().map(String::as_str).collect();
     let mut client_time = Vec::new();
     for in_place in ["1", "0"] {

@@ -6,7 +6,7 @@
 #[path = "../tests/lab/mod.rs"]
 mod lab;
 
-use lab::{Lab, meshd};
+use lab::Lab;
 use std::time::Duration;
 
 fn main() {
@@ -22,27 +22,10 @@ fn main() {
     }
     let peers = lab.peers();
     println!("memory soak: 3 lab hosts x 1 rank, eth1 MTU {mtu}, {ops} allreduces of {size} bytes");
-    let script = format!("{}/examples/client_memory_soak.py", env!("CARGO_MANIFEST_DIR"));
     let (ops_s, size_s) = (ops.to_string(), size.to_string());
-    let args = [
-        meshd(),
-        "run",
-        "--nnodes",
-        "3",
-        "--peers",
-        &peers,
-        "--nproc-per-node",
-        "1",
-        "--collective",
-        "quic",
-        "--",
-        "/usr/bin/python3",
-        &script,
-        "--ops",
-        &ops_s,
-        "--size",
-        &size_s,
-    ];
+    let job =
+        lab::python_job(&peers, 3, 1, "quic", "client_memory_soak.py", &["--ops", &ops_s, "--size", &size_s]);
+    let args: Vec<&str> = job.iter().map(String::as_str).collect();
     // 6-11 allreduces of 16 MiB a second on the 2-core lab (MTU 1500 / 9000): allow 40 MiB/s.
     let limit = Duration::from_secs(120 + ops * size as u64 / (40 << 20));
     for (host, (code, out, err)) in

@@ -376,3 +376,24 @@ pub fn bench_opt<T: std::str::FromStr>(name: &str, default: T) -> T {
 pub fn meshd() -> &'static str {
     env!("CARGO_BIN_EXE_meshd")
 }
+
+/// `meshd run` of one of the examples' Python scripts on every host of a lab of `nnodes`:
+/// `nproc` ranks per host, the given `--collective`, then the script's own arguments.
+pub fn python_job(
+    peers: &str,
+    nnodes: usize,
+    nproc: usize,
+    collective: &str,
+    script: &str,
+    args: &[&str],
+) -> Vec<String> {
+    let script = format!("{}/examples/{script}", env!("CARGO_MANIFEST_DIR"));
+    let (nn, np) = (nnodes.to_string(), nproc.to_string());
+    let mut v: Vec<String> = [meshd(), "run", "--nnodes", &nn, "--peers", peers, "--nproc-per-node", &np]
+        .into_iter()
+        .chain(["--collective", collective, "--", "/usr/bin/python3", &script])
+        .map(String::from)
+        .collect();
+    v.extend(args.iter().map(|a| a.to_string()));
+    v
+}
