@@ -2,6 +2,7 @@
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
+use meshd::peers::PeerSpec;
 use meshd::transport::auth::Token;
 use std::net::SocketAddr;
 
@@ -37,21 +38,47 @@ impl NetArgs {
     }
 }
 
-/// `--peers` from the flag or SLURM_JOB_NODELIST, parsed and resolved.
-pub fn peers(flag: Option<&str>, port: u16) -> Result<Vec<(String, SocketAddr)>> {
+/// Resolved peer entries: (label as listed, address).
+pub type Listed = Vec<(String, SocketAddr)>;
+
+/// `--peers` from the flag or SLURM_JOB_NODELIST, parsed and resolved: the addresses, and
+/// the entries that did not resolve yet (the mesh keeps trying them: DNS may lag behind a
+/// node's start) or must be re-resolved (`dns:` names).
+pub fn peers(flag: Option<&str>, port: u16) -> Result<(Listed, Vec<PeerSpec>)> {
     let text = match flag {
         Some(p) => p.to_string(),
         None => match std::env::var("SLURM_JOB_NODELIST") {
             Ok(list) => meshd::peers::expand_hostlist(&list)?.join(","),
-            Err(_) => return Ok(Vec::new()),
+            Err(_) => return Ok((Vec::new(), Vec::new())),
         },
     };
     let specs = meshd::peers::parse(&text)?;
-    let (addrs, errors) = meshd::peers::resolve(&specs, port);
-    for e in &errors {
-        tracing::warn!("cannot resolve peer {e}");
+    let mut addrs = Vec::new();
+    let mut later = Vec::new();
+    for spec in specs {
+        let (found, errors) = meshd::peers::resolve(std::slice::from_ref(&spec), port);
+        for e in &errors {
+            tracing::warn!("cannot resolve peer {e} yet; trying again in the background");
+        }
+        if !errors.is_empty() || matches!(spec, PeerSpec::Dns { .. }) {
+            later.push(spec);
+        }
+        for a in found {
+            if !addrs.contains(&a) {
+                addrs.push(a);
+            }
+        }
     }
-    if addrs.is_empty() && !specs.is_empty() {
+    Ok((addrs, later))
+}
+
+/// `--peers` resolved once, for commands that do not wait (`ifaces`, `status`): an entry
+/// that does not resolve is an error naming it when nothing else resolved.
+pub fn peers_now(flag: Option<&str>, port: u16) -> Result<Vec<(String, SocketAddr)>> {
+    let (addrs, later) = peers(flag, port)?;
+    let never: Vec<PeerSpec> = later.into_iter().filter(|s| matches!(s, PeerSpec::Host { .. })).collect();
+    if addrs.is_empty() && !never.is_empty() {
+        let (_, errors) = meshd::peers::resolve(&never, port);
         bail!("none of the listed peers resolved: {}", errors.join("; "));
     }
     Ok(addrs)

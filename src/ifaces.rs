@@ -24,7 +24,7 @@ pub struct Args {
 
 pub async fn main(a: Args) -> Result<ExitCode> {
     let ifs = interfaces::list()?;
-    let peers = common::peers(a.peers.as_deref(), a.net.port)?;
+    let peers = common::peers_now(a.peers.as_deref(), a.net.port)?;
     let mut reach = interfaces::routes(&ifs, &peers, a.net.port);
     if reach.iter().any(|r| !r.is_self) {
         probe_all(&mut reach, &a.net).await?;

@@ -97,12 +97,32 @@ fn main() -> ExitCode {
         }
     };
     let res = rt.block_on(async {
-        match cli.cmd {
-            Cmd::Ifaces(a) => ifaces::main(a).await,
-            Cmd::Run(a) => run::main(a).await,
-            Cmd::Status(a) => status::main(a).await,
-            Cmd::Doctor(a) => doctor::main(a).await,
-            Cmd::Bench(w) => bench::main(w).await,
+        // Installed first and once: every wait of every command ends on SIGINT/SIGTERM.
+        let signals = match meshd::signals::Signals::install() {
+            Ok(s) => s,
+            Err(e) => return Err(anyhow::anyhow!("cannot watch SIGINT/SIGTERM: {e}")),
+        };
+        if let Cmd::Run(a) = cli.cmd {
+            // `run` stops its ranks on a signal itself, then exits 130/143.
+            return run::main(a, signals).await;
+        }
+        let mut sig = signals.clone();
+        let work = async {
+            match cli.cmd {
+                Cmd::Ifaces(a) => ifaces::main(a).await,
+                Cmd::Status(a) => status::main(a).await,
+                Cmd::Doctor(a) => doctor::main(a).await,
+                Cmd::Bench(w) => bench::main(w).await,
+                Cmd::Run(_) => unreachable!("handled above"),
+            }
+        };
+        tokio::select! {
+            r = work => r,
+            s = sig.recv() => {
+                // No ranks here: dropping the work stops it (the NCCL root is killed on drop).
+                eprintln!("meshd: {}", s.describe());
+                Ok(ExitCode::from(s.exit_code()))
+            }
         }
     });
     match res {

@@ -7,6 +7,7 @@ use meshd::mesh::{Mesh, MeshConfig, stable_hash};
 use meshd::preflight::PreflightInput;
 use meshd::proto::membership::MembershipConfig;
 use meshd::proto::rendezvous::RdzvConfig;
+use meshd::signals::Signals;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -137,8 +138,8 @@ pub fn prepare(a: &JobArgs, cmd: &[String]) -> Result<Prepared> {
     };
     let nproc = nproc(&a.nproc_per_node, gpus)?;
     let token = a.net.token()?;
-    let peers = common::peers(a.peers.as_deref(), a.net.port)?;
-    if peers.is_empty() && max > 1 {
+    let (peers, unresolved) = common::peers(a.peers.as_deref(), a.net.port)?;
+    if peers.is_empty() && unresolved.is_empty() && max > 1 {
         bail!("--nnodes {nnodes} needs --peers (or SLURM_JOB_NODELIST): at least one other node's address");
     }
     let cmd_hash = stable_hash(&cmd.iter().map(|s| s.as_bytes()).collect::<Vec<_>>());
@@ -168,6 +169,10 @@ pub fn prepare(a: &JobArgs, cmd: &[String]) -> Result<Prepared> {
         token,
         run_id: run_id.clone(),
         peers,
+        unresolved,
+        resolve_timeout: a.rdzv_timeout,
+        min_nodes: min,
+        max_nodes: max,
         iface: a.iface.clone(),
         nproc,
         cmd_hash,
@@ -224,10 +229,17 @@ pub fn nproc_gpus() -> u32 {
     }
 }
 
-pub async fn main(a: Args) -> Result<ExitCode> {
+pub async fn main(a: Args, signals: Signals) -> Result<ExitCode> {
     let p = prepare(&a.job, &a.cmd)?;
-    let mut mesh = Mesh::start(p.mesh).await?;
-    let outcome = job::run(&mut mesh, &p.job, &p.run_id).await;
+    let mut sig = signals.clone();
+    let mut mesh = tokio::select! {
+        m = Mesh::start(p.mesh) => m?,
+        s = sig.recv() => {
+            tracing::error!("{} while joining the mesh", s.describe());
+            return Ok(ExitCode::from(s.exit_code()));
+        }
+    };
+    let outcome = job::run(&mut mesh, &p.job, &p.run_id, &signals).await;
     mesh.shutdown().await;
     let outcome = outcome?;
     if outcome.code == 0 {

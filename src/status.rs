@@ -20,7 +20,7 @@ pub struct Args {
 }
 
 pub async fn main(a: Args) -> Result<ExitCode> {
-    let mut targets: Vec<(String, SocketAddr)> = common::peers(a.peers.as_deref(), a.net.port)?;
+    let mut targets: Vec<(String, SocketAddr)> = common::peers_now(a.peers.as_deref(), a.net.port)?;
     if targets.is_empty() {
         targets.push(("this host".into(), SocketAddr::from(([127, 0, 0, 1], a.net.port))));
     }

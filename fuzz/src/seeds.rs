@@ -39,6 +39,8 @@ fn meta(n: u128) -> NodeMeta {
         run_hash: 0xfeed_f00d,
         state: NodeState::Running,
         restarts: 1,
+        nnodes_min: 2,
+        nnodes_max: 4,
     }
 }
 

@@ -73,6 +73,17 @@ fn sweep_stale() {
             let _ = sh(&["ip", "netns", "del", name]);
         }
     }
+    // Per-namespace /etc files of labs whose test process is gone.
+    if let Ok(dir) = std::fs::read_dir("/etc/netns") {
+        for e in dir.flatten() {
+            let name = e.file_name().to_string_lossy().to_string();
+            let Some(rest) = name.strip_prefix("mdlab") else { continue };
+            let pid: i32 = rest.split('-').nth(1).and_then(|p| p.parse().ok()).unwrap_or(0);
+            if pid > 0 && unsafe { libc::kill(pid, 0) } != 0 {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+    }
 }
 
 fn kill_ns_procs(ns: &str) {
@@ -325,10 +336,25 @@ impl Lab {
         self.link(i, true);
     }
 
+    /// Writes host `i`'s `/etc/hosts` (`ip netns exec` bind-mounts `/etc/netns/NS/hosts`
+    /// over `/etc/hosts` for what it starts). Rewriting it later changes it in place (same
+    /// file), so a running process sees new names appear, as when DNS catches up.
+    pub fn hosts_file(&self, i: usize, text: &str) {
+        let dir = format!("/etc/netns/{}", self.hosts[i].ns);
+        std::fs::create_dir_all(&dir).expect("mkdir /etc/netns/NS");
+        let body = format!("127.0.0.1 localhost\n{text}");
+        std::fs::write(format!("{dir}/hosts"), body).expect("write hosts");
+    }
+
     /// Processes living in host `i`'s namespace (orphaned ranks show up here).
     pub fn pids(&self, i: usize) -> Vec<i32> {
         let out = sh(&["ip", "netns", "pids", &self.hosts[i].ns]);
         String::from_utf8_lossy(&out.stdout).split_whitespace().filter_map(|p| p.parse().ok()).collect()
+    }
+
+    /// The pid of child `k` (from [`Lab::spawn`]): the command itself (`ip netns exec` execs it).
+    pub fn pid(&self, k: usize) -> u32 {
+        self.children[k].id()
     }
 
     /// Whether child `k` (from [`Lab::spawn`]) has exited, without waiting.
@@ -346,6 +372,7 @@ impl Drop for Lab {
         for h in &self.hosts {
             kill_ns_procs(&h.ns);
             let _ = sh(&["ip", "netns", "del", &h.ns]);
+            let _ = std::fs::remove_dir_all(format!("/etc/netns/{}", h.ns));
         }
         let _ = sh(&["ip", "netns", "del", &self.hub]);
     }

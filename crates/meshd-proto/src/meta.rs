@@ -55,4 +55,9 @@ pub struct NodeMeta {
     pub state: NodeState,
     /// Restarts done so far.
     pub restarts: u32,
+    /// `--nnodes` MIN this node was started with (nodes that disagree never form a roster:
+    /// the others name the disagreement instead of waiting in silence).
+    pub nnodes_min: u32,
+    /// `--nnodes` MAX this node was started with.
+    pub nnodes_max: u32,
 }

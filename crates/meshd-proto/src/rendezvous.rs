@@ -203,6 +203,10 @@ pub struct Rendezvous {
     /// A proposal we could not accept yet because our own view lagged behind.
     pending: Option<(NodeId, Roster)>,
     phase: Phase,
+    /// The next deadline, always later than the last `now` this core was given: a deadline
+    /// that passed has fired and is cleared, so a driver that sleeps until `poll_timeout`
+    /// can never spin on a deadline in the past.
+    timer: Option<Instant>,
     outbox: VecDeque<(SocketAddr, Message)>,
     events: VecDeque<RdzvEvent>,
 }
@@ -228,6 +232,7 @@ impl Rendezvous {
             epoch: 0,
             pending: None,
             phase: Phase::Waiting,
+            timer: None,
             outbox: VecDeque::new(),
             events: VecDeque::new(),
         }
@@ -247,10 +252,16 @@ impl Rendezvous {
             self.consider_proposal(from, roster, now);
         }
         self.step(now);
+        self.rearm(now);
     }
 
     /// A rendezvous message from an authenticated member.
     pub fn handle_message(&mut self, from: NodeId, msg: Message, now: Instant) {
+        self.dispatch(from, msg, now);
+        self.rearm(now);
+    }
+
+    fn dispatch(&mut self, from: NodeId, msg: Message, now: Instant) {
         match msg {
             Message::Propose(roster) => self.consider_proposal(from, roster, now),
             Message::Ack { restart, epoch } if restart == self.restart => {
@@ -278,15 +289,29 @@ impl Rendezvous {
 
     /// Deadlines passed.
     pub fn handle_timeout(&mut self, now: Instant) {
-        match &self.phase {
-            Phase::Proposed { deadline, .. } | Phase::Acked { deadline, .. } if now >= *deadline => {
-                // Somebody did not answer: forget this proposal and decide again from
-                // the current view.
-                self.phase = Phase::Waiting;
-            }
-            _ => {}
-        }
         self.step(now);
+        self.rearm(now);
+    }
+
+    /// Expires a passed proposal deadline and computes the next one, later than `now`.
+    fn rearm(&mut self, now: Instant) {
+        if let Phase::Proposed { deadline, .. } | Phase::Acked { deadline, .. } = &self.phase {
+            if now >= *deadline {
+                // Somebody did not answer: forget this proposal and decide again from the
+                // current view.
+                self.phase = Phase::Waiting;
+                self.step(now);
+            }
+        }
+        self.timer = match &self.phase {
+            Phase::Proposed { deadline, .. } | Phase::Acked { deadline, .. } => Some(*deadline),
+            // Settled (or full) and not the proposer: nothing changes until the candidates
+            // do, and `handle_candidates` re-arms then.
+            Phase::Waiting if self.enough_present() && !self.full() => {
+                Some(self.last_change + self.config.settle).filter(|d| *d > now)
+            }
+            _ => None,
+        };
     }
 
     /// The next message to send.
@@ -299,15 +324,10 @@ impl Rendezvous {
         self.events.pop_front()
     }
 
-    /// When `handle_timeout` must be called next.
+    /// When `handle_timeout` must be called next: always later than the `now` of the last
+    /// `handle_*` call (a passed deadline fires once, then is cleared).
     pub fn poll_timeout(&self) -> Option<Instant> {
-        match &self.phase {
-            Phase::Proposed { deadline, .. } | Phase::Acked { deadline, .. } => Some(*deadline),
-            Phase::Waiting if self.enough_present() && !self.full() => {
-                Some(self.last_change + self.config.settle)
-            }
-            _ => None,
-        }
+        self.timer
     }
 
     /// (present, expected minimum, expected maximum) for a progress line.

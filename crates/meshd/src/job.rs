@@ -17,6 +17,7 @@ use crate::collective::service::{self, Service, ServiceConfig};
 use crate::mesh::{Mesh, MeshError, MeshInput};
 use crate::nccl_root::NcclRoot;
 use crate::preflight::{self, PreflightInput};
+use crate::signals::{Signals, Stop};
 use crate::supervisor::{self, RankSpec, Supervisor};
 use meshd_proto::membership::MemberEvent;
 use meshd_proto::rendezvous::{Message, RdzvConfig, Roster};
@@ -125,10 +126,20 @@ enum Failure {
     Signal(String, u8),
 }
 
-/// Runs the job on this node until it ends everywhere.
-pub async fn run(mesh: &mut Mesh, cfg: &JobConfig, run_id: &str) -> Result<JobOutcome, MeshError> {
-    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .map_err(|e| MeshError::Iface(format!("cannot watch SIGTERM: {e}")))?;
+/// The outcome of a stop request that came while no rank ran.
+fn stopped(s: Stop, when: &str) -> JobOutcome {
+    JobOutcome { code: s.exit_code(), message: format!("{} {when}", s.describe()) }
+}
+
+/// Runs the job on this node until it ends everywhere. Every wait also ends on a stop
+/// request from `signals` (exit 130 for SIGINT, 143 for SIGTERM, after stopping the ranks).
+pub async fn run(
+    mesh: &mut Mesh,
+    cfg: &JobConfig,
+    run_id: &str,
+    signals: &Signals,
+) -> Result<JobOutcome, MeshError> {
+    let mut sig = signals.clone();
     let mut restart = 0u32;
     // Bulk data streams of the QUIC ring, shared by every restart round's service.
     let incoming = std::sync::Arc::new(tokio::sync::Mutex::new(
@@ -140,8 +151,10 @@ pub async fn run(mesh: &mut Mesh, cfg: &JobConfig, run_id: &str) -> Result<JobOu
         let master_port = free_tcp_port(mesh.addr().ip()).unwrap_or(29500);
         let roster = tokio::select! {
             r = mesh.rendezvous(restart, cfg.rdzv.clone(), master_port, cfg.rdzv_timeout) => r?,
-            _ = tokio::signal::ctrl_c() => return Ok(JobOutcome { code: 130, message: "interrupted (SIGINT) while waiting for nodes".into() }),
-            _ = sigterm.recv() => return Ok(JobOutcome { code: 143, message: "stopped (SIGTERM) while waiting for nodes".into() }),
+            s = sig.recv() => {
+                let when = if restart > 0 { format!("while waiting for nodes (restart round {restart})") } else { "while waiting for nodes".into() };
+                return Ok(stopped(s, &when));
+            }
         };
         restart = roster.restart;
         mesh.set_master(roster.master().map(|m| m.id));
@@ -157,7 +170,18 @@ pub async fn run(mesh: &mut Mesh, cfg: &JobConfig, run_id: &str) -> Result<JobOu
             master.hostname,
             if restart > 0 { format!(", restart {restart}") } else { String::new() }
         );
-        let (outcome, nccl_root) = match preflight_round(mesh, &roster, &cfg.preflight).await {
+        let preflight = tokio::select! {
+            r = preflight_round(mesh, &roster, &cfg.preflight) => r,
+            s = sig.recv() => {
+                // Tell the others, so that none of them launches without this node.
+                let reason = format!("{} on {} during the preflight", s.describe(), describe_member(&roster, mesh.node()));
+                abort(mesh, &roster, None, &reason);
+                let linger = Instant::now() + Duration::from_millis(300);
+                while mesh.next(Some(linger)).await.is_some_and(|i| !matches!(i, MeshInput::Tick)) {}
+                return Ok(JobOutcome { code: s.exit_code(), message: reason });
+            }
+        };
+        let (outcome, nccl_root) = match preflight {
             Ok(v) => v,
             Err(MeshError::Aborted(reason)) => {
                 // Tell the others, so that none of them launches without this node, and keep
@@ -256,7 +280,7 @@ pub async fn run(mesh: &mut Mesh, cfg: &JobConfig, run_id: &str) -> Result<JobOu
         let failure = match Supervisor::spawn(&cfg.cmd, &ranks, cfg.log_dir.as_deref()).await {
             Ok(mut sup) => {
                 mesh.set_state(NodeState::Running, restart);
-                let f = supervise(mesh, &roster, &mut sup, svc.as_ref(), &mut sigterm).await;
+                let f = supervise(mesh, &roster, &mut sup, svc.as_ref(), &mut sig).await;
                 sup.stop(cfg.grace).await;
                 drop(svc);
                 drop(nccl_root);
@@ -279,7 +303,12 @@ pub async fn run(mesh: &mut Mesh, cfg: &JobConfig, run_id: &str) -> Result<JobOu
             Some(Failure::Signal(m, code)) => return Ok(JobOutcome { code, message: m }),
             Some(Failure::Job(m)) if restart < cfg.max_restarts => {
                 restart += 1;
-                warn!("{m}; restarting all ranks ({restart}/{})", cfg.max_restarts);
+                let left = cfg.max_restarts - restart;
+                warn!(
+                    "{m}; restart round {restart} of {}: restarting all ranks on every node ({left} {} left after this one)",
+                    cfg.max_restarts,
+                    if left == 1 { "restart" } else { "restarts" }
+                );
                 mesh.set_state(NodeState::Waiting, restart);
                 mesh.set_master(None);
             }
@@ -373,7 +402,7 @@ async fn supervise(
     roster: &Roster,
     sup: &mut Supervisor,
     svc: Option<&Service>,
-    sigterm: &mut tokio::signal::unix::Signal,
+    sig: &mut Signals,
 ) -> Option<Failure> {
     let me = mesh.node();
     let here = describe_member(roster, me);
@@ -451,6 +480,11 @@ async fn supervise(
                     }
                     Some(MeshInput::Member(MemberEvent::Left(id))) if everyone.contains(&id) && !done.contains(&id) && left.is_none() => {
                         // Usually a node stopping on an Abort that is still on its way here.
+                        info!(
+                            "{} left the mesh before saying it was done; waiting up to {:?} for its reason before stopping the job",
+                            describe_member(roster, id),
+                            LEFT_GRACE
+                        );
                         left = Some((id, Instant::now() + LEFT_GRACE));
                     }
                     Some(MeshInput::Member(MemberEvent::Down(id))) if everyone.contains(&id) && !done.contains(&id) => {
@@ -466,15 +500,10 @@ async fn supervise(
                     _ => {}
                 }
             }
-            _ = tokio::signal::ctrl_c() => {
-                let reason = format!("interrupted (SIGINT) on {here}");
+            s = sig.recv() => {
+                let reason = format!("{} on {here}", s.describe());
                 abort(mesh, roster, None, &reason);
-                return Some(Failure::Signal(reason, 130));
-            }
-            _ = sigterm.recv() => {
-                let reason = format!("stopped (SIGTERM) on {here}");
-                abort(mesh, roster, None, &reason);
-                return Some(Failure::Signal(reason, 143));
+                return Some(Failure::Signal(reason, s.exit_code()));
             }
         }
     }

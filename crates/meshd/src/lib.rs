@@ -6,6 +6,7 @@
 //! - [`peers`]: the `--peers` syntax (`host[:port]` lists, `@file`, `dns:NAME`, SLURM).
 //! - [`node`]: the actor that owns membership and rendezvous over the transport.
 //! - [`supervisor`]: spawning ranks with torchrun's environment, teardown.
+//! - [`signals`]: SIGINT/SIGTERM watched once, so that every wait of a job ends on them.
 
 pub mod collective;
 pub mod interfaces;
@@ -14,6 +15,7 @@ pub mod mesh;
 pub mod nccl_root;
 pub mod peers;
 pub mod preflight;
+pub mod signals;
 pub mod supervisor;
 pub mod transport;
 

@@ -6,7 +6,10 @@
 //! `&mut self`, so the cores are never shared or locked. Inputs (frames, timers) are
 //! pulled by [`Mesh::next`]; outputs (`poll_transmit`) are flushed after every input.
 
-use crate::interfaces::{self, Choice};
+mod seed;
+
+use crate::interfaces::{self, Choice, Interface};
+use crate::peers::PeerSpec;
 use crate::transport::auth::Token;
 use crate::transport::{Transport, TransportConfig, TransportError, TransportEvent};
 use meshd_proto::membership::{
@@ -33,6 +36,16 @@ pub struct MeshConfig {
     pub run_id: String,
     /// Listed peers (label, address); this node may be among them.
     pub peers: Vec<(String, SocketAddr)>,
+    /// Listed entries that did not resolve yet (and `dns:` names, re-resolved): tried again
+    /// with backoff while the mesh runs; each new address joins the seeds.
+    pub unresolved: Vec<PeerSpec>,
+    /// How long [`Mesh::start`] waits for a name to resolve when no other entry of the list
+    /// can be used (`--rdzv-timeout`).
+    pub resolve_timeout: Duration,
+    /// `--nnodes` MIN (advertised: nodes that disagree are named).
+    pub min_nodes: u32,
+    /// `--nnodes` MAX. 1 is a single-node job, the only one that runs on loopback.
+    pub max_nodes: u32,
     /// `--iface`.
     pub iface: Option<String>,
     /// Processes this node starts.
@@ -61,6 +74,10 @@ pub enum MeshError {
     /// Another node stopped the job.
     #[error("{0}")]
     Aborted(String),
+    /// The peer list gives this node nothing to start from (no other node, no address of
+    /// its own that others could reach).
+    #[error("{0}")]
+    Peers(String),
 }
 
 /// Something that happened in the mesh, for the job loop.
@@ -100,6 +117,20 @@ pub struct Mesh {
     master: Option<NodeId>,
     status_at: Instant,
     requeue: Vec<MeshInput>,
+    /// This host's interfaces (is a newly resolved peer this node?).
+    ifs: Vec<Interface>,
+    /// Addresses of names resolved after start, from [`seed::spawn_resolver`].
+    resolved: tokio::sync::mpsc::Receiver<Vec<(String, SocketAddr)>>,
+    /// Labels of listed entries that have not resolved yet (named in timeouts).
+    unresolved: Vec<String>,
+    /// The last `until` of [`Mesh::next`] that fired, and the last `now` the membership's
+    /// timer was handled at: a deadline at or before these never fires again, so a caller or
+    /// a core that keeps asking for a deadline in the past cannot make the loop spin.
+    fired: Option<Instant>,
+    member_fired: Option<Instant>,
+    /// Nodes of this run started with another `--nnodes`, with the words that named them
+    /// (kept for the timeout message after such a node gave up and left).
+    nnodes_named: BTreeMap<NodeId, String>,
 }
 
 impl std::fmt::Debug for Mesh {
@@ -127,21 +158,18 @@ fn hostname() -> String {
 
 impl Mesh {
     /// Chooses the interface, binds the port and starts joining through the listed peers.
-    pub async fn start(cfg: MeshConfig) -> Result<Mesh, MeshError> {
+    pub async fn start(mut cfg: MeshConfig) -> Result<Mesh, MeshError> {
         let ifs = interfaces::list().map_err(|e| MeshError::Iface(e.to_string()))?;
+        let single_node = cfg.max_nodes <= 1;
+        if !single_node {
+            Self::await_a_usable_entry(&mut cfg, &ifs).await?;
+        }
         let reach = interfaces::routes(&ifs, &cfg.peers, cfg.port);
         let others: Vec<SocketAddr> = reach.iter().filter(|r| !r.is_self).map(|r| r.addr).collect();
-        let choice = if others.is_empty() && cfg.iface.is_none() {
-            // Alone (or only ourselves listed): loopback is the interface that works.
-            Choice {
-                name: ifs
-                    .iter()
-                    .find(|i| i.kind == interfaces::IfaceKind::Loopback)
-                    .map(|i| i.name.clone())
-                    .unwrap_or_else(|| "lo".into()),
-                addr: IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
-                reason: "no other node listed: single-node job on loopback".into(),
-            }
+        let choice = if (others.is_empty() || single_node) && cfg.iface.is_none() {
+            // Only this node listed: a single-node job on loopback, or the seed the others
+            // join through, on the interface of its listed address.
+            seed::alone(&ifs, &reach, single_node, cfg.max_nodes).map_err(MeshError::Peers)?
         } else {
             interfaces::choose(&ifs, &reach, cfg.iface.as_deref())
                 .map_err(|e| MeshError::Iface(e.to_string()))?
@@ -175,6 +203,8 @@ impl Mesh {
             run_hash,
             state: NodeState::Waiting,
             restarts: 0,
+            nnodes_min: cfg.min_nodes,
+            nnodes_max: cfg.max_nodes,
         };
         let now = Instant::now();
         let seed = stable_hash(&[&cfg.node.0]);
@@ -187,6 +217,11 @@ impl Mesh {
                  give every node the same --token / MESHD_TOKEN / --token-file",
                 addr.port()
             );
+        }
+        let (resolved_tx, resolved) = tokio::sync::mpsc::channel(16);
+        let unresolved = cfg.unresolved.iter().map(seed::label).collect();
+        if !single_node {
+            seed::spawn_resolver(cfg.unresolved.clone(), cfg.port, resolved_tx);
         }
         let mut mesh = Mesh {
             cfg,
@@ -203,9 +238,68 @@ impl Mesh {
             master: None,
             status_at: Instant::now(),
             requeue: Vec::new(),
+            ifs,
+            resolved,
+            unresolved,
+            fired: None,
+            member_fired: None,
+            nnodes_named: Default::default(),
         };
         mesh.flush();
         Ok(mesh)
+    }
+
+    /// With no usable entry in the list yet (every other node's name unresolved), waits
+    /// for one to resolve, with backoff, up to `resolve_timeout`: the interface is chosen
+    /// from the routes to the peers, so it cannot be chosen before one is known.
+    async fn await_a_usable_entry(cfg: &mut MeshConfig, ifs: &[Interface]) -> Result<(), MeshError> {
+        let usable = |cfg: &MeshConfig| {
+            interfaces::routes(ifs, &cfg.peers, cfg.port)
+                .iter()
+                .any(|r| !r.is_self || !r.addr.ip().is_loopback())
+        };
+        if usable(cfg) || cfg.unresolved.is_empty() || cfg.iface.is_some() {
+            return Ok(());
+        }
+        let names: Vec<String> = cfg.unresolved.iter().map(seed::label).collect();
+        info!("waiting for {} to resolve (DNS may lag behind a node's start)", names.join(", "));
+        let deadline = Instant::now() + cfg.resolve_timeout;
+        let mut delay = seed::RESOLVE_FIRST;
+        loop {
+            tokio::time::sleep(delay.min(deadline.saturating_duration_since(Instant::now()))).await;
+            delay = (delay * 2).min(seed::RESOLVE_MAX);
+            let specs = cfg.unresolved.clone();
+            let port = cfg.port;
+            let results = tokio::task::spawn_blocking(move || {
+                specs.iter().map(|s| crate::peers::resolve(std::slice::from_ref(s), port)).collect::<Vec<_>>()
+            })
+            .await
+            .map_err(|e| MeshError::Iface(format!("resolver task failed: {e}")))?;
+            let mut still = Vec::new();
+            let mut errors = Vec::new();
+            for (spec, (addrs, errs)) in std::mem::take(&mut cfg.unresolved).into_iter().zip(results) {
+                for a in addrs {
+                    if !cfg.peers.contains(&a) {
+                        cfg.peers.push(a);
+                    }
+                }
+                if !errs.is_empty() || matches!(spec, PeerSpec::Dns { .. }) {
+                    errors.extend(errs);
+                    still.push(spec);
+                }
+            }
+            cfg.unresolved = still;
+            if usable(cfg) {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(MeshError::Timeout(format!(
+                    "no listed peer resolved within {:?}: {}",
+                    cfg.resolve_timeout,
+                    errors.join("; ")
+                )));
+            }
+        }
     }
 
     /// The transport (for collectives that run beside the actor).
@@ -316,17 +410,25 @@ impl Mesh {
     }
 
     /// The next input, or `Tick` once `until` passes. `None`: the transport stopped.
+    ///
+    /// A deadline fires once: `Tick` for a given `until` comes at most once, and asking
+    /// again with the same (or an earlier) `until` waits for inputs only. So no caller can
+    /// turn a deadline in the past into a busy loop that starves the transport and signals.
     pub async fn next(&mut self, until: Option<Instant>) -> Option<MeshInput> {
+        let until = until.filter(|u| self.fired.is_none_or(|f| *u > f));
         loop {
             self.flush();
             if let Some(ev) = self.pending.pop_front() {
                 return Some(ev);
             }
             let now = Instant::now();
-            if until.is_some_and(|u| now >= u) {
+            if let Some(u) = until.filter(|u| now >= *u) {
+                self.fired = Some(u);
                 return Some(MeshInput::Tick);
             }
-            let wake = [self.membership.poll_timeout(), until].into_iter().flatten().min();
+            let member_wake =
+                self.membership.poll_timeout().filter(|w| self.member_fired.is_none_or(|f| *w > f));
+            let wake = [member_wake, until].into_iter().flatten().min();
             let sleep = async {
                 match wake {
                     Some(w) => tokio::time::sleep_until(w.into()).await,
@@ -352,13 +454,34 @@ impl Mesh {
                         }
                     }
                 }
+                Some(found) = self.resolved.recv() => self.add_resolved(found),
                 _ = sleep => {
                     let now = Instant::now();
+                    self.member_fired = Some(now);
                     self.feed_liveness(now);
                     self.membership.handle_timeout(now);
                 }
             }
         }
+    }
+
+    /// Names that resolved after start: new seeds (this node's own address is skipped).
+    fn add_resolved(&mut self, found: Vec<(String, SocketAddr)>) {
+        let now = Instant::now();
+        for (label, addr) in found {
+            self.unresolved.retain(|l| *l != label);
+            if self.cfg.peers.iter().any(|(_, a)| *a == addr) {
+                continue;
+            }
+            self.cfg.peers.push((label.clone(), addr));
+            let me = addr.port() == self.addr.port()
+                && (addr.ip().is_loopback() || self.ifs.iter().any(|i| i.has(addr.ip())));
+            if !me {
+                info!("{label} resolved to {}: joining through it too", addr.ip());
+                self.membership.add_seeds(&[addr], now);
+            }
+        }
+        self.flush();
     }
 
     /// Tells the membership which members' links received packets since the last look
@@ -389,16 +512,54 @@ impl Mesh {
             .collect()
     }
 
-    /// Which listed peers are not (yet) members, for progress lines and timeouts.
+    /// Which listed peers never answered (not members in any state, not this node), for
+    /// progress lines and timeouts. A member that answered is never listed here, whatever
+    /// its run, round or health.
     pub fn missing_peers(&self) -> Vec<String> {
-        let present: Vec<SocketAddr> =
-            self.membership.alive().iter().map(|m| m.meta.gossip_addr.unwrap_or(m.addr)).collect();
+        let members = self.membership.members();
+        let answered = |a: &SocketAddr| {
+            members.iter().any(|m| {
+                m.id != self.cfg.node
+                    && (m.meta.gossip_addr == Some(*a)
+                        || m.addr == *a
+                        || (a.port() == m.meta.gossip_addr.map_or(m.addr.port(), |g| g.port())
+                            && m.meta.addrs.iter().any(|x| x.addr == a.ip())))
+            })
+        };
         self.cfg
             .peers
             .iter()
-            .filter(|(_, a)| *a != self.addr && !present.contains(a))
-            .filter(|(_, a)| !(a.ip().is_loopback() && a.port() == self.addr.port()))
+            .filter(|(_, a)| *a != self.addr && !answered(a))
+            .filter(|(_, a)| {
+                !(a.port() == self.addr.port()
+                    && (a.ip().is_loopback() || self.ifs.iter().any(|i| i.has(a.ip()))))
+            })
             .map(|(l, a)| if l == &a.ip().to_string() { a.to_string() } else { format!("{l} ({a})") })
+            .collect()
+    }
+
+    /// Members of this run that answered but cannot join this round, each with why:
+    /// another `--nnodes`, another restart round, already running.
+    fn disagreeing(&self, restart: u32) -> Vec<(NodeId, String)> {
+        let mine = nnodes_text(self.cfg.min_nodes, self.cfg.max_nodes);
+        self.membership
+            .alive()
+            .into_iter()
+            .filter(|m| m.id != self.cfg.node && m.meta.run_hash == self.run_hash)
+            .filter_map(|m| {
+                let who = m.meta.gossip_addr.unwrap_or(m.addr).ip();
+                let theirs = nnodes_text(m.meta.nnodes_min, m.meta.nnodes_max);
+                let why = if theirs != mine {
+                    format!("{who} was started with --nnodes {theirs}, this node with --nnodes {mine}")
+                } else if m.meta.state != NodeState::Waiting {
+                    format!("{who} is {} (a job of this run is under way there)", state_word(m.meta.state))
+                } else if m.meta.restarts != restart {
+                    format!("{who} is in restart round {}, this node in {restart}", m.meta.restarts)
+                } else {
+                    return None;
+                };
+                Some((m.id, why))
+            })
             .collect()
     }
 
@@ -487,50 +648,107 @@ impl Mesh {
                 }
                 MeshInput::Tick => core.handle_timeout(now),
             }
+            // A disagreement is named as soon as it is seen, once per node.
+            for (id, why) in self.disagreeing(restart) {
+                if why.contains("--nnodes") && !self.nnodes_named.contains_key(&id) {
+                    warn!("{why}: these nodes cannot form one roster; give every node the same --nnodes");
+                    self.nnodes_named.insert(id, why);
+                }
+            }
             if now >= next_progress {
                 let (present, min, max) = core.progress();
-                let missing = self.missing_peers();
-                let expected = if min == max { format!("{min}") } else { format!("{min}:{max}") };
-                info!(
-                    "waiting for nodes: {present}/{expected} present{}",
-                    if missing.is_empty() {
-                        String::new()
-                    } else {
-                        format!("; no answer yet from {}", missing.join(", "))
-                    }
-                );
-                next_progress = now + Duration::from_secs(5);
-            }
-            if now >= deadline {
-                let (present, min, _) = core.progress();
                 let missing: Vec<String> = self
                     .missing_peers()
                     .into_iter()
                     .filter(|m| !last_auth.keys().any(|a| m.contains(&a.to_string())))
+                    .chain(self.unresolved.iter().map(|l| format!("{l} (not resolved yet)")))
                     .collect();
-                let mut msg =
-                    format!("rendezvous timed out after {:?}: {present} of {min} nodes present", timeout);
+                let mut line = format!("waiting for nodes: {present}/{} present", nnodes_text(min, max));
+                if min < max && present >= min as usize {
+                    line.push_str(&format!(", starting once no newcomer arrived for {:?}", rdzv.settle));
+                }
                 if !missing.is_empty() {
-                    msg.push_str(&format!(
-                        "; never answered: {} (is meshd running there with the same command, and UDP {} open?)",
-                        missing.join(", "),
-                        self.addr.port()
-                    ));
+                    line.push_str(&format!("; no answer yet from {}", missing.join(", ")));
                 }
-                for (a, r) in &last_auth {
-                    match r.strip_prefix("it refused us: ") {
-                        Some(r) => {
-                            msg.push_str(&format!("; {a} refused this node: failed authentication: {r}"))
-                        }
-                        None => msg.push_str(&format!("; {a} failed authentication: {r}")),
-                    }
+                for (_, why) in self.disagreeing(restart) {
+                    line.push_str(&format!("; {why}"));
                 }
-                if auth_overflow > 0 {
-                    msg.push_str(&format!("; and {auth_overflow} more refusals from other addresses"));
-                }
-                return Err(MeshError::Timeout(msg));
+                info!("{line}");
+                next_progress = now + Duration::from_secs(5);
+            }
+            if now >= deadline {
+                let (present, min, max) = core.progress();
+                return Err(MeshError::Timeout(self.timeout_message(
+                    timeout,
+                    restart,
+                    present,
+                    (min, max),
+                    &last_auth,
+                    auth_overflow,
+                )));
             }
         }
+    }
+
+    /// Why a rendezvous did not finish: who is present, who answered but cannot join (and
+    /// why), who failed authentication (and why), who never answered, which names never
+    /// resolved. A present node is never listed as missing.
+    fn timeout_message(
+        &self,
+        timeout: Duration,
+        restart: u32,
+        present: usize,
+        (min, max): (u32, u32),
+        auth: &BTreeMap<IpAddr, String>,
+        auth_overflow: usize,
+    ) -> String {
+        let mut msg = format!(
+            "rendezvous timed out after {}: {present} of {} {} present",
+            human(timeout),
+            nnodes_text(min, max),
+            if min == 1 && max == 1 { "node" } else { "nodes" }
+        );
+        let members: Vec<String> = self
+            .candidates()
+            .iter()
+            .map(|c| {
+                if c.id == self.cfg.node {
+                    format!("{} (this node)", c.addr.ip())
+                } else {
+                    c.addr.ip().to_string()
+                }
+            })
+            .collect();
+        if !members.is_empty() {
+            msg.push_str(&format!(" ({})", members.join(", ")));
+        }
+        let mut why: BTreeMap<NodeId, String> = self.nnodes_named.clone();
+        why.extend(self.disagreeing(restart));
+        for why in why.values() {
+            msg.push_str(&format!("; {why}"));
+        }
+        for (a, r) in auth {
+            msg.push_str(&format!("; {a} answered but failed authentication: {r}"));
+        }
+        if auth_overflow > 0 {
+            msg.push_str(&format!("; and {auth_overflow} more refusals from other addresses"));
+        }
+        let missing: Vec<String> = self
+            .missing_peers()
+            .into_iter()
+            .filter(|m| !auth.keys().any(|a| m.contains(&a.to_string())))
+            .collect();
+        if !missing.is_empty() {
+            msg.push_str(&format!(
+                "; never answered: {} (is meshd running there, and UDP {} open?)",
+                missing.join(", "),
+                self.addr.port()
+            ));
+        }
+        if !self.unresolved.is_empty() {
+            msg.push_str(&format!("; never resolved: {}", self.unresolved.join(", ")));
+        }
+        msg
     }
 
     /// Keeps a rendezvous message of a later round for [`Mesh::rendezvous`].
@@ -551,5 +769,29 @@ impl Mesh {
         self.flush();
         tokio::time::sleep(Duration::from_millis(50)).await;
         self.transport.shutdown().await;
+    }
+}
+
+/// `N` or `MIN:MAX`, as `--nnodes` spells it.
+fn nnodes_text(min: u32, max: u32) -> String {
+    if min == max { min.to_string() } else { format!("{min}:{max}") }
+}
+
+fn state_word(s: NodeState) -> &'static str {
+    match s {
+        NodeState::Waiting => "waiting",
+        NodeState::Running => "running",
+        NodeState::Done => "done",
+        NodeState::Failed => "failed",
+    }
+}
+
+/// `300s`, `1.5s`, `5m`: a duration as the flags spell it.
+fn human(d: Duration) -> String {
+    let s = d.as_secs_f64();
+    if s >= 60.0 && s % 60.0 == 0.0 {
+        format!("{}m", s / 60.0)
+    } else {
+        format!("{}s", (s * 1000.0).round() / 1000.0)
     }
 }

@@ -102,15 +102,19 @@ pub fn resolve(specs: &[PeerSpec], default_port: u16) -> (Vec<(String, SocketAdd
         }
         match (host.as_str(), port).to_socket_addrs() {
             Ok(it) => {
-                let mut any = false;
-                for a in it {
-                    any = true;
-                    let a = SocketAddr::new(a.ip().to_canonical(), a.port());
+                let mut found: Vec<SocketAddr> =
+                    it.map(|a| SocketAddr::new(a.ip().to_canonical(), a.port())).collect();
+                let any = !found.is_empty();
+                if matches!(s, PeerSpec::Host { .. }) {
+                    // A host name means one host: its first address that is not loopback
+                    // (Debian's /etc/hosts maps the machine's own name to 127.0.1.1, which
+                    // says nothing about the interface the others reach it on), else its first.
+                    let pick = found.iter().position(|a| !a.ip().is_loopback()).unwrap_or(0);
+                    found = found.get(pick).copied().into_iter().collect();
+                }
+                for a in found {
                     if !addrs.iter().any(|(_, x)| *x == a) {
                         addrs.push((label.clone(), a));
-                    }
-                    if matches!(s, PeerSpec::Host { .. }) {
-                        break; // a host name means one host: its first address
                     }
                 }
                 if !any {

@@ -212,3 +212,69 @@ fn other_run_or_round_is_ignored() {
     w.handle_message(NodeId::from_u128(1), Message::Propose(mk(1, 1)), now);
     assert!(matches!(w.poll_transmit(), Some((_, Message::Ack { restart: 1, epoch: 1 }))));
 }
+
+/// Issue 21: with MIN present and the settle time passed, a node that is not the proposer
+/// kept returning the passed settle deadline from `poll_timeout`, and its driver spun on it
+/// (a core's worth of CPU, and inputs never read, so the proposal never arrived). A
+/// deadline fires once and is cleared: `poll_timeout` is always later than the last `now`.
+#[test]
+fn a_passed_deadline_fires_once_and_min_max_commits_with_three_of_four() {
+    let t0 = Instant::now();
+    let cands = vec![cand(1, "198.19.0.1"), cand(2, "198.19.0.2"), cand(3, "198.19.0.3")];
+    let mut nodes: Vec<_> = cands.iter().map(|c| Rendezvous::new(c.id, 1, 0, cfg(2, 4), 1, t0)).collect();
+    for n in nodes.iter_mut() {
+        n.handle_candidates(cands.clone(), t0);
+    }
+    // A driver that sleeps until each core's deadline and hands it `now` then.
+    let mut now = t0;
+    let mut commits = vec![None; 3];
+    for _ in 0..20 {
+        let next = nodes.iter().filter_map(Rendezvous::poll_timeout).min();
+        let Some(next) = next else { break };
+        assert!(next > now, "a deadline at or before the last `now` would spin its driver");
+        now = next;
+        for n in nodes.iter_mut() {
+            if n.poll_timeout().is_some_and(|d| d <= now) {
+                n.handle_timeout(now);
+                assert!(n.poll_timeout().is_none_or(|d| d > now), "passed deadline returned again");
+            }
+        }
+        for (i, c) in pump(&mut nodes, &cands, now).into_iter().enumerate() {
+            if c.is_some() {
+                commits[i] = c;
+            }
+        }
+    }
+    assert!(
+        commits.iter().all(|c| c.as_ref().map(|r| r.members.len()) == Some(3)),
+        "every node commits the 3-node roster: {commits:?}"
+    );
+    // Settled and committed: nothing left to wait for.
+    assert!(nodes.iter().all(|n| n.poll_timeout().is_none()));
+}
+
+#[test]
+fn a_settled_non_proposer_has_no_deadline_until_candidates_change() {
+    let t0 = Instant::now();
+    let cands = vec![cand(1, "198.19.0.1"), cand(2, "198.19.0.2"), cand(3, "198.19.0.3")];
+    let mut r = Rendezvous::new(NodeId::from_u128(2), 1, 0, cfg(2, 4), 1, t0);
+    r.handle_candidates(cands.clone(), t0);
+    let settle = r.poll_timeout().expect("settle deadline");
+    r.handle_timeout(settle);
+    assert_eq!(r.poll_timeout(), None, "the settle deadline fired; node 2 waits for node 1's proposal");
+    // Handled late (the driver was busy): still fires once.
+    let mut late = Rendezvous::new(NodeId::from_u128(2), 1, 0, cfg(2, 4), 1, t0);
+    late.handle_candidates(cands.clone(), t0);
+    late.handle_message(NodeId::from_u128(9), Message::Done { restart: 0 }, t0 + Duration::from_secs(60));
+    assert_eq!(late.poll_timeout(), None);
+    // A newcomer restarts the settle clock: a new deadline, in the future.
+    let t1 = settle + Duration::from_secs(1);
+    let mut more = cands;
+    more.push(cand(4, "198.19.0.4"));
+    r.handle_candidates(more[..3].to_vec(), t1);
+    assert_eq!(r.poll_timeout(), None, "no change, no deadline");
+    // Node 3 leaves and node 5 arrives: another set, so the clock restarts.
+    let other = vec![more[0].clone(), more[1].clone(), cand(5, "198.19.0.5")];
+    r.handle_candidates(other, t1);
+    assert_eq!(r.poll_timeout(), Some(t1 + Duration::from_secs(2)));
+}
