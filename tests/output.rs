@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 fn meshd(port: u16, opts: &[&str], script: &str) -> Child {
     let peer = format!("127.0.0.1:{port}");
     Command::new(env!("CARGO_BIN_EXE_meshd"))
-        .args(["run", "--nnodes", "1", "--nproc-per-node", "1", "--peers", &peer])
+        .args(["run", "--nnodes", "1", "--peers", &peer])
         .args(["--port", &port.to_string()])
         .args(opts)
         .args(["--", "sh", "-c", script])
@@ -78,7 +78,7 @@ fn progress_bar_updates_reach_the_console_as_the_rank_writes_them() {
     let _ = std::fs::remove_dir_all(&logs);
     let mut child = meshd(
         29750,
-        &["--log-dir", &logs.display().to_string()],
+        &["--nproc-per-node", "1", "--log-dir", &logs.display().to_string()],
         r#"for i in 1 2 3 4 5; do printf "step $i\r"; sleep 0.4; done; echo; echo done"#,
     );
     let (chunks, reader) = record(child.stdout.take().expect("stdout"));
@@ -125,7 +125,7 @@ fn a_line_with_no_end_is_forwarded_in_pieces_without_meshd_holding_it() {
     const PREFIX: &str = "[rank 0] ";
     let mut child = meshd(
         29751,
-        &[],
+        &["--nproc-per-node", "1"],
         &format!(r"echo ready; sleep 1; head -c {SIZE} /dev/zero | tr '\0' a; sleep 0.5; echo; echo done"),
     );
     let pid = child.id();
@@ -166,4 +166,27 @@ fn a_line_with_no_end_is_forwarded_in_pieces_without_meshd_holding_it() {
     }
     assert_eq!(total, SIZE);
     assert!(pieces.len() >= SIZE / (64 * 1024), "{} pieces", pieces.len());
+}
+
+#[test]
+fn a_line_left_open_by_one_rank_is_not_written_into_by_another() {
+    // Rank 0 leaves "Loading" open for 0.8 s (forwarded after 0.1 s); rank 1 writes a
+    // line meanwhile.
+    let mut child = meshd(
+        29752,
+        &["--nproc-per-node", "2"],
+        r#"if [ "$RANK" = 0 ]; then printf Loading; sleep 0.8; echo " done"; else sleep 0.4; echo hi; fi"#,
+    );
+    let (chunks, reader) = record(child.stdout.take().expect("stdout"));
+    let stderr = drain(child.stderr.take().expect("stderr"));
+    let ok = finish(child, Duration::from_secs(60));
+    let _ = reader.join();
+    let stderr = stderr.join().unwrap_or_default();
+    let all: Vec<u8> = chunks.lock().expect("lock").iter().flat_map(|(_, c)| c.iter().copied()).collect();
+    let all = String::from_utf8_lossy(&all).into_owned();
+    assert!(ok, "meshd failed:\n{all}\n{stderr}");
+    assert!(all.lines().all(|l| l.starts_with("[rank ")), "{all:?}");
+    assert!(all.lines().any(|l| l == "[rank 1] hi"), "{all:?}");
+    let rank0: String = all.lines().filter_map(|l| l.strip_prefix("[rank 0] ")).collect();
+    assert_eq!(rank0, "Loading done", "{all:?}");
 }

@@ -10,6 +10,8 @@
 //! Every write to the console and the log files is done by one writer thread fed by a
 //! bounded channel: a stalled terminal or disk delays output (and, once the channel is
 //! full, the ranks writing it), never meshd's runtime, its heartbeats or its teardown.
+//! Each console piece is one write, and the thread keeps the ranks' lines apart
+//! ([`Stream`]): a line one rank left open is ended before another rank's output.
 
 use std::fs::File;
 use std::io::Write;
@@ -78,6 +80,16 @@ impl LineSplitter {
             col: Col::LineStart,
             len: 0,
         }
+    }
+
+    /// Whether the console line is open: the last output did not end in `\n`.
+    pub fn line_open(&self) -> bool {
+        self.col != Col::LineStart
+    }
+
+    /// Whether the next output continues the console line's text (starts without prefix).
+    pub fn in_text(&self) -> bool {
+        self.col == Col::Mid
     }
 
     /// Bytes held back, waiting for their line's end or for [`LineSplitter::deadline`].
@@ -229,17 +241,63 @@ fn utf8_cut(t: &[u8], at: usize) -> Option<usize> {
     (at.saturating_sub(3).max(1)..=at).rev().find(|&k| t[k] & 0xC0 != 0x80)
 }
 
-/// Where a write goes.
+/// The prefix of a rank's console lines.
+fn prefix(rank: u32) -> String {
+    format!("[rank {rank}] ")
+}
+
+/// What one splitter call gives the console, with where it leaves the rank's line.
 #[derive(Debug)]
-enum Sink {
-    Stdout,
-    Stderr,
-    File(Arc<File>),
+struct Piece {
+    rank: u32,
+    /// The bytes continue a line the rank left open (no prefix of their own).
+    starts_in_text: bool,
+    /// The bytes leave the rank's line open (no `\n` at their end).
+    ends_open: bool,
+    bytes: Vec<u8>,
+}
+
+/// One console stream (stdout or stderr) shared by the node's ranks: keeps their lines
+/// apart when one rank's line is left open (a partial line, a progress bar's `\r`) and
+/// another rank writes. The open line is ended first; when its rank goes on, the rest of
+/// the line gets the prefix again (a `\r` brings its own, and a `\n` that would only end
+/// the line is dropped).
+#[derive(Debug, Default)]
+struct Stream {
+    /// The rank whose line is open on the console.
+    open: Option<u32>,
+    /// Ranks whose open line another rank's output ended.
+    broken: Vec<u32>,
+}
+
+impl Stream {
+    /// The bytes to write for `p`, in one write.
+    fn frame(&mut self, p: &Piece) -> Vec<u8> {
+        let mut out = Vec::with_capacity(p.bytes.len() + 24);
+        if let Some(o) = self.open.filter(|&o| o != p.rank) {
+            out.push(b'\n');
+            self.broken.push(o);
+        }
+        let mut body = p.bytes.as_slice();
+        if let Some(i) = self.broken.iter().position(|&r| r == p.rank) {
+            self.broken.swap_remove(i);
+            if let Some(rest) = body.strip_prefix(b"\n") {
+                body = rest;
+            } else if p.starts_in_text && !body.starts_with(b"\r") {
+                out.extend_from_slice(prefix(p.rank).as_bytes());
+            }
+        }
+        out.extend_from_slice(body);
+        self.open = p.ends_open.then_some(p.rank);
+        out
+    }
 }
 
 #[derive(Debug)]
 enum Msg {
-    Write(Sink, Vec<u8>),
+    /// For meshd's stderr (true) or stdout.
+    Console(bool, Piece),
+    File(Arc<File>, Vec<u8>),
     /// Answered once every write queued before it is done.
     Sync(oneshot::Sender<()>),
 }
@@ -254,12 +312,7 @@ fn writer() -> Option<&'static mpsc::Sender<Msg>> {
             let spawned = std::thread::Builder::new().name("meshd-output".into()).spawn(move || {
                 let mut con = Console::new();
                 while let Some(m) = rx.blocking_recv() {
-                    match m {
-                        Msg::Write(sink, b) => con.write(&sink, &b),
-                        Msg::Sync(done) => {
-                            let _ = done.send(());
-                        }
-                    }
+                    con.handle(m);
                 }
             });
             match spawned {
@@ -279,23 +332,41 @@ fn writer() -> Option<&'static mpsc::Sender<Msg>> {
 struct Console {
     out: Option<File>,
     err: Option<File>,
+    streams: [Stream; 2],
 }
 
 impl Console {
     fn new() -> Console {
         use std::os::fd::AsFd;
         let dup = |fd: std::os::fd::BorrowedFd<'_>| fd.try_clone_to_owned().ok().map(File::from);
-        Console { out: dup(std::io::stdout().as_fd()), err: dup(std::io::stderr().as_fd()) }
+        Console {
+            out: dup(std::io::stdout().as_fd()),
+            err: dup(std::io::stderr().as_fd()),
+            streams: Default::default(),
+        }
     }
 
-    fn write(&mut self, sink: &Sink, b: &[u8]) {
-        // Errors (a closed console, a full disk) lose output, never the job.
-        let _ = match (sink, &mut self.out, &mut self.err) {
-            (Sink::Stdout, Some(f), _) | (Sink::Stderr, _, Some(f)) => f.write_all(b),
-            (Sink::Stdout, None, _) => write_std(&mut std::io::stdout().lock(), b),
-            (Sink::Stderr, _, None) => write_std(&mut std::io::stderr().lock(), b),
-            (Sink::File(f), _, _) => (&**f).write_all(b),
-        };
+    /// Errors (a closed console, a full disk) lose output, never the job.
+    fn handle(&mut self, m: Msg) {
+        match m {
+            Msg::Console(is_err, p) => {
+                let b = self.streams[usize::from(is_err)].frame(&p);
+                if b.is_empty() {
+                    return;
+                }
+                let _ = match (is_err, &mut self.out, &mut self.err) {
+                    (false, Some(f), _) | (true, _, Some(f)) => f.write_all(&b),
+                    (false, None, _) => write_std(&mut std::io::stdout().lock(), &b),
+                    (true, _, None) => write_std(&mut std::io::stderr().lock(), &b),
+                };
+            }
+            Msg::File(f, b) => {
+                let _ = (&*f).write_all(&b);
+            }
+            Msg::Sync(done) => {
+                let _ = done.send(());
+            }
+        }
     }
 }
 
@@ -304,15 +375,13 @@ fn write_std(w: &mut impl Write, b: &[u8]) -> std::io::Result<()> {
     w.flush()
 }
 
-async fn send(sink: Sink, b: Vec<u8>) {
-    if b.is_empty() {
-        return;
-    }
+async fn send(m: Msg) {
     match writer() {
         Some(tx) => {
-            let _ = tx.send(Msg::Write(sink, b)).await;
+            let _ = tx.send(m).await;
         }
-        None => Console::new().write(&sink, &b),
+        // Without the thread the ranks' lines are not kept apart (no shared state).
+        None => Console::new().handle(m),
     }
 }
 
@@ -321,34 +390,40 @@ async fn send(sink: Sink, b: Vec<u8>) {
 pub(super) async fn pump(mut src: impl AsyncRead + Unpin, rank: u32, is_err: bool, file: Option<PathBuf>) {
     let file =
         file.and_then(|p| std::fs::OpenOptions::new().create(true).append(true).open(p).ok()).map(Arc::new);
-    let console = || if is_err { Sink::Stderr } else { Sink::Stdout };
-    let mut split = LineSplitter::new(format!("[rank {rank}] "));
+    let mut split = LineSplitter::new(prefix(rank));
     let mut buf = vec![0u8; READ_CHUNK];
     // Whether the file's last byte is a line end (nothing written counts as one).
     let mut file_at_line_start = true;
-    loop {
+    let mut done = false;
+    while !done {
         let read = match split.deadline() {
             Some(d) => tokio::time::timeout_at(d.into(), src.read(&mut buf)).await.ok(),
             None => Some(src.read(&mut buf).await),
         };
-        let piece = match read {
+        let starts_in_text = split.in_text();
+        let bytes = match read {
             None => split.tick(Instant::now()),
-            Some(Ok(0) | Err(_)) => break,
+            Some(Ok(0) | Err(_)) => {
+                done = true;
+                split.finish()
+            }
             Some(Ok(n)) => {
                 let data = &buf[..n];
                 if let Some(f) = &file {
                     file_at_line_start = data.ends_with(b"\n");
-                    send(Sink::File(f.clone()), data.to_vec()).await;
+                    send(Msg::File(f.clone(), data.to_vec())).await;
                 }
                 split.feed(data, Instant::now())
             }
         };
-        send(console(), piece).await;
+        if !bytes.is_empty() {
+            let ends_open = split.line_open();
+            send(Msg::Console(is_err, Piece { rank, starts_in_text, ends_open, bytes })).await;
+        }
     }
-    send(console(), split.finish()).await;
     if let Some(f) = &file {
         if !file_at_line_start {
-            send(Sink::File(f.clone()), b"\n".to_vec()).await;
+            send(Msg::File(f.clone(), b"\n".to_vec())).await;
         }
     }
     if let Some(tx) = writer() {
@@ -472,6 +547,36 @@ mod tests {
         let t = Instant::now();
         let mut sp = LineSplitter::with_limits(P, 4, PARTIAL_WAIT);
         assert_eq!(s(sp.feed("aaaé€b\n".as_bytes(), t)), "[r] aaa\n[r] é\n[r] €b\n");
+    }
+
+    fn piece(rank: u32, starts_in_text: bool, ends_open: bool, b: &str) -> Piece {
+        Piece { rank, starts_in_text, ends_open, bytes: b.as_bytes().to_vec() }
+    }
+
+    #[test]
+    fn another_rank_does_not_write_into_an_open_line() {
+        let mut st = Stream::default();
+        let f = |st: &mut Stream, p: Piece| String::from_utf8(st.frame(&p)).expect("utf-8");
+        // A partial line, then another rank's line: the partial one is ended first and its
+        // rest gets the prefix again.
+        assert_eq!(f(&mut st, piece(0, false, true, "[rank 0] Loading")), "[rank 0] Loading");
+        assert_eq!(f(&mut st, piece(1, false, false, "[rank 1] hi\n")), "\n[rank 1] hi\n");
+        assert_eq!(f(&mut st, piece(0, true, false, "... done\n")), "[rank 0] ... done\n");
+        // The same rank goes on in its own line.
+        assert_eq!(f(&mut st, piece(0, false, true, "[rank 0] a")), "[rank 0] a");
+        assert_eq!(f(&mut st, piece(0, true, false, "b\n")), "b\n");
+        // A progress bar left at `\r`: kept on its line; its closing `\n` is not an empty line.
+        assert_eq!(f(&mut st, piece(0, false, true, "[rank 0] step 1\r")), "[rank 0] step 1\r");
+        assert_eq!(f(&mut st, piece(1, false, true, "[rank 1] x\n[rank 1] y")), "\n[rank 1] x\n[rank 1] y");
+        assert_eq!(f(&mut st, piece(0, false, true, "[rank 0] step 2\r")), "\n[rank 0] step 2\r");
+        assert_eq!(f(&mut st, piece(1, true, false, "z\n")), "\n[rank 1] z\n");
+        assert_eq!(f(&mut st, piece(0, false, true, "\r[rank 0] step 3")), "\r[rank 0] step 3");
+        // A `\r` that goes on after its line was ended brings its own prefix.
+        assert_eq!(f(&mut st, piece(1, false, true, "[rank 1] w")), "\n[rank 1] w");
+        assert_eq!(f(&mut st, piece(0, true, true, "\r[rank 0] step 4")), "\n\r[rank 0] step 4");
+        assert_eq!(f(&mut st, piece(1, true, false, "!\n")), "\n[rank 1] !\n");
+        assert_eq!(f(&mut st, piece(0, false, false, "\n")), "");
+        assert_eq!(f(&mut st, piece(1, false, false, "[rank 1] end\n")), "[rank 1] end\n");
     }
 
     #[test]
