@@ -1,15 +1,18 @@
 //! Process supervision: one child per local rank, each in its own process group, its
-//! console lines prefixed with its global rank, stopped as a group (SIGTERM, grace,
-//! SIGKILL). Children also get PR_SET_PDEATHSIG so a meshd killed with SIGKILL does not
-//! leave ranks running, and every rank's process group is registered with a small reaper
-//! process (forked once per meshd) that SIGKILLs the groups still registered when meshd
-//! dies, so the processes a rank started (a shell script's python, its workers) go too:
-//! PR_SET_PDEATHSIG reaches only the rank's first process.
+//! console lines prefixed with its global rank ([`output`]: progress bars, long lines, a
+//! writer thread), stopped as a group (SIGTERM, grace, SIGKILL). Children also get
+//! PR_SET_PDEATHSIG so a meshd killed with SIGKILL does not leave ranks running, and
+//! every rank's process group is registered with a small reaper process (forked once per
+//! meshd) that SIGKILLs the groups still registered when meshd dies, so the processes a
+//! rank started (a shell script's python, its workers) go too: PR_SET_PDEATHSIG reaches
+//! only the rank's first process.
 
-use std::path::{Path, PathBuf};
+pub mod output;
+
+use output::pump;
+use std::path::Path;
 use std::process::{ExitStatus, Stdio};
 use std::time::Duration;
-use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
 use tokio::sync::mpsc;
 
 /// One rank to start.
@@ -349,34 +352,5 @@ pub mod reaper {
             }
             libc::_exit(0)
         }
-    }
-}
-
-async fn pump(src: impl AsyncRead + Unpin, rank: u32, is_err: bool, file: Option<PathBuf>) {
-    use std::io::Write;
-    let mut file = file.and_then(|p| std::fs::OpenOptions::new().create(true).append(true).open(p).ok());
-    let mut reader = BufReader::new(src);
-    let mut line = Vec::with_capacity(256);
-    let prefix = format!("[rank {rank}] ");
-    loop {
-        line.clear();
-        match reader.read_until(b'\n', &mut line).await {
-            Ok(0) | Err(_) => break,
-            Ok(_) => {}
-        }
-        if !line.ends_with(b"\n") {
-            line.push(b'\n');
-        }
-        if let Some(f) = file.as_mut() {
-            let _ = f.write_all(&line);
-        }
-        let mut buf = Vec::with_capacity(prefix.len() + line.len());
-        buf.extend_from_slice(prefix.as_bytes());
-        buf.extend_from_slice(&line);
-        let _ = if is_err {
-            std::io::stderr().lock().write_all(&buf)
-        } else {
-            std::io::stdout().lock().write_all(&buf)
-        };
     }
 }

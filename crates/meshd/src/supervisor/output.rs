@@ -1,0 +1,602 @@
+//! A rank's stdout and stderr on meshd's console and in its `--log-dir` files.
+//!
+//! [`LineSplitter`] turns the bytes a rank writes into what the console gets: every line
+//! prefixed with `[rank N] `, complete lines kept whole, a progress bar's `\r` updates
+//! forwarded as they come (the prefix after each `\r`, where a terminal keeps it), a
+//! partial line forwarded once it has waited [`PARTIAL_WAIT`], and lines longer than
+//! [`MAX_LINE`] split into pieces, each with the prefix, so meshd never holds more than
+//! about one such piece per stream.
+//!
+//! Every write to the console and the log files is done by one writer thread fed by a
+//! bounded channel: a stalled terminal or disk delays output (and, once the channel is
+//! full, the ranks writing it), never meshd's runtime, its heartbeats or its teardown.
+//! Each console piece is one write, and the thread keeps the ranks' lines apart
+//! ([`Stream`]): a line one rank left open is ended before another rank's output.
+
+use std::fs::File;
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio::sync::{mpsc, oneshot};
+
+/// Longest console line (bytes after the prefix); longer ones go out in pieces.
+pub const MAX_LINE: usize = 64 * 1024;
+/// How long a partial line (no `\n`, not ending in `\r`) waits for its end before the part
+/// that came is forwarded.
+pub const PARTIAL_WAIT: Duration = Duration::from_millis(100);
+/// Bytes read from a rank's pipe at a time.
+const READ_CHUNK: usize = 64 * 1024;
+/// Writes queued for the writer thread before the ranks' pumps wait.
+const QUEUE: usize = 32;
+
+/// Where the console cursor of one rank's stream stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Col {
+    /// At the start of a fresh line (nothing written, or after `\n`): text and `\n` need
+    /// the prefix first.
+    LineStart,
+    /// After a `\r`: text needs the prefix first, a `\n` does not (`\r\n`).
+    AfterCr,
+    /// Inside a line that has its prefix.
+    Mid,
+}
+
+/// Splits one rank stream's bytes into prefixed console output; pure (the caller supplies
+/// the time), so it is tested without processes.
+///
+/// Every call returns the bytes to write to the console now, to be written in one write so
+/// another rank's output cannot land inside them (empty: nothing to write).
+#[derive(Debug)]
+pub struct LineSplitter {
+    prefix: Vec<u8>,
+    max_line: usize,
+    wait: Duration,
+    /// Bytes held back: the current line's text since its last `\n` (or from its last
+    /// `\r` on), at most `max_line` of it after every call.
+    pending: Vec<u8>,
+    /// When the oldest held byte came.
+    since: Option<Instant>,
+    col: Col,
+    /// Bytes of the current console line after its prefix.
+    len: usize,
+}
+
+impl LineSplitter {
+    /// A splitter with [`MAX_LINE`] and [`PARTIAL_WAIT`].
+    pub fn new(prefix: impl Into<Vec<u8>>) -> LineSplitter {
+        LineSplitter::with_limits(prefix, MAX_LINE, PARTIAL_WAIT)
+    }
+
+    /// A splitter with the given longest line (at least 1) and partial-line wait.
+    pub fn with_limits(prefix: impl Into<Vec<u8>>, max_line: usize, wait: Duration) -> LineSplitter {
+        LineSplitter {
+            prefix: prefix.into(),
+            max_line: max_line.max(1),
+            wait,
+            pending: Vec::new(),
+            since: None,
+            col: Col::LineStart,
+            len: 0,
+        }
+    }
+
+    /// Whether the console line is open: the last output did not end in `\n`.
+    pub fn line_open(&self) -> bool {
+        self.col != Col::LineStart
+    }
+
+    /// Whether the next output continues the console line's text (starts without prefix).
+    pub fn in_text(&self) -> bool {
+        self.col == Col::Mid
+    }
+
+    /// Bytes held back, waiting for their line's end or for [`LineSplitter::deadline`].
+    pub fn held(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// When [`LineSplitter::tick`] forwards the held partial line (None: nothing held).
+    pub fn deadline(&self) -> Option<Instant> {
+        if self.pending.is_empty() { None } else { self.since.map(|s| s + self.wait) }
+    }
+
+    /// Takes bytes the rank wrote at `now`. Forwards every complete line, everything if the
+    /// bytes end in `\r` or `\n`, of a line with no end in sight pieces of `max_line`, and
+    /// what has waited its time; holds the rest of the current line (from its last `\r` on).
+    pub fn feed(&mut self, data: &[u8], now: Instant) -> Vec<u8> {
+        let mut out = Vec::new();
+        if data.is_empty() {
+            return out;
+        }
+        if self.pending.is_empty() {
+            self.since = Some(now);
+        }
+        self.pending.extend_from_slice(data);
+        let cut = match self.pending.last() {
+            Some(b'\n' | b'\r') => self.pending.len(),
+            _ => match self.pending.iter().rposition(|&b| b == b'\n' || b == b'\r') {
+                Some(i) if self.pending[i] == b'\n' => i + 1,
+                // Keep a progress bar's `\rtext` together: forward what came before it.
+                Some(i) => i,
+                None => 0,
+            },
+        };
+        if cut > 0 {
+            let rest = self.pending.split_off(cut);
+            let done = std::mem::replace(&mut self.pending, rest);
+            self.render(&done, &mut out);
+            // The held rest came after that line end, in this call.
+            self.since = Some(now);
+        }
+        // A line with no end in sight: forward it in pieces, each ending its console line.
+        // What is held from here on has no line end but perhaps a leading `\r`.
+        while self.pending.len() > self.max_line {
+            let k = utf8_cut(&self.pending, self.max_line).unwrap_or(self.max_line);
+            let rest = self.pending.split_off(k);
+            let piece = std::mem::replace(&mut self.pending, rest);
+            self.render(&piece, &mut out);
+            if self.col == Col::Mid {
+                self.break_line(&mut out);
+            }
+            self.since = Some(now);
+        }
+        // A line that trickles in (a dot a second) goes out on time too.
+        out.extend(self.tick(now));
+        out
+    }
+
+    /// Forwards the held partial line if it has waited its time by `now`; it continues,
+    /// without a new prefix, when the rest of its line comes.
+    pub fn tick(&mut self, now: Instant) -> Vec<u8> {
+        let mut out = Vec::new();
+        if self.deadline().is_some_and(|d| now >= d) {
+            let held = std::mem::take(&mut self.pending);
+            self.render(&held, &mut out);
+            self.since = None;
+        }
+        out
+    }
+
+    /// The stream ended: forwards what is held and ends an unfinished console line.
+    pub fn finish(&mut self) -> Vec<u8> {
+        let mut out = Vec::new();
+        let held = std::mem::take(&mut self.pending);
+        self.render(&held, &mut out);
+        self.since = None;
+        if self.col != Col::LineStart {
+            self.break_line(&mut out);
+        }
+        out
+    }
+
+    fn render(&mut self, mut seg: &[u8], out: &mut Vec<u8>) {
+        out.reserve(seg.len() + self.prefix.len());
+        while !seg.is_empty() {
+            let i = seg.iter().position(|&b| b == b'\n' || b == b'\r').unwrap_or(seg.len());
+            let (text, tail) = seg.split_at(i);
+            self.text(text, out);
+            match tail.first() {
+                Some(b'\n') => {
+                    if self.col == Col::LineStart {
+                        out.extend_from_slice(&self.prefix);
+                    }
+                    out.push(b'\n');
+                    self.col = Col::LineStart;
+                    self.len = 0;
+                }
+                Some(_) => {
+                    out.push(b'\r');
+                    self.col = Col::AfterCr;
+                    self.len = 0;
+                }
+                None => {}
+            }
+            seg = tail.get(1..).unwrap_or_default();
+        }
+    }
+
+    /// Text without line ends; the prefix first where a line starts, a line end where the
+    /// line is full.
+    fn text(&mut self, mut t: &[u8], out: &mut Vec<u8>) {
+        while !t.is_empty() {
+            if self.col == Col::Mid && self.len >= self.max_line {
+                self.break_line(out);
+            }
+            if self.col != Col::Mid {
+                out.extend_from_slice(&self.prefix);
+                self.col = Col::Mid;
+            }
+            let room = self.max_line - self.len;
+            let k = if t.len() <= room {
+                t.len()
+            } else {
+                match utf8_cut(t, room) {
+                    Some(k) => k,
+                    // The character does not fit on this line: it starts the next one.
+                    None if self.len > 0 => {
+                        self.break_line(out);
+                        continue;
+                    }
+                    None => room,
+                }
+            };
+            out.extend_from_slice(&t[..k]);
+            self.len += k;
+            t = &t[k..];
+        }
+    }
+
+    fn break_line(&mut self, out: &mut Vec<u8>) {
+        out.push(b'\n');
+        self.col = Col::LineStart;
+        self.len = 0;
+    }
+}
+
+/// Where to cut `t` (longer than `at`) at or up to 3 bytes before `at`, but not before 1,
+/// without splitting a UTF-8 character (None: no character starts there).
+fn utf8_cut(t: &[u8], at: usize) -> Option<usize> {
+    (at.saturating_sub(3).max(1)..=at).rev().find(|&k| t[k] & 0xC0 != 0x80)
+}
+
+/// The prefix of a rank's console lines.
+fn prefix(rank: u32) -> String {
+    format!("[rank {rank}] ")
+}
+
+/// What one splitter call gives the console, with where it leaves the rank's line.
+#[derive(Debug)]
+struct Piece {
+    rank: u32,
+    /// The bytes continue a line the rank left open (no prefix of their own).
+    starts_in_text: bool,
+    /// The bytes leave the rank's line open (no `\n` at their end).
+    ends_open: bool,
+    bytes: Vec<u8>,
+}
+
+/// One console stream (stdout or stderr) shared by the node's ranks: keeps their lines
+/// apart when one rank's line is left open (a partial line, a progress bar's `\r`) and
+/// another rank writes. The open line is ended first; when its rank goes on, the rest of
+/// the line gets the prefix again (a `\r` brings its own, and a `\n` that would only end
+/// the line is dropped).
+#[derive(Debug, Default)]
+struct Stream {
+    /// The rank whose line is open on the console.
+    open: Option<u32>,
+    /// Ranks whose open line another rank's output ended.
+    broken: Vec<u32>,
+}
+
+impl Stream {
+    /// The bytes to write for `p`, in one write.
+    fn frame(&mut self, p: &Piece) -> Vec<u8> {
+        let mut out = Vec::with_capacity(p.bytes.len() + 24);
+        if let Some(o) = self.open.filter(|&o| o != p.rank) {
+            out.push(b'\n');
+            self.broken.push(o);
+        }
+        let mut body = p.bytes.as_slice();
+        if let Some(i) = self.broken.iter().position(|&r| r == p.rank) {
+            self.broken.swap_remove(i);
+            if let Some(rest) = body.strip_prefix(b"\n") {
+                body = rest;
+            } else if p.starts_in_text && !body.starts_with(b"\r") {
+                out.extend_from_slice(prefix(p.rank).as_bytes());
+            }
+        }
+        out.extend_from_slice(body);
+        self.open = p.ends_open.then_some(p.rank);
+        out
+    }
+}
+
+#[derive(Debug)]
+enum Msg {
+    /// For meshd's stderr (true) or stdout.
+    Console(bool, Piece),
+    File(Arc<File>, Vec<u8>),
+    /// Answered once every write queued before it is done.
+    Sync(oneshot::Sender<()>),
+}
+
+/// The writer thread's queue, started on first use (None: no thread could be started; the
+/// pumps write themselves then).
+fn writer() -> Option<&'static mpsc::Sender<Msg>> {
+    static WRITER: OnceLock<Option<mpsc::Sender<Msg>>> = OnceLock::new();
+    WRITER
+        .get_or_init(|| {
+            let (tx, mut rx) = mpsc::channel::<Msg>(QUEUE);
+            let spawned = std::thread::Builder::new().name("meshd-output".into()).spawn(move || {
+                let mut con = Console::new();
+                while let Some(m) = rx.blocking_recv() {
+                    con.handle(m);
+                }
+            });
+            match spawned {
+                Ok(_) => Some(tx),
+                Err(e) => {
+                    tracing::warn!("cannot start the output thread ({e}): ranks' output is written inline");
+                    None
+                }
+            }
+        })
+        .as_ref()
+}
+
+/// meshd's stdout and stderr as unbuffered files (duplicates of descriptors 1 and 2), so a
+/// piece is one write(2) whatever it holds (std's stdout buffers up to a line end).
+#[derive(Debug)]
+struct Console {
+    out: Option<File>,
+    err: Option<File>,
+    streams: [Stream; 2],
+}
+
+impl Console {
+    fn new() -> Console {
+        use std::os::fd::AsFd;
+        let dup = |fd: std::os::fd::BorrowedFd<'_>| fd.try_clone_to_owned().ok().map(File::from);
+        Console {
+            out: dup(std::io::stdout().as_fd()),
+            err: dup(std::io::stderr().as_fd()),
+            streams: Default::default(),
+        }
+    }
+
+    /// Errors (a closed console, a full disk) lose output, never the job.
+    fn handle(&mut self, m: Msg) {
+        match m {
+            Msg::Console(is_err, p) => {
+                let b = self.streams[usize::from(is_err)].frame(&p);
+                if b.is_empty() {
+                    return;
+                }
+                let _ = match (is_err, &mut self.out, &mut self.err) {
+                    (false, Some(f), _) | (true, _, Some(f)) => f.write_all(&b),
+                    (false, None, _) => write_std(&mut std::io::stdout().lock(), &b),
+                    (true, _, None) => write_std(&mut std::io::stderr().lock(), &b),
+                };
+            }
+            Msg::File(f, b) => {
+                let _ = (&*f).write_all(&b);
+            }
+            Msg::Sync(done) => {
+                let _ = done.send(());
+            }
+        }
+    }
+}
+
+fn write_std(w: &mut impl Write, b: &[u8]) -> std::io::Result<()> {
+    w.write_all(b)?;
+    w.flush()
+}
+
+async fn send(m: Msg) {
+    match writer() {
+        Some(tx) => {
+            let _ = tx.send(m).await;
+        }
+        // Without the thread the ranks' lines are not kept apart (no shared state).
+        None => Console::new().handle(m),
+    }
+}
+
+/// Forwards one rank stream (stdout or stderr) to meshd's console, prefixed, and as it is
+/// to `file` (appended) if given; returns once all of it has been written.
+pub(super) async fn pump(mut src: impl AsyncRead + Unpin, rank: u32, is_err: bool, file: Option<PathBuf>) {
+    let file =
+        file.and_then(|p| std::fs::OpenOptions::new().create(true).append(true).open(p).ok()).map(Arc::new);
+    let mut split = LineSplitter::new(prefix(rank));
+    let mut buf = vec![0u8; READ_CHUNK];
+    // Whether the file's last byte is a line end (nothing written counts as one).
+    let mut file_at_line_start = true;
+    let mut done = false;
+    while !done {
+        let read = match split.deadline() {
+            Some(d) => tokio::time::timeout_at(d.into(), src.read(&mut buf)).await.ok(),
+            None => Some(src.read(&mut buf).await),
+        };
+        let starts_in_text = split.in_text();
+        let bytes = match read {
+            None => split.tick(Instant::now()),
+            Some(Ok(0) | Err(_)) => {
+                done = true;
+                split.finish()
+            }
+            Some(Ok(n)) => {
+                let data = &buf[..n];
+                if let Some(f) = &file {
+                    file_at_line_start = data.ends_with(b"\n");
+                    send(Msg::File(f.clone(), data.to_vec())).await;
+                }
+                split.feed(data, Instant::now())
+            }
+        };
+        if !bytes.is_empty() {
+            let ends_open = split.line_open();
+            send(Msg::Console(is_err, Piece { rank, starts_in_text, ends_open, bytes })).await;
+        }
+    }
+    if let Some(f) = &file {
+        if !file_at_line_start {
+            send(Msg::File(f.clone(), b"\n".to_vec())).await;
+        }
+    }
+    if let Some(tx) = writer() {
+        let (done, written) = oneshot::channel();
+        if tx.send(Msg::Sync(done)).await.is_ok() {
+            let _ = written.await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const P: &str = "[r] ";
+
+    fn s(b: Vec<u8>) -> String {
+        String::from_utf8(b).expect("utf-8")
+    }
+
+    #[test]
+    fn complete_lines_are_prefixed_and_kept_whole() {
+        let t = Instant::now();
+        let mut sp = LineSplitter::new(P);
+        assert_eq!(s(sp.feed(b"a\nb\n", t)), "[r] a\n[r] b\n");
+        assert_eq!(s(sp.feed(b"hel", t)), "");
+        assert_eq!(sp.held(), 3);
+        assert_eq!(s(sp.feed(b"lo\nwor", t)), "[r] hello\n");
+        assert_eq!(s(sp.feed(b"ld\n", t)), "[r] world\n");
+        assert_eq!(s(sp.feed(b"\nx\r\n", t)), "[r] \n[r] x\r\n");
+        assert_eq!(s(sp.finish()), "");
+    }
+
+    #[test]
+    fn a_line_ending_in_cr_goes_out_at_once_with_the_prefix_after_each_cr() {
+        let t = Instant::now();
+        let mut sp = LineSplitter::new(P);
+        assert_eq!(s(sp.feed(b"step 1\r", t)), "[r] step 1\r");
+        assert_eq!(s(sp.feed(b"step 2\r", t)), "[r] step 2\r");
+        assert_eq!(s(sp.feed(b"step 3\rstep 4\r", t)), "[r] step 3\r[r] step 4\r");
+        assert_eq!(sp.deadline(), None);
+        assert_eq!(s(sp.feed(b"\n", t)), "\n");
+        assert_eq!(s(sp.feed(b"next\n", t)), "[r] next\n");
+    }
+
+    #[test]
+    fn a_partial_line_waits_then_goes_out_and_continues_without_a_second_prefix() {
+        let t = Instant::now();
+        let mut sp = LineSplitter::new(P);
+        assert_eq!(s(sp.feed(b"Loading", t)), "");
+        assert_eq!(sp.deadline(), Some(t + PARTIAL_WAIT));
+        assert_eq!(s(sp.feed(b"...", t + Duration::from_millis(60))), "");
+        assert_eq!(s(sp.tick(t + Duration::from_millis(99))), "");
+        assert_eq!(s(sp.tick(t + PARTIAL_WAIT)), "[r] Loading...");
+        assert_eq!(sp.deadline(), None);
+        assert_eq!(s(sp.feed(b" done\n", t + Duration::from_secs(1))), " done\n");
+        assert_eq!(s(sp.feed(b"half", t + Duration::from_secs(2))), "");
+        assert_eq!(s(sp.finish()), "[r] half\n");
+    }
+
+    #[test]
+    fn a_line_that_trickles_in_goes_out_on_time() {
+        let t = Instant::now();
+        let ms = |n| t + Duration::from_millis(n);
+        let mut sp = LineSplitter::new(P);
+        assert_eq!(s(sp.feed(b"working", t)), "");
+        assert_eq!(s(sp.feed(b".", ms(50))), "");
+        assert_eq!(s(sp.feed(b".", ms(100))), "[r] working..");
+        assert_eq!(s(sp.feed(b".", ms(150))), "");
+        assert_eq!(s(sp.feed(b".", ms(200))), "");
+        assert_eq!(s(sp.feed(b".", ms(250))), "...");
+        assert_eq!(s(sp.feed(b" ok\n", ms(300))), " ok\n");
+    }
+
+    #[test]
+    fn tqdm_style_updates_keep_their_leading_cr_with_their_text() {
+        let t = Instant::now();
+        let ms = |n| t + Duration::from_millis(n);
+        let mut sp = LineSplitter::new(P);
+        assert_eq!(s(sp.feed(b"\r 10%|#", t)), "");
+        assert_eq!(s(sp.tick(ms(100))), "\r[r]  10%|#");
+        // The next update pushes the one before it out; the newest waits its time.
+        assert_eq!(s(sp.feed(b"\r 20%|##", ms(150))), "");
+        assert_eq!(s(sp.feed(b"\r 30%|###", ms(180))), "\r[r]  20%|##");
+        assert_eq!(sp.deadline(), Some(ms(280)));
+        assert_eq!(s(sp.tick(ms(280))), "\r[r]  30%|###");
+        assert_eq!(s(sp.feed(b"\r100%|####\n", ms(300))), "\r[r] 100%|####\n");
+    }
+
+    #[test]
+    fn the_stream_end_ends_the_console_line() {
+        let t = Instant::now();
+        let mut sp = LineSplitter::new(P);
+        assert_eq!(s(sp.finish()), "");
+        assert_eq!(s(sp.feed(b"step 5\r", t)), "[r] step 5\r");
+        assert_eq!(s(sp.finish()), "\n");
+    }
+
+    #[test]
+    fn long_lines_go_out_in_pieces_each_with_the_prefix() {
+        let t = Instant::now();
+        let mut sp = LineSplitter::with_limits(P, 8, PARTIAL_WAIT);
+        // A complete line longer than the limit.
+        assert_eq!(s(sp.feed(b"abcdefghij\n", t)), "[r] abcdefgh\n[r] ij\n");
+        // A line with no end: pieces go out, at most the limit is held.
+        assert_eq!(s(sp.feed(b"0123456789abcdefghij", t)), "[r] 01234567\n[r] 89abcdef\n");
+        assert_eq!(sp.held(), 4);
+        assert_eq!(s(sp.feed(b"klmn", t)), "");
+        assert_eq!(s(sp.feed(b"o", t)), "[r] ghijklmn\n");
+        assert_eq!(s(sp.feed(b"\n", t)), "[r] o\n");
+        // A line exactly as long as the limit is not split.
+        assert_eq!(s(sp.feed(b"abcdefgh\n", t)), "[r] abcdefgh\n");
+        // A partial line forwarded by the timer counts toward its line's length.
+        assert_eq!(s(sp.feed(b"abcde", t)), "");
+        assert_eq!(s(sp.tick(t + PARTIAL_WAIT)), "[r] abcde");
+        assert_eq!(s(sp.feed(b"fghijk\n", t + PARTIAL_WAIT)), "fgh\n[r] ijk\n");
+    }
+
+    #[test]
+    fn pieces_do_not_split_a_utf8_character() {
+        let t = Instant::now();
+        let mut sp = LineSplitter::with_limits(P, 4, PARTIAL_WAIT);
+        assert_eq!(s(sp.feed("aaaé€b\n".as_bytes(), t)), "[r] aaa\n[r] é\n[r] €b\n");
+    }
+
+    fn piece(rank: u32, starts_in_text: bool, ends_open: bool, b: &str) -> Piece {
+        Piece { rank, starts_in_text, ends_open, bytes: b.as_bytes().to_vec() }
+    }
+
+    #[test]
+    fn another_rank_does_not_write_into_an_open_line() {
+        let mut st = Stream::default();
+        let f = |st: &mut Stream, p: Piece| String::from_utf8(st.frame(&p)).expect("utf-8");
+        // A partial line, then another rank's line: the partial one is ended first and its
+        // rest gets the prefix again.
+        assert_eq!(f(&mut st, piece(0, false, true, "[rank 0] Loading")), "[rank 0] Loading");
+        assert_eq!(f(&mut st, piece(1, false, false, "[rank 1] hi\n")), "\n[rank 1] hi\n");
+        assert_eq!(f(&mut st, piece(0, true, false, "... done\n")), "[rank 0] ... done\n");
+        // The same rank goes on in its own line.
+        assert_eq!(f(&mut st, piece(0, false, true, "[rank 0] a")), "[rank 0] a");
+        assert_eq!(f(&mut st, piece(0, true, false, "b\n")), "b\n");
+        // A progress bar left at `\r`: kept on its line; its closing `\n` is not an empty line.
+        assert_eq!(f(&mut st, piece(0, false, true, "[rank 0] step 1\r")), "[rank 0] step 1\r");
+        assert_eq!(f(&mut st, piece(1, false, true, "[rank 1] x\n[rank 1] y")), "\n[rank 1] x\n[rank 1] y");
+        assert_eq!(f(&mut st, piece(0, false, true, "[rank 0] step 2\r")), "\n[rank 0] step 2\r");
+        assert_eq!(f(&mut st, piece(1, true, false, "z\n")), "\n[rank 1] z\n");
+        assert_eq!(f(&mut st, piece(0, false, true, "\r[rank 0] step 3")), "\r[rank 0] step 3");
+        // A `\r` that goes on after its line was ended brings its own prefix.
+        assert_eq!(f(&mut st, piece(1, false, true, "[rank 1] w")), "\n[rank 1] w");
+        assert_eq!(f(&mut st, piece(0, true, true, "\r[rank 0] step 4")), "\n\r[rank 0] step 4");
+        assert_eq!(f(&mut st, piece(1, true, false, "!\n")), "\n[rank 1] !\n");
+        assert_eq!(f(&mut st, piece(0, false, false, "\n")), "");
+        assert_eq!(f(&mut st, piece(1, false, false, "[rank 1] end\n")), "[rank 1] end\n");
+    }
+
+    #[test]
+    fn a_huge_line_is_held_at_most_max_line_at_a_time() {
+        let t = Instant::now();
+        let mut sp = LineSplitter::new(P);
+        let chunk = vec![b'a'; READ_CHUNK];
+        let mut out = Vec::new();
+        for _ in 0..64 {
+            out.extend(sp.feed(&chunk, t));
+            assert!(sp.held() <= MAX_LINE, "held {}", sp.held());
+        }
+        out.extend(sp.feed(b"\n", t));
+        let lines: Vec<&[u8]> = out.split(|&b| b == b'\n').filter(|l| !l.is_empty()).collect();
+        assert_eq!(lines.len(), 64 * READ_CHUNK / MAX_LINE);
+        for l in &lines {
+            assert!(l.starts_with(P.as_bytes()));
+            assert!(l.len() <= P.len() + MAX_LINE);
+        }
+        let payload: usize = lines.iter().map(|l| l.len() - P.len()).sum();
+        assert_eq!(payload, 64 * READ_CHUNK);
+    }
+}
