@@ -15,20 +15,45 @@ pub struct NetArgs {
     /// Shared secret: only nodes holding it can join.
     #[arg(long, env = "MESHD_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
-    /// Read the shared secret from a file.
+    /// Read the shared secret from a file (mode 0600; `meshd token --file F` makes one).
     #[arg(long, conflicts_with = "token")]
     pub token_file: Option<String>,
+    /// Allow a multi-node mesh without a token: anyone who reaches the UDP port can join,
+    /// read the mesh, start or stop the job.
+    #[arg(long)]
+    pub insecure: bool,
 }
 
 impl NetArgs {
+    /// The token for a mesh of `max_nodes`: a multi-node mesh without one is refused unless
+    /// `--insecure` says so.
+    pub fn token_for(&self, max_nodes: u32) -> Result<Option<Token>> {
+        let token = self.token()?;
+        if token.is_none() && max_nodes > 1 && !self.insecure {
+            bail!(
+                "a multi-node mesh needs a token, so that only your nodes can join, see it, or start and stop \
+                 the job: make one with `meshd token --file ~/.meshd-token`, copy the file to every node, and \
+                 pass --token-file ~/.meshd-token (or MESHD_TOKEN) on each; --insecure runs without one"
+            );
+        }
+        Ok(token)
+    }
+
     /// The token from --token, MESHD_TOKEN or --token-file.
     pub fn token(&self) -> Result<Option<Token>> {
         if let Some(f) = &self.token_file {
+            check_private(f)?;
             let s = std::fs::read_to_string(f).with_context(|| format!("cannot read --token-file {f}"))?;
             if s.trim().is_empty() {
                 bail!("--token-file {f} is empty");
             }
             return Ok(Some(Token::new(&s)));
+        }
+        if self.token.is_some() && std::env::args().any(|a| a == "--token" || a.starts_with("--token=")) {
+            tracing::warn!(
+                "--token on the command line is visible to every user of this machine (ps, /proc); \
+                 prefer --token-file F (mode 0600) or the MESHD_TOKEN variable"
+            );
         }
         match &self.token {
             Some(t) if t.trim().is_empty() => bail!("--token / MESHD_TOKEN is empty"),
@@ -36,6 +61,20 @@ impl NetArgs {
             None => Ok(None),
         }
     }
+}
+
+/// Refuses a token file that others may read, as ssh refuses such a private key.
+fn check_private(path: &str) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let meta = std::fs::metadata(path).with_context(|| format!("cannot read --token-file {path}"))?;
+    let mode = meta.permissions().mode() & 0o777;
+    if mode & 0o077 != 0 {
+        bail!(
+            "--token-file {path} can be read by other users (mode {mode:04o}): the token would let them join \
+             and control the job; run `chmod 600 {path}`"
+        );
+    }
+    Ok(())
 }
 
 /// Resolved peer entries: (label as listed, address).

@@ -9,6 +9,7 @@ mod doctor;
 mod ifaces;
 mod run;
 mod status;
+mod token;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -37,6 +38,8 @@ enum Cmd {
     Status(status::Args),
     /// List interfaces; with --peers, show which one reaches each peer and the one meshd would choose.
     Ifaces(ifaces::Args),
+    /// Print a fresh 128-bit random token, or write it to a private file (--file F, mode 0600).
+    Token(token::Args),
 }
 
 /// Keep freed heap memory for reuse instead of handing it back to the kernel at once.
@@ -113,6 +116,7 @@ fn main() -> ExitCode {
                 Cmd::Status(a) => status::main(a).await,
                 Cmd::Doctor(a) => doctor::main(a).await,
                 Cmd::Bench(w) => bench::main(w).await,
+                Cmd::Token(a) => token::main(a),
                 Cmd::Run(_) => unreachable!("handled above"),
             }
         };

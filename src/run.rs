@@ -137,7 +137,7 @@ pub fn prepare(a: &JobArgs, cmd: &[String]) -> Result<Prepared> {
         Err(_) => (nproc_gpus(), 0),
     };
     let nproc = nproc(&a.nproc_per_node, gpus)?;
-    let token = a.net.token()?;
+    let token = a.net.token_for(max)?;
     let (peers, unresolved) = common::peers(a.peers.as_deref(), a.net.port)?;
     if peers.is_empty() && unresolved.is_empty() && max > 1 {
         bail!("--nnodes {nnodes} needs --peers (or SLURM_JOB_NODELIST): at least one other node's address");

@@ -168,6 +168,11 @@ impl Lab {
     pub fn spawn(&mut self, i: usize, args: &[&str], envs: &[(&str, &str)]) -> usize {
         let mut c = Command::new("ip");
         c.args(["netns", "exec", &self.hosts[i].ns]).args(args);
+        // A multi-node mesh needs a token (or --insecure), as users run it: meshd gets the
+        // lab's unless the test gives its own.
+        if args.first() == Some(&meshd()) && !envs.iter().any(|(k, _)| *k == "MESHD_TOKEN") {
+            c.env("MESHD_TOKEN", "lab-default-token");
+        }
         for (k, v) in envs {
             c.env(k, v);
         }

@@ -240,6 +240,7 @@ fn python_dirs() -> Result<(Vec<PathBuf>, Vec<PathBuf>), String> {
         try:\n    import nvidia.nccl as m\n    for p in list(getattr(m, '__path__', [])):\n        print('N', p)\n\
         except Exception:\n    pass\n";
     let mut cmd = Command::new("python3");
+    cmd.env_remove("MESHD_TOKEN");
     cmd.arg("-c").arg(SCRIPT).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::null());
     // A meshd killed (SIGKILL) during the probe must not leave python3 behind. The thread
     // that forks waits for the child below, so the signal cannot fire early.

@@ -52,9 +52,16 @@ pub struct Roster {
 }
 
 impl Roster {
-    /// Total number of processes.
+    /// Total number of processes (saturating: a roster that overflows is never agreed, see
+    /// [`Roster::checked_world_size`]).
     pub fn world_size(&self) -> u32 {
-        self.members.iter().map(|m| m.nproc).sum()
+        self.checked_world_size().unwrap_or(u32::MAX)
+    }
+
+    /// Total number of processes, or `None` when it does not fit a `u32` (a hostile or
+    /// broken proposal: refused before any acknowledgement).
+    pub fn checked_world_size(&self) -> Option<u32> {
+        self.members.iter().try_fold(0u32, |acc, m| acc.checked_add(m.nproc))
     }
 
     /// The master (node rank 0).
@@ -69,7 +76,9 @@ impl Roster {
 
     /// Global rank of local rank 0 on node `rank`.
     pub fn first_global_rank(&self, node_rank: usize) -> u32 {
-        self.members[..node_rank.min(self.members.len())].iter().map(|m| m.nproc).sum()
+        self.members[..node_rank.min(self.members.len())]
+            .iter()
+            .fold(0u32, |acc, m| acc.saturating_add(m.nproc))
     }
 }
 
@@ -170,6 +179,9 @@ impl Default for RdzvConfig {
 pub enum RdzvEvent {
     /// The roster is agreed: launch.
     Committed(Roster),
+    /// A proposal (or the view it would come from) was refused, with why; the round goes
+    /// on waiting (the driver logs it).
+    Refused(String),
 }
 
 #[derive(Debug)]
@@ -202,6 +214,8 @@ pub struct Rendezvous {
     epoch: u64,
     /// A proposal we could not accept yet because our own view lagged behind.
     pending: Option<(NodeId, Roster)>,
+    /// The last refusal said (not repeated while the view stays the same).
+    last_refusal: Option<String>,
     phase: Phase,
     /// The next deadline, always later than the last `now` this core was given: a deadline
     /// that passed has fired and is cleared, so a driver that sleeps until `poll_timeout`
@@ -231,6 +245,7 @@ impl Rendezvous {
             last_change: now,
             epoch: 0,
             pending: None,
+            last_refusal: None,
             phase: Phase::Waiting,
             timer: None,
             outbox: VecDeque::new(),
@@ -385,6 +400,20 @@ impl Rendezvous {
                     master_port: self.master_port,
                     members,
                 };
+                if roster.checked_world_size().is_none() {
+                    // Never proposed; said once per change of the view.
+                    if let Some(m) = roster.members.iter().max_by_key(|m| m.nproc) {
+                        let why = format!(
+                            "cannot propose a roster: the process counts add up past 2^32 ({} asks for {})",
+                            m.addr, m.nproc
+                        );
+                        if self.last_refusal.as_deref() != Some(why.as_str()) {
+                            self.last_refusal = Some(why.clone());
+                            self.events.push_back(RdzvEvent::Refused(why));
+                        }
+                    }
+                    return;
+                }
                 for m in roster.members.iter().skip(1) {
                     self.outbox.push_back((m.addr, Message::Propose(roster.clone())));
                 }
@@ -419,6 +448,28 @@ impl Rendezvous {
         }
         let Some(master) = roster.master() else { return };
         if master.id != from || roster.node_rank(self.me).is_none() {
+            return;
+        }
+        // This node's entry must say what this node itself advertises (its process count and
+        // address): a roster that disagrees would start a job of another shape.
+        let entry = roster.members.iter().find(|m| m.id == self.me);
+        let own = self.candidates.iter().find(|c| c.id == self.me);
+        if let (Some(e), Some(o)) = (entry, own) {
+            if e.nproc != o.nproc || e.addr != o.addr {
+                self.events.push_back(RdzvEvent::Refused(format!(
+                    "refused the roster proposed by {}: it gives this node {} processes at {}, but this node \
+                     starts {} at {}",
+                    master.addr, e.nproc, e.addr, o.nproc, o.addr
+                )));
+                return;
+            }
+        }
+        if roster.checked_world_size().is_none() {
+            let big = roster.members.iter().max_by_key(|m| m.nproc).map(|m| (m.addr, m.nproc));
+            self.events.push_back(RdzvEvent::Refused(format!(
+                "refused the roster proposed by {}: its process counts add up past 2^32 (largest: {:?})",
+                master.addr, big
+            )));
             return;
         }
         // Our own view must agree: every roster member alive here, and the proposer the

@@ -361,7 +361,9 @@ pub async fn finish_together(mesh: &mut Mesh, roster: &Roster, limit: Duration) 
     while done != everyone && Instant::now() < deadline {
         match mesh.next(Some(resend.min(deadline))).await {
             None => return,
-            Some(MeshInput::Rdzv(from, Message::Done { restart })) if restart == roster.restart => {
+            Some(MeshInput::Rdzv(from, Message::Done { restart }))
+                if restart == roster.restart && everyone.contains(&from) =>
+            {
                 done.insert(from);
             }
             Some(MeshInput::Member(MemberEvent::Down(id) | MemberEvent::Left(id))) => {
@@ -464,12 +466,15 @@ async fn supervise(
             input = mesh.next(Some(tick)) => {
                 match input {
                     None => return Some(Failure::Job("the mesh transport stopped".into())),
-                    Some(MeshInput::Rdzv(from, Message::Abort { restart, reason, .. })) if restart == roster.restart => {
+                    // Lifecycle messages count only from this round's roster: a straggler of an
+                    // earlier job with the same run id (an earlier srun step) neither stops
+                    // this one nor, with its Done, keeps it from finishing.
+                    Some(MeshInput::Rdzv(from, Message::Abort { restart, reason, .. })) if restart == roster.restart && everyone.contains(&from) => {
                         error!("job stopped by {}: {reason}", describe_member(roster, from));
                         mesh.set_state(NodeState::Failed, roster.restart);
                         return Some(Failure::Job(reason));
                     }
-                    Some(MeshInput::Rdzv(from, Message::Done { restart })) if restart == roster.restart => {
+                    Some(MeshInput::Rdzv(from, Message::Done { restart })) if restart == roster.restart && everyone.contains(&from) => {
                         done.insert(from);
                     }
                     Some(MeshInput::Rdzv(from, m @ Message::Propose(_))) => mesh.defer(from, m),

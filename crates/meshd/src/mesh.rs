@@ -211,10 +211,10 @@ impl Mesh {
         let mut membership = Membership::new(cfg.node, addr, meta.clone(), cfg.membership.clone(), seed, now);
         membership.add_seeds(&others, now);
         info!(node = %cfg.node, iface = %choice.name, addr = %addr, "joining: {}", choice.reason);
-        if cfg.token.is_none() && !others.is_empty() {
+        if cfg.token.is_none() && !single_node {
             warn!(
-                "no token: traffic is encrypted but ANYONE who can reach UDP {} can join this job; \
-                 give every node the same --token / MESHD_TOKEN / --token-file",
+                "no token (--insecure): traffic is encrypted but ANYONE who can reach UDP {} can join this job; \
+                 make one with `meshd token --file ~/.meshd-token` and give every node --token-file",
                 addr.port()
             );
         }
@@ -591,11 +591,16 @@ impl Mesh {
             while let Some((to, msg)) = core.poll_transmit() {
                 self.send(to, msg);
             }
-            if let Some(RdzvEvent::Committed(roster)) = core.poll_event() {
-                for input in std::mem::take(&mut self.requeue).into_iter().rev() {
-                    self.pending.push_front(input);
+            while let Some(ev) = core.poll_event() {
+                match ev {
+                    RdzvEvent::Committed(roster) => {
+                        for input in std::mem::take(&mut self.requeue).into_iter().rev() {
+                            self.pending.push_front(input);
+                        }
+                        return Ok(roster);
+                    }
+                    RdzvEvent::Refused(why) => warn!("{why}"),
                 }
-                return Ok(roster);
             }
             let wake = [core.poll_timeout(), Some(next_progress), Some(deadline)].into_iter().flatten().min();
             let Some(input) = self.next(wake).await else { return Err(MeshError::Closed) };
@@ -749,6 +754,14 @@ impl Mesh {
             msg.push_str(&format!("; never resolved: {}", self.unresolved.join(", ")));
         }
         msg
+    }
+
+    /// Inputs a phase read but that belong to the next reader (store frames that arrived
+    /// during the preflight): they come out of [`Mesh::next`] first, in order (bounded).
+    pub fn put_back(&mut self, inputs: Vec<MeshInput>) {
+        for input in inputs.into_iter().take(4096).rev() {
+            self.pending.push_front(input);
+        }
     }
 
     /// Keeps a rendezvous message of a later round for [`Mesh::rendezvous`].

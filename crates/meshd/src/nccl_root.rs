@@ -16,6 +16,17 @@ pub struct NcclRoot {
     /// The 128-byte unique id.
     pub id: Vec<u8>,
     _child: tokio::process::Child,
+    _helper: Helper,
+}
+
+/// Unregisters the helper's pid when the root process is dropped (and killed).
+#[derive(Debug)]
+struct Helper(i32);
+
+impl Drop for Helper {
+    fn drop(&mut self) {
+        crate::supervisor::orphans::unregister_helper(self.0);
+    }
 }
 
 impl NcclRoot {
@@ -23,6 +34,8 @@ impl NcclRoot {
     pub async fn spawn(iface: &str, timeout: Duration) -> Result<NcclRoot, String> {
         let exe = std::env::current_exe().map_err(|e| format!("cannot find the meshd executable: {e}"))?;
         let mut cmd = tokio::process::Command::new(exe);
+        // The token is meshd's alone: no child process sees it.
+        cmd.env_remove("MESHD_TOKEN");
         cmd.arg("__nccl-root")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -32,6 +45,10 @@ impl NcclRoot {
             cmd.env("NCCL_SOCKET_IFNAME", format!("={iface}"));
         }
         let mut child = cmd.spawn().map_err(|e| format!("cannot start the NCCL root process: {e}"))?;
+        let pid = child.id().map(|p| p as i32).unwrap_or(0);
+        // meshd's own: not an orphan of a rank (crate::supervisor::orphans).
+        crate::supervisor::orphans::register_helper(pid);
+        let guard = Helper(pid);
         let stdout = child.stdout.take().ok_or("no stdout from the NCCL root process")?;
         let mut lines = BufReader::new(stdout).lines();
         let line = tokio::time::timeout(timeout, lines.next_line())
@@ -41,7 +58,7 @@ impl NcclRoot {
             .ok_or("the NCCL root process exited without an id")?;
         if let Some(hex) = line.strip_prefix("NCCLID ") {
             let id = meshd_nccl::UniqueId::from_hex(hex.trim()).map_err(|e| e.to_string())?;
-            Ok(NcclRoot { id: id.0.to_vec(), _child: child })
+            Ok(NcclRoot { id: id.0.to_vec(), _child: child, _helper: guard })
         } else {
             Err(line.strip_prefix("NCCLERR ").unwrap_or(&line).to_string())
         }

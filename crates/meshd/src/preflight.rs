@@ -103,13 +103,22 @@ pub async fn run(
     let mut ports: BTreeMap<NodeId, u16> = BTreeMap::new();
     let mut reports: BTreeMap<NodeId, NodeReport> = BTreeMap::new();
     let mut aborted = None;
+    let mut kept: Vec<MeshInput> = Vec::new();
     // Phase 1: everyone's listener port.
     while ports.len() < others.len() && Instant::now() < deadline && aborted.is_none() {
         match mesh.next(Some(deadline)).await {
             None => return Err(MeshError::Closed),
-            Some(input) => {
-                handle(input, restart, roster, &mut ports, &mut reports, &mut nccl_id, &mut aborted, mesh)
-            }
+            Some(input) => handle(
+                input,
+                restart,
+                roster,
+                &mut ports,
+                &mut reports,
+                &mut nccl_id,
+                &mut aborted,
+                &mut kept,
+                mesh,
+            ),
         }
     }
     // Phase 2: dial every other node's ephemeral port and the master port, in parallel.
@@ -162,7 +171,7 @@ pub async fn run(
             input = mesh.next(None) => match input {
                 None => return Err(MeshError::Closed),
                 Some(input) => {
-                    handle(input, restart, roster, &mut ports, &mut reports, &mut nccl_id, &mut aborted, mesh)
+                    handle(input, restart, roster, &mut ports, &mut reports, &mut nccl_id, &mut aborted, &mut kept, mesh)
                 }
             },
         }
@@ -197,14 +206,23 @@ pub async fn run(
     while reports.len() < roster.members.len() && Instant::now() < deadline && aborted.is_none() {
         match mesh.next(Some(deadline)).await {
             None => return Err(MeshError::Closed),
-            Some(input) => {
-                handle(input, restart, roster, &mut ports, &mut reports, &mut nccl_id, &mut aborted, mesh)
-            }
+            Some(input) => handle(
+                input,
+                restart,
+                roster,
+                &mut ports,
+                &mut reports,
+                &mut nccl_id,
+                &mut aborted,
+                &mut kept,
+                mesh,
+            ),
         }
     }
     for t in tasks {
         t.abort();
     }
+    mesh.put_back(kept);
     if let Some(reason) = aborted {
         return Err(MeshError::Aborted(reason));
     }
@@ -220,6 +238,7 @@ fn handle(
     reports: &mut BTreeMap<NodeId, NodeReport>,
     nccl_id: &mut Option<Vec<u8>>,
     aborted: &mut Option<String>,
+    kept: &mut Vec<MeshInput>,
     mesh: &mut Mesh,
 ) {
     let member = |id: NodeId| roster.node_rank(id).is_some();
@@ -237,9 +256,13 @@ fn handle(
         {
             reports.insert(from, report);
         }
-        MeshInput::Rdzv(_, Message::Abort { restart: r, reason, .. }) if r == restart => {
+        // Only the roster of this round may stop it: a straggler of an earlier job with the
+        // same run id (an earlier srun step) must not.
+        MeshInput::Rdzv(from, Message::Abort { restart: r, reason, .. }) if r == restart && member(from) => {
             *aborted = Some(reason)
         }
+        // A faster node's ranks may already use the store: keep it for the job.
+        s @ MeshInput::Store(..) => kept.push(s),
         MeshInput::Rdzv(from, m @ Message::Propose(_)) => mesh.defer(from, m),
         MeshInput::Member(MemberEvent::Down(id) | MemberEvent::Left(id)) if member(id) => {
             let who = roster

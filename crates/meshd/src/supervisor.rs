@@ -5,8 +5,10 @@
 //! every rank's process group is registered with a small reaper process (forked once per
 //! meshd) that SIGKILLs the groups still registered when meshd dies, so the processes a
 //! rank started (a shell script's python, its workers) go too: PR_SET_PDEATHSIG reaches
-//! only the rank's first process.
+//! only the rank's first process. When a round ends, [`orphans::sweep`] stops what the
+//! ranks left behind, in their groups or re-parented to meshd (a child subreaper).
 
+pub mod orphans;
 pub mod output;
 
 use output::pump;
@@ -79,6 +81,8 @@ pub struct SpawnError {
 pub struct Supervisor {
     /// (global, local, pid) of ranks not yet reaped.
     running: Vec<(u32, u32, i32)>,
+    /// Every rank's process group, kept after the leader exits: what it left is swept.
+    groups: std::collections::BTreeSet<i32>,
     exits: mpsc::Receiver<RankExit>,
 }
 
@@ -90,10 +94,14 @@ impl Supervisor {
         log_dir: Option<&Path>,
     ) -> Result<Supervisor, SpawnError> {
         let (tx, rx) = mpsc::channel(ranks.len().max(1));
-        let mut sup = Supervisor { running: Vec::new(), exits: rx };
+        orphans::become_subreaper();
+        let mut sup = Supervisor { running: Vec::new(), groups: Default::default(), exits: rx };
         for r in ranks {
             match start(cmd, r, log_dir, tx.clone()) {
-                Ok(pid) => sup.running.push((r.global, r.local, pid)),
+                Ok(pid) => {
+                    sup.running.push((r.global, r.local, pid));
+                    sup.groups.insert(pid);
+                }
                 Err(source) => {
                     sup.stop(Duration::from_secs(2)).await;
                     return Err(SpawnError { rank: r.global, cmd: cmd.join(" "), source });
@@ -118,8 +126,20 @@ impl Supervisor {
         Some(e)
     }
 
-    /// Stops every rank's process group: SIGTERM, up to `grace`, then SIGKILL.
+    /// Stops every rank's process group: SIGTERM, up to `grace`, then SIGKILL; then
+    /// whatever the ranks left behind (their groups' other members, orphans that left them).
     pub async fn stop(&mut self, grace: Duration) {
+        self.stop_ranks(grace).await;
+        let n = orphans::sweep(&self.groups, grace).await;
+        if n > 0 {
+            tracing::info!(
+                "stopped {n} {} that the ranks had left running",
+                if n == 1 { "process" } else { "processes" }
+            );
+        }
+    }
+
+    async fn stop_ranks(&mut self, grace: Duration) {
         for (_, _, pid) in &self.running {
             // SAFETY: plain syscall on a process group we created; errors (already gone) are fine.
             unsafe { libc::kill(-pid, libc::SIGTERM) };
@@ -157,6 +177,8 @@ fn start(
     let mut c = tokio::process::Command::new(prog);
     c.args(args)
         .envs(r.env.iter().map(|(k, v)| (k, v)))
+        // The token is meshd's alone: a rank (and whatever it runs) never sees it.
+        .env_remove("MESHD_TOKEN")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
@@ -285,6 +307,9 @@ pub mod reaper {
         if pid == 0 {
             // SAFETY: we are the freshly forked child.
             unsafe { child(theirs) }
+        }
+        if pid > 0 {
+            super::orphans::register_helper(pid);
         }
         // SAFETY: closing descriptors we own.
         unsafe { libc::close(theirs) };

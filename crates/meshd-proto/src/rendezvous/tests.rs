@@ -26,8 +26,9 @@ fn pump(nodes: &mut [Rendezvous], cands: &[Candidate], now: Instant) -> Vec<Opti
         let mut moved = false;
         for i in 0..nodes.len() {
             while let Some(ev) = nodes[i].poll_event() {
-                let RdzvEvent::Committed(r) = ev;
-                commits[i] = Some(r);
+                if let RdzvEvent::Committed(r) = ev {
+                    commits[i] = Some(r);
+                }
             }
             while let Some((to, msg)) = nodes[i].poll_transmit() {
                 moved = true;
@@ -203,7 +204,7 @@ fn other_run_or_round_is_ignored() {
         master_port: 1,
         members: cands
             .iter()
-            .map(|c| RosterMember { id: c.id, addr: c.addr, nproc: 1, hostname: String::new() })
+            .map(|c| RosterMember { id: c.id, addr: c.addr, nproc: c.nproc, hostname: String::new() })
             .collect(),
     };
     w.handle_message(NodeId::from_u128(1), Message::Propose(mk(2, 1)), now);
@@ -277,4 +278,41 @@ fn a_settled_non_proposer_has_no_deadline_until_candidates_change() {
     let other = vec![more[0].clone(), more[1].clone(), cand(5, "198.19.0.5")];
     r.handle_candidates(other, t1);
     assert_eq!(r.poll_timeout(), Some(t1 + Duration::from_secs(2)));
+}
+
+/// Issue 16: a roster whose process counts overflow is never proposed nor acknowledged,
+/// and a node refuses a roster that gives it another process count than its own.
+#[test]
+fn overflowing_or_misdescribing_rosters_are_refused_naming_the_node() {
+    let now = Instant::now();
+    let mut huge = vec![cand(1, "198.19.0.1"), cand(2, "198.19.0.2")];
+    huge[1].nproc = u32::MAX;
+    let mut m = Rendezvous::new(NodeId::from_u128(1), 1, 0, cfg(2, 2), 1, now);
+    m.handle_candidates(huge.clone(), now);
+    assert!(m.poll_transmit().is_none(), "no proposal that overflows");
+    let Some(RdzvEvent::Refused(why)) = m.poll_event() else { panic!("no refusal") };
+    assert!(why.contains("198.19.0.2:29400") && why.contains(&u32::MAX.to_string()), "{why}");
+
+    // A member is told it starts 64 processes; it advertises 2.
+    let cands = vec![cand(1, "198.19.0.1"), cand(2, "198.19.0.2")];
+    let mut w = Rendezvous::new(NodeId::from_u128(2), 1, 0, cfg(2, 2), 1, now);
+    w.handle_candidates(cands.clone(), now);
+    let mut members: Vec<RosterMember> = cands
+        .iter()
+        .map(|c| RosterMember { id: c.id, addr: c.addr, nproc: c.nproc, hostname: String::new() })
+        .collect();
+    members[1].nproc = 64;
+    let roster = Roster { run_hash: 1, restart: 0, epoch: 1, master_port: 1, members: members.clone() };
+    w.handle_message(NodeId::from_u128(1), Message::Propose(roster), now);
+    assert!(w.poll_transmit().is_none(), "no ack for a roster that misdescribes this node");
+    let Some(RdzvEvent::Refused(why)) = w.poll_event() else { panic!("no refusal") };
+    assert!(why.contains("64 processes") && why.contains("starts 2"), "{why}");
+    // Overflow in a proposal from the right master.
+    members[1].nproc = 2;
+    members[0].nproc = u32::MAX;
+    let roster = Roster { run_hash: 1, restart: 0, epoch: 2, master_port: 1, members };
+    w.handle_message(NodeId::from_u128(1), Message::Propose(roster.clone()), now);
+    assert!(w.poll_transmit().is_none());
+    assert_eq!(roster.world_size(), u32::MAX, "saturates instead of wrapping");
+    assert_eq!(roster.first_global_rank(2), u32::MAX);
 }

@@ -1,0 +1,152 @@
+//! Local trust (issue 16), through the real binary on loopback: nothing a rank started
+//! outlives the job, ranks never see the token, a token file others can read is refused,
+//! a multi-node mesh without a token is refused unless `--insecure`, `meshd token` makes
+//! private tokens.
+
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn meshd(args: &[&str], envs: &[(&str, &str)]) -> Output {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_meshd"));
+    c.args(args).stdin(Stdio::null()).env_remove("MESHD_TOKEN");
+    for (k, v) in envs {
+        c.env(k, v);
+    }
+    c.output().expect("run meshd")
+}
+
+fn single(port: u16, script: &str) -> Output {
+    let p = port.to_string();
+    meshd(
+        &["run", "--nnodes", "1", "--port", &p, "--grace", "1s", "--", "sh", "-c", script],
+        &[("MESHD_TOKEN", "trust-local-test")],
+    )
+}
+
+/// Processes whose whole command line is `args`.
+fn running(args: &[&str]) -> Vec<i32> {
+    let want: Vec<u8> = args.iter().flat_map(|a| a.bytes().chain([0u8])).collect();
+    std::fs::read_dir("/proc")
+        .expect("/proc")
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()))
+        .filter(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let zombie = stat.rsplit_once(')').is_some_and(|(_, r)| r.trim_start().starts_with('Z'));
+            !zombie && std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| c == want)
+        })
+        .collect()
+}
+
+fn kill_all(pids: &[i32]) {
+    for p in pids {
+        // SAFETY: a signal to a test's own leftover.
+        unsafe { libc::kill(*p, libc::SIGKILL) };
+    }
+}
+
+/// `sh -c 'sleep & exit 0'` and a `setsid` daemon: both gone when meshd exits 0.
+#[test]
+fn nothing_a_rank_started_outlives_the_job() {
+    let t = Instant::now();
+    let out = single(29771, "sleep 37.31 & setsid sleep 37.32 & sleep 0.2; exit 0");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let left: Vec<i32> = [running(&["sleep", "37.31"]), running(&["sleep", "37.32"])].concat();
+    kill_all(&left);
+    assert!(left.is_empty(), "processes left behind: {left:?}\n{err}");
+    assert!(err.contains("stopped 2 processes that the ranks had left running"), "{err}");
+    assert!(t.elapsed() < Duration::from_secs(20));
+}
+
+#[test]
+fn ranks_never_see_the_token() {
+    let out = single(29772, "echo TOKEN_SEEN=${MESHD_TOKEN:-none}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("TOKEN_SEEN=none"), "{stdout}");
+}
+
+#[test]
+fn token_files_others_can_read_are_refused_and_meshd_token_makes_private_ones() {
+    let dir = std::env::temp_dir().join(format!("meshd-trust-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let f = dir.join("token");
+    let fs = f.display().to_string();
+    let out = meshd(&["token", "--file", &fs], &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(std::fs::metadata(&f).expect("meta").permissions().mode() & 0o777, 0o600);
+    let token = std::fs::read_to_string(&f).expect("read");
+    assert_eq!(token.trim().len(), 32, "128 bits in hex: {token:?}");
+    // Printed, two in a row differ.
+    let a = String::from_utf8_lossy(&meshd(&["token"], &[]).stdout).trim().to_string();
+    let b = String::from_utf8_lossy(&meshd(&["token"], &[]).stdout).trim().to_string();
+    assert!(a.len() == 32 && a != b, "{a} {b}");
+    // Readable by others: refused like ssh refuses such a key.
+    std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+    let out = meshd(&["run", "--nnodes", "1", "--port", "29773", "--token-file", &fs, "--", "true"], &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("can be read by other users (mode 0644)") && err.contains("chmod 600"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_multi_node_mesh_without_a_token_is_refused_unless_insecure() {
+    for cmd in [
+        vec!["run", "--nnodes", "2", "--peers", "127.0.0.1:29775", "--port", "29774", "--", "true"],
+        vec!["doctor", "--nnodes", "2", "--peers", "127.0.0.1:29775", "--port", "29774"],
+        vec!["bench", "allreduce", "--nnodes", "2", "--peers", "127.0.0.1:29775", "--port", "29774"],
+    ] {
+        let out = meshd(&cmd, &[]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{cmd:?}: {err}");
+        assert!(
+            err.contains("meshd token --file ~/.meshd-token") && err.contains("--insecure"),
+            "{cmd:?}: {err}"
+        );
+    }
+    // With --insecure it starts (and waits for the other node: a short timeout ends it).
+    let out = meshd(
+        &[
+            "run",
+            "--insecure",
+            "--nnodes",
+            "2",
+            "--peers",
+            "127.0.0.1:29775",
+            "--port",
+            "29774",
+            "--rdzv-timeout",
+            "1s",
+            "--",
+            "true",
+        ],
+        &[],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("rendezvous timed out"), "{err}");
+    assert!(err.contains("ANYONE who can reach UDP 29774"), "{err}");
+    // A token on the command line works, with a warning that ps shows it.
+    let out = meshd(
+        &[
+            "run",
+            "--token",
+            "visible",
+            "--nnodes",
+            "2",
+            "--peers",
+            "127.0.0.1:29775",
+            "--port",
+            "29774",
+            "--rdzv-timeout",
+            "1s",
+            "--",
+            "true",
+        ],
+        &[],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--token on the command line is visible"), "{err}");
+}
