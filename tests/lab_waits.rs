@@ -41,6 +41,7 @@ fn min_max_with_three_of_four_starts_twenty_times_in_a_row() {
         ];
         let started = Instant::now();
         let res = lab.run_on_all(&args, &[TOKEN], Duration::from_secs(30));
+        println!("FIGURE min:max try {t}: all 3 hosts ended after {:?}", started.elapsed());
         for (i, (code, out, err)) in res.iter().enumerate() {
             assert_eq!(*code, Some(0), "try {t}, host {i} after {:?}:\n{out}\n{err}", started.elapsed());
             assert!(out.contains("started 3"), "try {t}, host {i}: a 3-node job:\n{out}\n{err}");
@@ -77,17 +78,20 @@ fn waiting_nodes_sleep_and_end_on_sigint_and_sigterm_within_a_second() {
     std::thread::sleep(Duration::from_secs(2));
     for (p, b) in pids.iter().zip(&before) {
         let used = cpu_seconds(*p) - b;
+        println!("FIGURE waiting meshd: {used:.2} CPU-s over 2 s");
         assert!(used < 0.2, "a waiting meshd used {used:.2} CPU-s in 2 s");
     }
     let t = Instant::now();
     lab.signal(k0, libc::SIGINT);
     let (code, _, err) = lab.wait(k0, Duration::from_secs(5));
+    println!("FIGURE SIGINT while waiting for nodes: exit after {:?}", t.elapsed());
     assert!(t.elapsed() < Duration::from_millis(1500), "SIGINT took {:?}", t.elapsed());
     assert_eq!(code, Some(130), "{err}");
     assert!(err.contains("interrupted (SIGINT) while waiting for nodes"), "{err}");
     let t = Instant::now();
     lab.signal(k1, libc::SIGTERM);
     let (code, _, err) = lab.wait(k1, Duration::from_secs(5));
+    println!("FIGURE SIGTERM while waiting for nodes: exit after {:?}", t.elapsed());
     assert!(t.elapsed() < Duration::from_millis(1500), "SIGTERM took {:?}", t.elapsed());
     assert_eq!(code, Some(143), "{err}");
 }
@@ -142,6 +146,7 @@ fn sigint_ends_a_restart_round_wait() {
     let t = Instant::now();
     lab.signal(k0, libc::SIGINT);
     let (code, _, err) = lab.wait(k0, Duration::from_secs(10));
+    println!("FIGURE SIGINT in a restart round's wait: exit after {:?}", t.elapsed());
     assert!(t.elapsed() < Duration::from_millis(1500), "SIGINT took {:?}:\n{err}", t.elapsed());
     assert_eq!(code, Some(130), "{err}");
     assert!(err.contains("restart round"), "{err}");
