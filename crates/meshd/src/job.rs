@@ -171,7 +171,10 @@ pub async fn run(mesh: &mut Mesh, cfg: &JobConfig, run_id: &str) -> Result<JobOu
         };
         let verdict = outcome.verdict;
         for c in verdict.checks.iter().filter(|c| !c.ok) {
-            if c.fatal {
+            if c.name == "tcp" && verdict.ok {
+                // Said once, in words, by the warning below; the errors at debug.
+                tracing::debug!("preflight {}: {}", c.name, c.detail);
+            } else if c.fatal {
                 error!("preflight {}: {}", c.name, c.detail);
             } else {
                 warn!("preflight {}: {}", c.name, c.detail);
@@ -197,13 +200,17 @@ pub async fn run(mesh: &mut Mesh, cfg: &JobConfig, run_id: &str) -> Result<JobOu
         let iface = mesh.choice().name.clone();
         let addrs: Vec<SocketAddr> = roster.members.iter().map(|m| m.addr).collect();
         let ring = RingNet::new(mesh.transport().clone(), node_rank, addrs.clone(), incoming.clone());
+        if let Some(w) = verdict.tcp_warning(&iface) {
+            warn!("{w}");
+        }
         if verdict.collective == "quic" {
             info!(
-                "preflight passed; collective: quic (ring over {} lane(s) to the next node; MESHD_LANES)",
-                ring.lanes
+                "preflight passed; collective: {}; ring over {} to the next node (MESHD_LANES)",
+                verdict.collective_line(),
+                crate::plural(ring.lanes as u64, "lane connection")
             );
         } else {
-            info!("preflight passed; collective: {}", verdict.collective);
+            info!("preflight passed; collective: {}", verdict.collective_line());
         }
         let svc_cfg = ServiceConfig {
             path: service::default_path(run_id, mesh.addr().port()),
