@@ -157,8 +157,10 @@ pub fn prepare(a: &JobArgs, cmd: &[String]) -> Result<Prepared> {
             (lib.version(), String::new())
         }
         Err(e) => {
-            tracing::info!("NCCL is not available, so MESHD_NCCL_UNIQUE_ID will not be set: {e}");
-            (0, e.to_string())
+            let (line, note) = nccl_missing(&e);
+            tracing::info!("{line}");
+            tracing::debug!("NCCL search: {e}");
+            (0, note)
         }
     };
 
@@ -200,6 +202,24 @@ pub fn prepare(a: &JobArgs, cmd: &[String]) -> Result<Prepared> {
         grace: a.grace,
     };
     Ok(Prepared { mesh, job, run_id })
+}
+
+/// Without libnccl: the one INFO line (what is missing, what is not set because of it, how
+/// to get it; the loader's whole search goes to debug) and the short note the preflight
+/// shows.
+pub fn nccl_missing(e: &meshd_nccl::NcclError) -> (String, String) {
+    const GET: &str = "pip install nvidia-nccl-cu12, or MESHD_NCCL_LIB=/path/libnccl.so.2";
+    let what = match e {
+        meshd_nccl::NcclError::NotFound { .. } => "libnccl not found".to_string(),
+        other => other.to_string(),
+    };
+    (
+        format!(
+            "{what}: MESHD_NCCL_UNIQUE_ID will not be set (ranks load their own NCCL); to get it: {GET} \
+             (MESHD_LOG=debug shows where meshd looked)"
+        ),
+        format!("{what} ({GET})"),
+    )
 }
 
 /// GPUs visible on this host (/dev/nvidiaN; CUDA_VISIBLE_DEVICES narrows it).
@@ -261,6 +281,21 @@ mod tests {
         assert!(parse_nnodes("0").is_err());
         assert!(parse_nnodes("4:2").is_err());
         assert!(parse_nnodes("x").is_err());
+    }
+
+    #[test]
+    fn nccl_missing_is_one_short_line() {
+        let tried: Vec<String> =
+            (0..12).map(|i| format!("dlopen(\"/some/long/path/{i}/libnccl.so.2\"): no")).collect();
+        let (line, note) = nccl_missing(&meshd_nccl::NcclError::NotFound { tried });
+        assert!(line.len() < 220, "{} chars: {line}", line.len());
+        assert!(!line.contains("dlopen"), "the search is at debug: {line}");
+        assert!(line.starts_with("libnccl not found: MESHD_NCCL_UNIQUE_ID will not be set"), "{line}");
+        assert!(
+            line.contains("pip install nvidia-nccl-cu12")
+                && line.contains("MESHD_NCCL_LIB=/path/libnccl.so.2")
+        );
+        assert!(note.len() < 120 && note.contains("pip install nvidia-nccl-cu12"), "{note}");
     }
 
     #[test]

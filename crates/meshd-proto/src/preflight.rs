@@ -85,6 +85,8 @@ pub struct Verdict {
     /// The master created an NCCL unique id (libnccl loaded there): ranks get
     /// MESHD_NCCL_UNIQUE_ID.
     pub nccl_id: bool,
+    /// Nodes in the roster.
+    pub nodes: usize,
 }
 
 impl Verdict {
@@ -123,13 +125,15 @@ impl Verdict {
 
     /// The collective as ranks will really get it, for the launch line and `doctor`.
     pub fn collective_line(&self) -> String {
+        let tcp = if self.nodes == 1 { "one node" } else { "TCP open between the nodes" };
         match self.collective.as_str() {
             "nccl" if self.nccl_id => {
-                "nccl (TCP open between the nodes; MESHD_NCCL_UNIQUE_ID from the master's libnccl)".into()
+                format!("nccl ({tcp}; MESHD_NCCL_UNIQUE_ID from the master's libnccl)")
             }
-            "nccl" => "nccl (TCP open between the nodes; no libnccl on the master, so no \
-                       MESHD_NCCL_UNIQUE_ID: ranks use their own NCCL, e.g. PyTorch's)"
-                .into(),
+            "nccl" => format!(
+                "nccl ({tcp}; no libnccl on the master, so no MESHD_NCCL_UNIQUE_ID: ranks use their own \
+                 NCCL, e.g. PyTorch's)"
+            ),
             "quic" if self.tcp_blocked.is_empty() => "quic (forced by --collective)".into(),
             "quic" => "quic (TCP between nodes is blocked: only meshd's UDP port works)".into(),
             other => other.to_string(),
@@ -279,7 +283,7 @@ pub fn evaluate(roster: &Roster, reports: &BTreeMap<NodeId, NodeReport>, forced:
     let nccl_impossible = forced == Some("nccl") && !tcp_ok;
     let ok = !nccl_impossible && checks.iter().all(|c| c.ok || !c.fatal);
     let nccl_id = roster.master().and_then(|m| reports.get(&m.id)).is_some_and(|r| !r.nccl_root.is_empty());
-    Verdict { ok, collective, checks, tcp_blocked, nccl_id }
+    Verdict { ok, collective, checks, tcp_blocked, nccl_id, nodes: roster.members.len() }
 }
 
 #[cfg(test)]
