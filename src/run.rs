@@ -22,7 +22,7 @@ pub struct Args {
 /// Options shared by `run` and `doctor`.
 #[derive(clap::Args, Debug)]
 pub struct JobArgs {
-    /// Nodes to wait for: N, or MIN:MAX (start once MIN are present and no newcomer arrived for --settle).
+    /// Nodes to wait for: N, or MIN:MAX (start once MIN are present and no newcomer arrived for --settle); default 1 without peers.
     #[arg(long, env = "SLURM_NNODES")]
     pub nnodes: Option<String>,
     /// Peers: host[:port],...  @FILE  dns:NAME (default: SLURM_JOB_NODELIST). Any one reachable member is enough.
@@ -90,6 +90,36 @@ pub fn parse_nnodes(s: &str) -> Result<(u32, u32)> {
     Ok((min, max))
 }
 
+/// `--nnodes`, else (like torchrun) one node when no peer is listed; with peers it must be
+/// given, and the error says what to pass.
+pub fn nnodes_or_default(flag: Option<&str>, peers: Option<&str>, slurm_nodelist: bool) -> Result<String> {
+    if let Some(n) = flag {
+        return Ok(n.to_string());
+    }
+    match peers {
+        None if !slurm_nodelist => Ok("1".into()),
+        None => bail!(
+            "--nnodes is required with SLURM_JOB_NODELIST (SLURM_NNODES is not set): pass --nnodes N, the \
+             number of nodes of the job, or MIN:MAX"
+        ),
+        Some(p) => {
+            let listed = if p.contains('@') || p.contains("dns:") {
+                String::new()
+            } else {
+                let n = p.split(',').filter(|s| !s.trim().is_empty()).count();
+                format!(
+                    " (e.g. --nnodes {n} if the {} listed are the whole job)",
+                    meshd::plural(n as u64, "peer")
+                )
+            };
+            bail!(
+                "--nnodes is required with --peers: pass --nnodes N, the number of nodes that must join \
+                 before the job starts{listed}, or MIN:MAX"
+            )
+        }
+    }
+}
+
 /// Processes per node: a number, or (`auto`) the visible `gpus`, else 1.
 pub fn nproc(spec: &str, gpus: u32) -> Result<u32> {
     if spec != "auto" {
@@ -127,8 +157,11 @@ pub fn show_cmd(cmd: &[String]) -> String {
 }
 
 pub fn prepare(a: &JobArgs, cmd: &[String]) -> Result<Prepared> {
-    let nnodes =
-        a.nnodes.as_deref().context("--nnodes is required (or SLURM_NNODES): how many nodes to wait for")?;
+    let nnodes = &nnodes_or_default(
+        a.nnodes.as_deref(),
+        a.peers.as_deref(),
+        std::env::var_os("SLURM_JOB_NODELIST").is_some(),
+    )?;
     let (min, max) = parse_nnodes(nnodes)?;
     // GPUs through the CUDA driver (else /dev/nvidiaN): both `auto` and the preflight use it.
     let (gpus, cuda_driver) = match meshd_nccl::cuda_info() {
@@ -296,6 +329,18 @@ mod tests {
                 && line.contains("MESHD_NCCL_LIB=/path/libnccl.so.2")
         );
         assert!(note.len() < 120 && note.contains("pip install nvidia-nccl-cu12"), "{note}");
+    }
+
+    #[test]
+    fn nnodes_defaults_to_one_without_peers_and_says_what_to_pass_with_them() {
+        assert_eq!(nnodes_or_default(None, None, false).expect("one node"), "1");
+        assert_eq!(nnodes_or_default(Some("2:4"), Some("a,b"), false).expect("given"), "2:4");
+        let e = nnodes_or_default(None, Some("10.0.0.2,10.0.0.34,10.0.0.7"), false)
+            .expect_err("needs it")
+            .to_string();
+        assert!(e.contains("pass --nnodes N") && e.contains("e.g. --nnodes 3 if the 3 peers listed"), "{e}");
+        let e = nnodes_or_default(None, None, true).expect_err("SLURM without SLURM_NNODES").to_string();
+        assert!(e.contains("pass --nnodes N"), "{e}");
     }
 
     #[test]

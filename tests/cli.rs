@@ -1,0 +1,51 @@
+//! The `meshd` binary on one machine: defaults, flag errors, start-up errors (no lab).
+
+use std::process::{Command, Output};
+
+fn meshd(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_meshd"))
+        .args(args)
+        .env_remove("SLURM_NNODES")
+        .env_remove("SLURM_JOB_NODELIST")
+        .env_remove("MESHD_TOKEN")
+        .output()
+        .expect("run meshd")
+}
+
+fn text(o: &Output) -> (String, String) {
+    (String::from_utf8_lossy(&o.stdout).into(), String::from_utf8_lossy(&o.stderr).into())
+}
+
+/// A free UDP port on loopback (bound then released).
+fn free_udp_port() -> u16 {
+    std::net::UdpSocket::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+}
+
+/// Like torchrun, one machine needs no --nnodes.
+#[test]
+fn one_machine_needs_no_nnodes() {
+    let port = free_udp_port().to_string();
+    let o = meshd(&[
+        "run",
+        "--nproc-per-node",
+        "2",
+        "--port",
+        &port,
+        "--",
+        "sh",
+        "-c",
+        "echo rank $RANK of $WORLD_SIZE",
+    ]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(out.contains("rank 0 of 2") && out.contains("rank 1 of 2"), "{out}");
+}
+
+/// With peers, --nnodes stays required, and the error says what to pass.
+#[test]
+fn peers_without_nnodes_say_what_to_pass() {
+    let o = meshd(&["run", "--peers", "127.0.0.1,127.0.0.2", "--", "true"]);
+    let (_, err) = text(&o);
+    assert!(!o.status.success());
+    assert!(err.contains("pass --nnodes N") && err.contains("--nnodes 2"), "{err}");
+}
