@@ -49,3 +49,13 @@ fn peers_without_nnodes_say_what_to_pass() {
     assert!(!o.status.success());
     assert!(err.contains("pass --nnodes N") && err.contains("--nnodes 2"), "{err}");
 }
+
+/// A mistyped flag gets a suggestion.
+#[test]
+fn mistyped_flag_gets_a_suggestion() {
+    let o = meshd(&["run", "--nproc-per-nod", "2", "--", "true"]);
+    let (_, err) = text(&o);
+    assert!(!o.status.success());
+    assert!(err.contains("--nproc-per-node"), "did you mean ...? {err}");
+    assert!(err.contains("similar argument exists") || err.contains("did you mean"), "{err}");
+}
