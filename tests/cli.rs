@@ -59,3 +59,16 @@ fn mistyped_flag_gets_a_suggestion() {
     assert!(err.contains("--nproc-per-node"), "did you mean ...? {err}");
     assert!(err.contains("similar argument exists") || err.contains("did you mean"), "{err}");
 }
+
+/// Counts of one read "1 node", never "1 nodes".
+#[test]
+fn one_node_messages_use_the_singular() {
+    let port = free_udp_port().to_string();
+    let o = meshd(&["run", "--nproc-per-node", "1", "--port", &port, "--", "true"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(err.contains("roster agreed: 1 node,"), "{err}");
+    for bad in ["1 nodes", "1 ranks", "all 1 ", "1 lanes", "lane(s)"] {
+        assert!(!err.contains(bad), "{bad:?} in:\n{err}");
+    }
+}

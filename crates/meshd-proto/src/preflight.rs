@@ -185,7 +185,10 @@ pub fn evaluate(roster: &Roster, reports: &BTreeMap<NodeId, NodeReport>, forced:
         name: "mesh".into(),
         ok: missing.is_empty(),
         detail: if missing.is_empty() {
-            format!("all {} nodes answered on meshd's UDP port", roster.members.len())
+            match roster.members.len() {
+                1 => "the one node answered on meshd's UDP port".to_string(),
+                n => format!("all {n} nodes answered on meshd's UDP port"),
+            }
         } else {
             format!("no preflight report from {}", missing.join(", "))
         },
@@ -221,14 +224,20 @@ pub fn evaluate(roster: &Roster, reports: &BTreeMap<NodeId, NodeReport>, forced:
     checks.push(Check {
         name: "tcp".into(),
         ok: tcp_ok,
-        detail: if tcp_ok {
-            format!("{tried} TCP connections between nodes (ephemeral ports, MASTER_PORT) all succeeded")
+        detail: if tcp_ok && tried == 0 {
+            "no other node: no TCP between nodes to check".to_string()
+        } else if tcp_ok {
+            format!(
+                "{} between nodes (ephemeral ports, MASTER_PORT) all succeeded",
+                crate::plural(tried as u64, "TCP connection")
+            )
         } else {
             format!(
-                "{} of {tried} TCP connections failed: {}. NCCL and Gloo need TCP on ephemeral ports between \
+                "{} of {} failed: {}. NCCL and Gloo need TCP on ephemeral ports between \
                  every pair of nodes: open TCP 1024-65535 between the nodes, or use the QUIC collective \
                  (MESHD_COLLECTIVE=quic) that needs only meshd's UDP port",
                 failed.len(),
+                crate::plural(tried as u64, "TCP connection"),
                 failed.join("; ")
             )
         },

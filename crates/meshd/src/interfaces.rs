@@ -290,10 +290,14 @@ pub fn choose(
     let n = others.len();
     let probed = others.iter().filter(|p| p.answered.is_some()).count();
     let mut reason = if *routed == n {
-        format!("the kernel routes to all {n} other peers through {name}")
+        match n {
+            1 => format!("the kernel routes to the other peer through {name}"),
+            n => format!("the kernel routes to all {n} other peers through {name}"),
+        }
     } else {
         format!(
-            "{name} reaches {routed} of {n} other peers ({}); no single interface reaches all",
+            "{name} reaches {routed} of {} ({}); no single interface reaches all",
+            crate::plural(n as u64, "other peer"),
             via.join(", ")
         )
     };

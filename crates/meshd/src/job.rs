@@ -150,8 +150,8 @@ pub async fn run(mesh: &mut Mesh, cfg: &JobConfig, run_id: &str) -> Result<JobOu
         };
         let master = &roster.members[0];
         info!(
-            "roster agreed: {} nodes, world size {}, master {} ({}), this node is node rank {node_rank}{}",
-            roster.members.len(),
+            "roster agreed: {}, world size {}, master {} ({}), this node is node rank {node_rank}{}",
+            crate::plural(roster.members.len() as u64, "node"),
             roster.world_size(),
             master.addr.ip(),
             master.hostname,
@@ -280,7 +280,10 @@ pub async fn run(mesh: &mut Mesh, cfg: &JobConfig, run_id: &str) -> Result<JobOu
             None => {
                 return Ok(JobOutcome {
                     code: 0,
-                    message: format!("job finished: all {} ranks exited 0", roster.world_size()),
+                    message: match roster.world_size() {
+                        1 => "job finished: the rank exited 0".to_string(),
+                        n => format!("job finished: all {n} ranks exited 0"),
+                    },
                 });
             }
             Some(Failure::Signal(m, code)) => return Ok(JobOutcome { code, message: m }),

@@ -588,7 +588,11 @@ async fn reduce_parts(
             let ring_op = if *o == ReduceOp::Avg { ReduceOp::Sum } else { *o };
             let t = std::time::Instant::now();
             gather_local(parts, acc.try_as_mut().unwrap_or_default(), *d, ring_op)?;
-            debug!("local gather of {len} bytes from {} ranks in {:?}", parts.len(), t.elapsed());
+            debug!(
+                "local gather of {len} bytes from {} in {:?}",
+                crate::plural(parts.len() as u64, "rank"),
+                t.elapsed()
+            );
             (*d, *o, acc, len)
         }
         // Broadcast as a byte-exact sum: the root's bytes plus zeros from everyone else,
