@@ -72,3 +72,19 @@ fn one_node_messages_use_the_singular() {
         assert!(!err.contains(bad), "{bad:?} in:\n{err}");
     }
 }
+
+/// A port in use: the error once, naming what holds the port.
+#[test]
+fn port_in_use_is_said_once_with_its_holder() {
+    let held = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+    let port = held.local_addr().expect("addr").port().to_string();
+    let o = meshd(&["run", "--nnodes", "1", "--port", &port, "--", "true"]);
+    let (_, err) = text(&o);
+    assert!(!o.status.success(), "{err}");
+    assert_eq!(err.matches("Address already in use").count(), 1, "said once:\n{err}");
+    assert_eq!(err.matches("cannot bind UDP").count(), 1, "said once:\n{err}");
+    let me = format!("held by pid {} (", std::process::id());
+    assert!(err.contains(&me), "names the holder ({me}):\n{err}");
+    assert!(err.contains("--port"), "{err}");
+    drop(held);
+}

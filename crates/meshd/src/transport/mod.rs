@@ -105,13 +105,16 @@ pub struct PathStats {
 /// Transport failures.
 #[derive(Debug, thiserror::Error)]
 pub enum TransportError {
-    /// The UDP port could not be bound.
-    #[error("cannot bind UDP {addr}: {source} (is another meshd running there? choose another with --port)")]
+    /// The UDP port could not be bound. The io error is part of the message, not a source
+    /// (so an error chain prints it once).
+    #[error("{}", bind_failure_text(*.addr, .error, .holder.as_deref()))]
     Bind {
         /// What we tried.
         addr: SocketAddr,
         /// Why it failed.
-        source: std::io::Error,
+        error: std::io::Error,
+        /// What holds the port, when it is in use and that could be found ("pid 12 (meshd)").
+        holder: Option<String>,
     },
     /// TLS setup failed.
     #[error("TLS setup: {0}")]
@@ -379,19 +382,17 @@ impl Transport {
         tc.mtu_discovery_config(Some(md));
         let (server, client) = tls::configs(Arc::new(tc))?;
         let addr = SocketAddr::new(cfg.bind, cfg.port);
-        let socket =
-            std::net::UdpSocket::bind(addr).map_err(|source| TransportError::Bind { addr, source })?;
+        let socket = std::net::UdpSocket::bind(addr).map_err(|e| bind_error(addr, e))?;
         set_socket_buffers(&socket, 16 << 20);
         let runtime =
             quinn::default_runtime().ok_or_else(|| TransportError::Tls("no async runtime".into()))?;
-        let socket =
-            runtime.wrap_udp_socket(socket).map_err(|source| TransportError::Bind { addr, source })?;
+        let socket = runtime.wrap_udp_socket(socket).map_err(|e| bind_error(addr, e))?;
         let socket: Arc<dyn quinn::AsyncUdpSocket> = match max_payload {
             Some(payload) => Arc::new(GsoCapped::new(socket, payload, cfg.bind.is_ipv6())),
             None => socket,
         };
         let mut endpoint = quinn::Endpoint::new_with_abstract_socket(ec, Some(server), socket, runtime)
-            .map_err(|source| TransportError::Bind { addr, source })?;
+            .map_err(|e| bind_error(addr, e))?;
         endpoint.set_default_client_config(client);
         let (tx, rx) = mpsc::channel(4096);
         let (data_tx, data_rx) = mpsc::channel(256);
@@ -748,6 +749,63 @@ fn refuse(
     let reason = why.here(peer_version);
     report_auth_failure(inner, addr, &reason);
     TransportError::Auth { addr, reason }
+}
+
+/// The one message of a failed bind.
+fn bind_failure_text(addr: SocketAddr, error: &std::io::Error, holder: Option<&str>) -> String {
+    let port = addr.port();
+    match (error.kind(), holder) {
+        (std::io::ErrorKind::AddrInUse, Some(h)) => format!(
+            "cannot bind UDP {addr}: {error}: UDP port {port} is held by {h} (another meshd? stop it, or \
+             choose another port with --port)"
+        ),
+        (std::io::ErrorKind::AddrInUse, None) => format!(
+            "cannot bind UDP {addr}: {error} (another meshd? stop it, or choose another port with --port)"
+        ),
+        _ => format!("cannot bind UDP {addr}: {error}"),
+    }
+}
+
+fn bind_error(addr: SocketAddr, error: std::io::Error) -> TransportError {
+    let holder =
+        if error.kind() == std::io::ErrorKind::AddrInUse { udp_port_holder(addr.port()) } else { None };
+    TransportError::Bind { addr, error, holder }
+}
+
+/// Who holds UDP `port`, best effort: the socket's inode from /proc/net/udp{,6}, then the
+/// process with that socket among /proc/*/fd ("pid 1234 (python3)"). `None` when it cannot
+/// be seen (another user's process, another network namespace).
+pub fn udp_port_holder(port: u16) -> Option<String> {
+    let mut inodes = Vec::new();
+    for table in ["/proc/net/udp", "/proc/net/udp6"] {
+        let Ok(text) = std::fs::read_to_string(table) else { continue };
+        for line in text.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let Some(local) = f.get(1) else { continue };
+            let p = local.rsplit_once(':').and_then(|(_, p)| u16::from_str_radix(p, 16).ok());
+            if p == Some(port) {
+                if let Some(inode) = f.get(9).filter(|i| **i != "0") {
+                    inodes.push(format!("socket:[{inode}]"));
+                }
+            }
+        }
+    }
+    if inodes.is_empty() {
+        return None;
+    }
+    for proc in std::fs::read_dir("/proc").ok()?.flatten() {
+        let name = proc.file_name();
+        let Some(pid) = name.to_str().filter(|n| n.bytes().all(|b| b.is_ascii_digit())) else { continue };
+        let Ok(fds) = std::fs::read_dir(proc.path().join("fd")) else { continue };
+        for fd in fds.flatten() {
+            let Ok(target) = std::fs::read_link(fd.path()) else { continue };
+            if inodes.iter().any(|i| target.as_os_str() == i.as_str()) {
+                let comm = std::fs::read_to_string(proc.path().join("comm")).unwrap_or_default();
+                return Some(format!("pid {pid} ({})", comm.trim()));
+            }
+        }
+    }
+    None
 }
 
 /// Words a refusal read from the peer (`it refused us: WIRE`) from this node's side.
