@@ -73,7 +73,7 @@ pub fn in_rank_order(members: &mut [StatusMember]) {
         "worker" => 1,
         _ => 2,
     };
-    members.sort_by(|a, b| (role(a), a.addr.ip(), a.addr.port()).cmp(&(role(b), b.addr.ip(), b.addr.port())));
+    members.sort_by_key(|m| (role(m), m.addr.ip(), m.addr.port()));
 }
 
 /// The human table: address (with the port only when it is not meshd's `port`), host name,
