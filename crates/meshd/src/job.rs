@@ -207,7 +207,7 @@ pub async fn run(mesh: &mut Mesh, cfg: &JobConfig, run_id: &str) -> Result<JobOu
             info!(
                 "preflight passed; collective: {}; ring over {} to the next node (MESHD_LANES)",
                 verdict.collective_line(),
-                crate::plural(ring.lanes as u64, "lane connection")
+                crate::plural(ring.lanes as u64, "lane")
             );
         } else {
             info!("preflight passed; collective: {}", verdict.collective_line());
