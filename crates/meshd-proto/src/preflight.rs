@@ -176,6 +176,30 @@ fn agree<T: PartialEq + std::fmt::Display>(
     Check { name: name.into(), ok: false, detail: format!("differs: {detail}"), fatal }
 }
 
+/// Failed (from, to) connections as pairs of addresses, in node-rank order, each pair once:
+/// "A <-> B" when both ways failed, else "A -> B" or "B -> A".
+fn blocked_pairs(roster: &Roster, blocked: &std::collections::BTreeSet<(NodeId, NodeId)>) -> Vec<String> {
+    let rank = |id: NodeId| roster.node_rank(id).unwrap_or(usize::MAX);
+    let mut pairs: Vec<(usize, usize, NodeId, NodeId)> = blocked
+        .iter()
+        .map(|&(f, t)| if rank(f) <= rank(t) { (rank(f), rank(t), f, t) } else { (rank(t), rank(f), t, f) })
+        .collect();
+    pairs.sort();
+    pairs.dedup();
+    pairs
+        .into_iter()
+        .map(|(_, _, a, b)| {
+            let (there, back) = (blocked.contains(&(a, b)), blocked.contains(&(b, a)));
+            let (la, lb) = (label(roster, a), label(roster, b));
+            match (there, back) {
+                (true, true) if a != b => format!("{la} <-> {lb}"),
+                (true, _) => format!("{la} -> {lb}"),
+                _ => format!("{lb} -> {la}"),
+            }
+        })
+        .collect()
+}
+
 /// Turns every node's report into the verdict. `forced` is `--collective nccl|quic`.
 pub fn evaluate(roster: &Roster, reports: &BTreeMap<NodeId, NodeReport>, forced: Option<&str>) -> Verdict {
     let mut checks = Vec::new();
@@ -195,20 +219,13 @@ pub fn evaluate(roster: &Roster, reports: &BTreeMap<NodeId, NodeReport>, forced:
         fatal: true,
     });
     let mut failed = Vec::new();
-    let mut tcp_blocked: Vec<String> = Vec::new();
+    let mut blocked: std::collections::BTreeSet<(NodeId, NodeId)> = Default::default();
     let mut tried = 0;
     for (from, r) in reports {
         for p in &r.tcp {
             tried += 1;
             if !p.ok {
-                let (a, b) = (label(roster, *from), label(roster, p.to));
-                let (there, back, both) =
-                    (format!("{a} -> {b}"), format!("{b} -> {a}"), format!("{b} <-> {a}"));
-                if let Some(x) = tcp_blocked.iter_mut().find(|x| **x == back) {
-                    *x = both;
-                } else if !tcp_blocked.contains(&there) && !tcp_blocked.contains(&both) {
-                    tcp_blocked.push(there);
-                }
+                blocked.insert((*from, p.to));
                 failed.push(format!(
                     "{} -> {} ({}, {}): {}",
                     label(roster, *from),
@@ -221,6 +238,7 @@ pub fn evaluate(roster: &Roster, reports: &BTreeMap<NodeId, NodeReport>, forced:
         }
     }
     let tcp_ok = failed.is_empty();
+    let tcp_blocked = blocked_pairs(roster, &blocked);
     checks.push(Check {
         name: "tcp".into(),
         ok: tcp_ok,
@@ -364,6 +382,14 @@ mod tests {
         r.tcp[1].ok = false;
         let v = evaluate(&roster(3), &both, None);
         assert_eq!(v.tcp_blocked, vec!["198.19.0.2 <-> 198.19.0.3".to_string()], "both ways: one pair");
+        let mut back = all(3);
+        back.get_mut(&NodeId::from_u128(3)).expect("r").tcp[1].ok = false;
+        let v = evaluate(&roster(3), &back, None);
+        assert_eq!(
+            v.tcp_blocked,
+            vec!["198.19.0.3 -> 198.19.0.2".to_string()],
+            "one way keeps its direction"
+        );
         let v = evaluate(&roster(3), &reps, None);
         assert!(v.ok, "blocked TCP is not fatal: {v:?}");
         assert_eq!(v.collective, "quic");
