@@ -303,7 +303,9 @@ pub async fn main(which: Which) -> Result<ExitCode> {
         );
     } else {
         println!(
-            "# meshd ring allreduce over QUIC: {n} nodes, this node rank {rank}, float32 sum, {lanes} lane(s) to the next node, chunks sent {}",
+            "# meshd ring allreduce over QUIC: {}, this node rank {rank}, float32 sum, {} to the next node, chunks sent {}",
+            meshd::plural(n as u64, "node"),
+            meshd::plural(lanes as u64, "lane"),
             if a.copy { "as copies (--copy)" } else { "lent without copying" }
         );
         println!(
@@ -338,13 +340,13 @@ pub async fn main(which: Which) -> Result<ExitCode> {
         }
         if let Some(p) = path {
             println!(
-                "# path to the next node: {} connection(s), UDP payload {} B (MTU discovery), rtt {} us, {} of {} packets lost, {} congestion events",
-                p.connections,
+                "# path to the next node: {}, UDP payload {} B (MTU discovery), rtt {} us, {} of {} packets lost, {}",
+                meshd::plural(p.connections as u64, "connection"),
                 p.mtu,
                 p.rtt.as_micros(),
                 p.lost_packets,
                 p.sent_packets,
-                p.congestion_events
+                meshd::plural(p.congestion_events, "congestion event")
             );
         }
     }

@@ -48,12 +48,13 @@ pub async fn main(a: Args) -> Result<ExitCode> {
                 "ok": verdict.ok, "iface": iface.name, "addr": iface.addr.to_string(), "master": master,
                 "nodes": roster.members.iter().map(|m| m.addr.ip().to_string()).collect::<Vec<_>>(),
                 "collective": verdict.collective, "checks": checks,
+                "tcp_blocked": verdict.tcp_blocked, "verdict": verdict.conclusion(),
             })
         );
     } else {
         println!(
-            "meshd doctor: {} nodes, master {master}, this node {} on {} ({})",
-            roster.members.len(),
+            "meshd doctor: {}, master {master}, this node {} on {} ({})",
+            meshd::plural(roster.members.len() as u64, "node"),
             iface.addr,
             iface.name,
             iface.reason
@@ -68,11 +69,8 @@ pub async fn main(a: Args) -> Result<ExitCode> {
             };
             println!("  [{mark}] {:<20} {}", c.name, c.detail);
         }
-        println!("collective: {}", verdict.collective);
-        println!(
-            "{}",
-            if verdict.ok { "a job would work" } else { "a job would NOT start: fix the FAIL lines above" }
-        );
+        println!("collective: {}", verdict.collective_line());
+        println!("{}", verdict.conclusion());
     }
     Ok(if verdict.ok { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }

@@ -30,10 +30,21 @@ pub async fn main(a: Args) -> Result<ExitCode> {
         probe_all(&mut reach, &a.net).await?;
     }
     let choice = interfaces::choose(&ifs, &reach, a.iface.as_deref());
+    let proven = interfaces::proven(&reach, a.iface.as_deref());
+    // Without peers (and without --iface) nothing is proven: list the candidates instead.
+    let unproven = (a.iface.is_none() && !proven).then(|| interfaces::unproven_text(&ifs));
     if a.json {
         let out = json!({
             "chosen": choice.as_ref().ok().map(|c| json!({"name": c.name, "addr": c.addr})),
-            "reason": match &choice { Ok(c) => c.reason.clone(), Err(e) => e.to_string() },
+            "proven": proven,
+            "candidates": interfaces::candidates(&ifs).iter().map(|(n, a, k)| json!({
+                "name": n, "addr": a, "kind": k.as_str(),
+            })).collect::<Vec<_>>(),
+            "reason": match (&unproven, &choice) {
+                (Some(t), _) => t.clone(),
+                (None, Ok(c)) => c.reason.clone(),
+                (None, Err(e)) => e.to_string(),
+            },
             "interfaces": ifs.iter().map(|i| json!({
                 "name": i.name,
                 "addrs": i.addrs.iter().map(|a| format!("{}/{}", a.ip, a.prefix)).collect::<Vec<_>>(),
@@ -78,9 +89,10 @@ pub async fn main(a: Args) -> Result<ExitCode> {
             }
         }
         println!();
-        match &choice {
-            Ok(c) => println!("chosen: {} {} ({})", c.name, c.addr, c.reason),
-            Err(e) => println!("no interface chosen: {e}"),
+        match (&unproven, &choice) {
+            (Some(t), _) => println!("{t}"),
+            (None, Ok(c)) => println!("chosen: {} {} ({})", c.name, c.addr, c.reason),
+            (None, Err(e)) => println!("no interface chosen: {e}"),
         }
     }
     Ok(if choice.is_ok() { ExitCode::SUCCESS } else { ExitCode::from(1) })

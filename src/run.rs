@@ -23,7 +23,7 @@ pub struct Args {
 /// Options shared by `run` and `doctor`.
 #[derive(clap::Args, Debug)]
 pub struct JobArgs {
-    /// Nodes to wait for: N, or MIN:MAX (start once MIN are present and no newcomer arrived for --settle).
+    /// Nodes to wait for: N, or MIN:MAX (start once MIN are present and no newcomer arrived for --settle); default 1 without peers.
     #[arg(long, env = "SLURM_NNODES")]
     pub nnodes: Option<String>,
     /// Peers: host[:port],...  @FILE  dns:NAME (default: SLURM_JOB_NODELIST). Any one reachable member is enough.
@@ -91,6 +91,36 @@ pub fn parse_nnodes(s: &str) -> Result<(u32, u32)> {
     Ok((min, max))
 }
 
+/// `--nnodes`, else (like torchrun) one node when no peer is listed; with peers it must be
+/// given, and the error says what to pass.
+pub fn nnodes_or_default(flag: Option<&str>, peers: Option<&str>, slurm_nodelist: bool) -> Result<String> {
+    if let Some(n) = flag {
+        return Ok(n.to_string());
+    }
+    match peers {
+        None if !slurm_nodelist => Ok("1".into()),
+        None => bail!(
+            "--nnodes is required with SLURM_JOB_NODELIST (SLURM_NNODES is not set): pass --nnodes N, the \
+             number of nodes of the job, or MIN:MAX"
+        ),
+        Some(p) => {
+            let listed = if p.contains('@') || p.contains("dns:") {
+                String::new()
+            } else {
+                let n = p.split(',').filter(|s| !s.trim().is_empty()).count();
+                format!(
+                    " (e.g. --nnodes {n} if the {} listed are the whole job)",
+                    meshd::plural(n as u64, "peer")
+                )
+            };
+            bail!(
+                "--nnodes is required with --peers: pass --nnodes N, the number of nodes that must join \
+                 before the job starts{listed}, or MIN:MAX"
+            )
+        }
+    }
+}
+
 /// Processes per node: a number, or (`auto`) the visible `gpus`, else 1.
 pub fn nproc(spec: &str, gpus: u32) -> Result<u32> {
     if spec != "auto" {
@@ -128,8 +158,11 @@ pub fn show_cmd(cmd: &[String]) -> String {
 }
 
 pub fn prepare(a: &JobArgs, cmd: &[String]) -> Result<Prepared> {
-    let nnodes =
-        a.nnodes.as_deref().context("--nnodes is required (or SLURM_NNODES): how many nodes to wait for")?;
+    let nnodes = &nnodes_or_default(
+        a.nnodes.as_deref(),
+        a.peers.as_deref(),
+        std::env::var_os("SLURM_JOB_NODELIST").is_some(),
+    )?;
     let (min, max) = parse_nnodes(nnodes)?;
     // GPUs through the CUDA driver (else /dev/nvidiaN): both `auto` and the preflight use it.
     let (gpus, cuda_driver) = match meshd_nccl::cuda_info() {
@@ -158,8 +191,10 @@ pub fn prepare(a: &JobArgs, cmd: &[String]) -> Result<Prepared> {
             (lib.version(), String::new())
         }
         Err(e) => {
-            tracing::info!("NCCL is not available, so MESHD_NCCL_UNIQUE_ID will not be set: {e}");
-            (0, e.to_string())
+            let (line, note) = nccl_missing(&e);
+            tracing::info!("{line}");
+            tracing::debug!("NCCL search: {e}");
+            (0, note)
         }
     };
 
@@ -205,6 +240,24 @@ pub fn prepare(a: &JobArgs, cmd: &[String]) -> Result<Prepared> {
         grace: a.grace,
     };
     Ok(Prepared { mesh, job, run_id })
+}
+
+/// Without libnccl: the one INFO line (what is missing, what is not set because of it, how
+/// to get it; the loader's whole search goes to debug) and the short note the preflight
+/// shows.
+pub fn nccl_missing(e: &meshd_nccl::NcclError) -> (String, String) {
+    const GET: &str = "pip install nvidia-nccl-cu12, or MESHD_NCCL_LIB=/path/libnccl.so.2";
+    let what = match e {
+        meshd_nccl::NcclError::NotFound { .. } => "libnccl not found".to_string(),
+        other => other.to_string(),
+    };
+    (
+        format!(
+            "{what}: MESHD_NCCL_UNIQUE_ID will not be set (ranks load their own NCCL); to get it: {GET} \
+             (MESHD_LOG=debug shows where meshd looked)"
+        ),
+        format!("{what} ({GET})"),
+    )
 }
 
 /// GPUs visible on this host (/dev/nvidiaN; CUDA_VISIBLE_DEVICES narrows it).
@@ -273,6 +326,33 @@ mod tests {
         assert!(parse_nnodes("0").is_err());
         assert!(parse_nnodes("4:2").is_err());
         assert!(parse_nnodes("x").is_err());
+    }
+
+    #[test]
+    fn nccl_missing_is_one_short_line() {
+        let tried: Vec<String> =
+            (0..12).map(|i| format!("dlopen(\"/some/long/path/{i}/libnccl.so.2\"): no")).collect();
+        let (line, note) = nccl_missing(&meshd_nccl::NcclError::NotFound { tried });
+        assert!(line.len() < 220, "{} chars: {line}", line.len());
+        assert!(!line.contains("dlopen"), "the search is at debug: {line}");
+        assert!(line.starts_with("libnccl not found: MESHD_NCCL_UNIQUE_ID will not be set"), "{line}");
+        assert!(
+            line.contains("pip install nvidia-nccl-cu12")
+                && line.contains("MESHD_NCCL_LIB=/path/libnccl.so.2")
+        );
+        assert!(note.len() < 120 && note.contains("pip install nvidia-nccl-cu12"), "{note}");
+    }
+
+    #[test]
+    fn nnodes_defaults_to_one_without_peers_and_says_what_to_pass_with_them() {
+        assert_eq!(nnodes_or_default(None, None, false).expect("one node"), "1");
+        assert_eq!(nnodes_or_default(Some("2:4"), Some("a,b"), false).expect("given"), "2:4");
+        let e = nnodes_or_default(None, Some("10.0.0.2,10.0.0.34,10.0.0.7"), false)
+            .expect_err("needs it")
+            .to_string();
+        assert!(e.contains("pass --nnodes N") && e.contains("e.g. --nnodes 3 if the 3 peers listed"), "{e}");
+        let e = nnodes_or_default(None, None, true).expect_err("SLURM without SLURM_NNODES").to_string();
+        assert!(e.contains("pass --nnodes N"), "{e}");
     }
 
     #[test]

@@ -2,6 +2,7 @@
 
 use crate::common::{self, NetArgs};
 use anyhow::{Result, bail};
+use meshd::proto::wire::StatusMember;
 use meshd::transport::{Transport, TransportConfig};
 use serde_json::json;
 use std::net::SocketAddr;
@@ -39,9 +40,10 @@ pub async fn main(a: Args) -> Result<ExitCode> {
         }
     }
     t.shutdown().await;
-    let Some((from, r)) = reply else {
+    let Some((from, mut r)) = reply else {
         bail!("no running meshd answered: {}", errors.join("; "));
     };
+    in_rank_order(&mut r.members);
     if a.json {
         let members: Vec<_> = r
             .members
@@ -57,26 +59,90 @@ pub async fn main(a: Args) -> Result<ExitCode> {
             .collect();
         println!("{}", json!({ "from": from.to_string(), "members": members }));
     } else {
-        println!("members of the mesh as seen by {from}:");
-        println!(
-            "{:<22} {:<8} {:<12} {:<5} {:<6} {:<8} {:<8} {:<9} {:<8} restarts",
-            "address", "iface", "node", "gpus", "procs", "state", "health", "rtt", "role"
-        );
-        for m in &r.members {
-            println!(
-                "{:<22} {:<8} {:<12} {:<5} {:<6} {:<8} {:<8} {:<9} {:<8} {}",
-                m.addr.to_string(),
-                m.iface,
-                m.id.to_string(),
-                m.gpus,
-                m.nproc,
-                format!("{:?}", m.state).to_lowercase(),
-                m.health,
-                m.rtt_us.map(|u| format!("{:.2} ms", u as f64 / 1000.0)).unwrap_or_else(|| "-".into()),
-                m.role,
-                m.restarts
-            );
-        }
+        println!("members of the mesh as seen by {from}, in node-rank order:");
+        print!("{}", table(&r.members, a.net.port));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Node-rank order: the master first, then the other roster members by address (as node
+/// ranks are assigned), then members that are waiting for a roster, by address.
+pub fn in_rank_order(members: &mut [StatusMember]) {
+    let role = |m: &StatusMember| match m.role.as_str() {
+        "master" => 0,
+        "worker" => 1,
+        _ => 2,
+    };
+    members.sort_by_key(|m| (role(m), m.addr.ip(), m.addr.port()));
+}
+
+/// The human table: address (with the port only when it is not meshd's `port`), host name,
+/// and the flags' words (`nproc`).
+pub fn table(members: &[StatusMember], port: u16) -> String {
+    let mut out = format!(
+        "{:<22} {:<16} {:<8} {:<5} {:<6} {:<8} {:<8} {:<9} {:<8} restarts\n",
+        "address", "host", "iface", "gpus", "nproc", "state", "health", "rtt", "role"
+    );
+    for m in members {
+        let addr = if m.addr.port() == port { m.addr.ip().to_string() } else { m.addr.to_string() };
+        out.push_str(&format!(
+            "{:<22} {:<16} {:<8} {:<5} {:<6} {:<8} {:<8} {:<9} {:<8} {}\n",
+            addr,
+            if m.hostname.is_empty() { "-" } else { &m.hostname },
+            m.iface,
+            m.gpus,
+            m.nproc,
+            format!("{:?}", m.state).to_lowercase(),
+            m.health,
+            m.rtt_us.map(|u| format!("{:.2} ms", u as f64 / 1000.0)).unwrap_or_else(|| "-".into()),
+            m.role,
+            m.restarts
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use meshd::proto::{NodeId, NodeState};
+
+    fn member(id: u128, addr: &str, role: &str, host: &str) -> StatusMember {
+        StatusMember {
+            id: NodeId::from_u128(id),
+            hostname: host.into(),
+            addr: addr.parse().expect("addr"),
+            iface: "eth1".into(),
+            gpus: 8,
+            nproc: 2,
+            state: if role == "waiting" { NodeState::Waiting } else { NodeState::Running },
+            health: "alive".into(),
+            rtt_us: Some(210),
+            role: role.into(),
+            restarts: 0,
+        }
+    }
+
+    #[test]
+    fn rows_in_node_rank_order_with_hosts_and_the_flags_words() {
+        let mut m = vec![
+            member(1, "198.19.0.30:29400", "worker", "gpu3"),
+            member(2, "198.19.0.50:29400", "waiting", "gpu9"),
+            member(3, "198.19.0.19:29400", "worker", "gpu2"),
+            member(4, "198.19.0.7:29400", "master", "gpu1"),
+            member(5, "198.19.0.9:29400", "waiting", ""),
+        ];
+        in_rank_order(&mut m);
+        let order: Vec<String> = m.iter().map(|m| m.addr.ip().to_string()).collect();
+        assert_eq!(order, ["198.19.0.7", "198.19.0.19", "198.19.0.30", "198.19.0.9", "198.19.0.50"]);
+        let t = table(&m, 29400);
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(lines[0].contains(" nproc ") && !lines[0].contains("procs"), "{}", lines[0]);
+        assert!(lines[0].contains(" host ") && !lines[0].contains(" node "), "{}", lines[0]);
+        assert!(lines[1].starts_with("198.19.0.7 ") && lines[1].contains(" gpu1 "), "{}", lines[1]);
+        assert!(!t.contains(&NodeId::from_u128(4).to_string()), "no internal ids: {t}");
+        assert!(lines[4].contains(" - "), "no host name: {}", lines[4]);
+        // Another port than meshd's is shown.
+        assert!(table(&m, 29500).contains("198.19.0.7:29400"));
+    }
 }

@@ -19,6 +19,7 @@ fn ifaces_chooses_eth1_on_each_of_three_hosts() {
             serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("bad json {e}: {out}"));
         assert_eq!(v["chosen"]["name"], "eth1", "host {i}: {v}");
         assert_eq!(v["chosen"]["addr"], lab.hosts[i].eth1.as_str(), "host {i}: {v}");
+        assert_eq!(v["proven"], true, "host {i}: {v}");
         let eth0 = v["interfaces"]
             .as_array()
             .expect("interfaces")
@@ -50,4 +51,27 @@ fn ifaces_forced_and_missing_iface() {
     let (code, out, _) = lab.run(0, &[meshd(), "ifaces", "--iface", "ib0"], Duration::from_secs(10));
     assert_eq!(code, Some(1));
     assert!(out.contains("--iface ib0: no such interface"), "{out}");
+}
+
+/// Without --peers nothing can be proven: eth0 (the isolated, lowest address) is not
+/// presented as the choice; the candidates are listed and --peers decides.
+#[test]
+fn ifaces_without_peers_lists_candidates_and_proves_nothing() {
+    if !lab::available() {
+        return;
+    }
+    let mut lab = Lab::new(1);
+    let (code, out, err) = lab.run(0, &[meshd(), "ifaces"], Duration::from_secs(10));
+    assert_eq!(code, Some(0), "{err}");
+    assert!(!out.contains("chosen:"), "nothing is chosen without proof:\n{out}");
+    assert!(out.contains("eth0 198.18.0.4 (private)") && out.contains("eth1 198.19.0.30 (private)"), "{out}");
+    assert!(out.contains("`--peers` decides"), "{out}");
+    let (code, out, _) = lab.run(0, &[meshd(), "ifaces", "--json"], Duration::from_secs(10));
+    assert_eq!(code, Some(0));
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert_eq!(v["proven"], false, "{v}");
+    let names: Vec<&str> =
+        v["candidates"].as_array().expect("candidates").iter().filter_map(|c| c["name"].as_str()).collect();
+    assert_eq!(names, ["eth0", "eth1"], "{v}");
+    assert!(v["reason"].as_str().is_some_and(|r| r.contains("--peers` decides")), "{v}");
 }

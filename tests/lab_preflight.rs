@@ -51,6 +51,45 @@ fn doctor_reports_quic_behind_a_one_port_firewall_and_names_the_path() {
         let d = tcp["detail"].as_str().expect("detail");
         assert!(d.contains("-> 198.19.0.19:"), "names the blocked path: {d}");
         assert!(d.contains("open TCP"), "says what to open: {d}");
+        // The verdict says what will and will not work, not just "a job would work".
+        let verdict = v["verdict"].as_str().expect("verdict");
+        assert!(verdict.contains("meshd's client and DDP hook will work"), "{verdict}");
+        assert!(
+            verdict
+                .contains("jobs that use Gloo/NCCL sockets directly will not: TCP between nodes is blocked"),
+            "{verdict}"
+        );
+        assert!(verdict.contains("(198.19.0.7 <-> 198.19.0.19, 198.19.0.19 <-> 198.19.0.30)"), "{verdict}");
+    }
+}
+
+#[test]
+fn run_behind_a_one_port_firewall_warns_once_on_every_node_with_the_ways_out() {
+    if !lab::available() {
+        return;
+    }
+    let mut lab = Lab::new(3);
+    lab.firewall_only_udp(2, 29400);
+    let peers = lab.peers();
+    let args = [meshd(), "run", "--nnodes", "3", "--peers", &peers, "--rdzv-timeout", "30s", "--", "true"];
+    for (i, (code, out, err)) in
+        lab.run_on_all(&args, &[("MESHD_TOKEN", "fw")], Duration::from_secs(60)).into_iter().enumerate()
+    {
+        assert_eq!(code, Some(0), "host {i}:\n{out}\n{err}");
+        let warnings: Vec<&str> =
+            err.lines().filter(|l| l.contains("TCP between nodes is blocked")).collect();
+        let one: Vec<&&str> = warnings.iter().filter(|l| l.contains("WARN")).collect();
+        assert_eq!(one.len(), 1, "host {i}: exactly one warning line:\n{err}");
+        let w = one[0];
+        assert!(
+            w.contains("(198.19.0.7 <-> 198.19.0.19, 198.19.0.19 <-> 198.19.0.30)"),
+            "host {i} names the blocked pairs: {w}"
+        );
+        assert!(w.contains("init_process_group"), "host {i}: {w}");
+        assert!(w.contains("meshd.torch.allreduce_hook"), "host {i}: way out 1: {w}");
+        assert!(w.contains("open TCP 1024-65535 between the nodes on eth1"), "host {i}: way out 2: {w}");
+        assert!(!err.contains("WARN preflight tcp"), "the long tcp detail is not repeated at warn:\n{err}");
+        assert!(err.contains("collective: quic"), "host {i}:\n{err}");
     }
 }
 

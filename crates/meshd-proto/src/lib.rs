@@ -29,3 +29,33 @@ pub mod wire;
 
 pub use id::NodeId;
 pub use meta::{NodeMeta, NodeState};
+
+/// `n` and `noun`, the noun in the plural unless `n` is 1: `plural(1, "node")` is
+/// "1 node", `plural(3, "process")` is "3 processes".
+pub fn plural(n: impl Into<u64>, noun: &str) -> String {
+    let n: u64 = n.into();
+    if n == 1 {
+        return format!("1 {noun}");
+    }
+    let consonant_y =
+        noun.strip_suffix('y').and_then(|r| r.chars().last()).is_some_and(|c| !"aeiou".contains(c));
+    if consonant_y {
+        format!("{n} {}ies", &noun[..noun.len() - 1])
+    } else if ["s", "x", "ch", "sh"].iter().any(|e| noun.ends_with(e)) {
+        format!("{n} {noun}es")
+    } else {
+        format!("{n} {noun}s")
+    }
+}
+
+#[cfg(test)]
+mod plural_tests {
+    #[test]
+    fn plurals() {
+        assert_eq!(super::plural(1u32, "node"), "1 node");
+        assert_eq!(super::plural(0u32, "node"), "0 nodes");
+        assert_eq!(super::plural(3u64, "process"), "3 processes");
+        assert_eq!(super::plural(2u32, "retry"), "2 retries");
+        assert_eq!(super::plural(2u32, "key"), "2 keys");
+    }
+}

@@ -78,6 +78,67 @@ pub struct Verdict {
     pub collective: String,
     /// Every check.
     pub checks: Vec<Check>,
+    /// Pairs of nodes between which a TCP connection failed, each once, in report order
+    /// ("198.19.0.30 -> 198.19.0.19", or "198.19.0.30 <-> 198.19.0.19" when both ways
+    /// failed): Gloo and NCCL sockets will not work there.
+    pub tcp_blocked: Vec<String>,
+    /// The master created an NCCL unique id (libnccl loaded there): ranks get
+    /// MESHD_NCCL_UNIQUE_ID.
+    pub nccl_id: bool,
+    /// Nodes in the roster.
+    pub nodes: usize,
+}
+
+impl Verdict {
+    /// The one warning every node prints at launch when TCP between nodes is blocked:
+    /// which pairs, what will hang, and the two ways out. `None` when TCP works.
+    pub fn tcp_warning(&self, iface: &str) -> Option<String> {
+        if self.tcp_blocked.is_empty() {
+            return None;
+        }
+        Some(format!(
+            "TCP between nodes is blocked ({}): a job that calls init_process_group(\"gloo\") or \
+             (\"nccl\") will hang. Either use meshd's Python client or its DDP hook \
+             meshd.torch.allreduce_hook (they need only meshd's UDP port; MESHD_COLLECTIVE={}), or \
+             open TCP 1024-65535 between the nodes on {iface}",
+            self.tcp_blocked.join(", "),
+            self.collective
+        ))
+    }
+
+    /// `doctor`'s last line: what will and will not work.
+    pub fn conclusion(&self) -> String {
+        if !self.ok {
+            return "a job would NOT start: fix the FAIL lines above".into();
+        }
+        if !self.tcp_blocked.is_empty() {
+            return format!(
+                "a job would start: meshd's client and DDP hook will work; jobs that use Gloo/NCCL sockets \
+                 directly will not: TCP between nodes is blocked ({})",
+                self.tcp_blocked.join(", ")
+            );
+        }
+        "a job would work: TCP is open between the nodes (Gloo, NCCL) and so is meshd's UDP port \
+         (meshd's client and DDP hook)"
+            .into()
+    }
+
+    /// The collective as ranks will really get it, for the launch line and `doctor`.
+    pub fn collective_line(&self) -> String {
+        let tcp = if self.nodes == 1 { "one node" } else { "TCP open between the nodes" };
+        match self.collective.as_str() {
+            "nccl" if self.nccl_id => {
+                format!("nccl ({tcp}; MESHD_NCCL_UNIQUE_ID from the master's libnccl)")
+            }
+            "nccl" => format!(
+                "nccl ({tcp}; no libnccl on the master, so no MESHD_NCCL_UNIQUE_ID: ranks use their own \
+                 NCCL, e.g. PyTorch's)"
+            ),
+            "quic" if self.tcp_blocked.is_empty() => "quic (forced by --collective)".into(),
+            "quic" => "quic (TCP between nodes is blocked: only meshd's UDP port works)".into(),
+            other => other.to_string(),
+        }
+    }
 }
 
 fn label(roster: &Roster, id: NodeId) -> String {
@@ -115,6 +176,30 @@ fn agree<T: PartialEq + std::fmt::Display>(
     Check { name: name.into(), ok: false, detail: format!("differs: {detail}"), fatal }
 }
 
+/// Failed (from, to) connections as pairs of addresses, in node-rank order, each pair once:
+/// "A <-> B" when both ways failed, else "A -> B" or "B -> A".
+fn blocked_pairs(roster: &Roster, blocked: &std::collections::BTreeSet<(NodeId, NodeId)>) -> Vec<String> {
+    let rank = |id: NodeId| roster.node_rank(id).unwrap_or(usize::MAX);
+    let mut pairs: Vec<(usize, usize, NodeId, NodeId)> = blocked
+        .iter()
+        .map(|&(f, t)| if rank(f) <= rank(t) { (rank(f), rank(t), f, t) } else { (rank(t), rank(f), t, f) })
+        .collect();
+    pairs.sort();
+    pairs.dedup();
+    pairs
+        .into_iter()
+        .map(|(_, _, a, b)| {
+            let (there, back) = (blocked.contains(&(a, b)), blocked.contains(&(b, a)));
+            let (la, lb) = (label(roster, a), label(roster, b));
+            match (there, back) {
+                (true, true) if a != b => format!("{la} <-> {lb}"),
+                (true, _) => format!("{la} -> {lb}"),
+                _ => format!("{lb} -> {la}"),
+            }
+        })
+        .collect()
+}
+
 /// Turns every node's report into the verdict. `forced` is `--collective nccl|quic`.
 pub fn evaluate(roster: &Roster, reports: &BTreeMap<NodeId, NodeReport>, forced: Option<&str>) -> Verdict {
     let mut checks = Vec::new();
@@ -124,18 +209,23 @@ pub fn evaluate(roster: &Roster, reports: &BTreeMap<NodeId, NodeReport>, forced:
         name: "mesh".into(),
         ok: missing.is_empty(),
         detail: if missing.is_empty() {
-            format!("all {} nodes answered on meshd's UDP port", roster.members.len())
+            match roster.members.len() {
+                1 => "the one node answered on meshd's UDP port".to_string(),
+                n => format!("all {n} nodes answered on meshd's UDP port"),
+            }
         } else {
             format!("no preflight report from {}", missing.join(", "))
         },
         fatal: true,
     });
     let mut failed = Vec::new();
+    let mut blocked: std::collections::BTreeSet<(NodeId, NodeId)> = Default::default();
     let mut tried = 0;
     for (from, r) in reports {
         for p in &r.tcp {
             tried += 1;
             if !p.ok {
+                blocked.insert((*from, p.to));
                 failed.push(format!(
                     "{} -> {} ({}, {}): {}",
                     label(roster, *from),
@@ -148,17 +238,24 @@ pub fn evaluate(roster: &Roster, reports: &BTreeMap<NodeId, NodeReport>, forced:
         }
     }
     let tcp_ok = failed.is_empty();
+    let tcp_blocked = blocked_pairs(roster, &blocked);
     checks.push(Check {
         name: "tcp".into(),
         ok: tcp_ok,
-        detail: if tcp_ok {
-            format!("{tried} TCP connections between nodes (ephemeral ports, MASTER_PORT) all succeeded")
+        detail: if tcp_ok && tried == 0 {
+            "no other node: no TCP between nodes to check".to_string()
+        } else if tcp_ok {
+            format!(
+                "{} between nodes (ephemeral ports, MASTER_PORT) all succeeded",
+                crate::plural(tried as u64, "TCP connection")
+            )
         } else {
             format!(
-                "{} of {tried} TCP connections failed: {}. NCCL and Gloo need TCP on ephemeral ports between \
+                "{} of {} failed: {}. NCCL and Gloo need TCP on ephemeral ports between \
                  every pair of nodes: open TCP 1024-65535 between the nodes, or use the QUIC collective \
                  (MESHD_COLLECTIVE=quic) that needs only meshd's UDP port",
                 failed.len(),
+                crate::plural(tried as u64, "TCP connection"),
                 failed.join("; ")
             )
         },
@@ -212,7 +309,8 @@ pub fn evaluate(roster: &Roster, reports: &BTreeMap<NodeId, NodeReport>, forced:
     };
     let nccl_impossible = forced == Some("nccl") && !tcp_ok;
     let ok = !nccl_impossible && checks.iter().all(|c| c.ok || !c.fatal);
-    Verdict { ok, collective, checks }
+    let nccl_id = roster.master().and_then(|m| reports.get(&m.id)).is_some_and(|r| !r.nccl_root.is_empty());
+    Verdict { ok, collective, checks, tcp_blocked, nccl_id, nodes: roster.members.len() }
 }
 
 #[cfg(test)]
@@ -279,12 +377,41 @@ mod tests {
         let r = reps.get_mut(&NodeId::from_u128(2)).expect("r");
         r.tcp[1].ok = false;
         r.tcp[1].detail = "timed out".into();
+        let mut both = reps.clone();
+        let r = both.get_mut(&NodeId::from_u128(3)).expect("r");
+        r.tcp[1].ok = false;
+        let v = evaluate(&roster(3), &both, None);
+        assert_eq!(v.tcp_blocked, vec!["198.19.0.2 <-> 198.19.0.3".to_string()], "both ways: one pair");
+        let mut back = all(3);
+        back.get_mut(&NodeId::from_u128(3)).expect("r").tcp[1].ok = false;
+        let v = evaluate(&roster(3), &back, None);
+        assert_eq!(
+            v.tcp_blocked,
+            vec!["198.19.0.3 -> 198.19.0.2".to_string()],
+            "one way keeps its direction"
+        );
         let v = evaluate(&roster(3), &reps, None);
         assert!(v.ok, "blocked TCP is not fatal: {v:?}");
         assert_eq!(v.collective, "quic");
         let tcp = v.checks.iter().find(|c| c.name == "tcp").expect("tcp");
         assert!(tcp.detail.contains("198.19.0.2 -> 198.19.0.3:40000"), "{}", tcp.detail);
         assert!(tcp.detail.contains("open TCP"), "{}", tcp.detail);
+        // One launch warning names each blocked pair once and both ways out.
+        assert_eq!(v.tcp_blocked, vec!["198.19.0.2 -> 198.19.0.3".to_string()]);
+        let w = v.tcp_warning("eth1").expect("a warning");
+        assert!(w.contains("(198.19.0.2 -> 198.19.0.3)"), "{w}");
+        assert!(w.contains("init_process_group") && w.contains("will hang"), "{w}");
+        assert!(w.contains("meshd.torch.allreduce_hook"), "{w}");
+        assert!(w.contains("open TCP 1024-65535 between the nodes on eth1"), "{w}");
+        assert!(!w.contains('\n'), "one line: {w}");
+        let c = v.conclusion();
+        assert!(c.contains("meshd's client and DDP hook will work"), "{c}");
+        assert!(c.contains("Gloo/NCCL sockets directly will not: TCP between nodes is blocked"), "{c}");
+        assert!(v.collective_line().starts_with("quic (TCP between nodes is blocked"));
+        // An open network has no warning, and a verdict that says so.
+        let open = evaluate(&roster(3), &all(3), None);
+        assert_eq!(open.tcp_warning("eth1"), None);
+        assert!(open.conclusion().starts_with("a job would work"), "{}", open.conclusion());
         // Forcing NCCL on a network where it cannot work is refused.
         assert!(!evaluate(&roster(3), &reps, Some("nccl")).ok);
     }
@@ -319,6 +446,11 @@ mod tests {
         m.nccl_note = "libnccl not found".into();
         let v = evaluate(&roster(3), &reps, None);
         assert!(v.ok, "a missing NCCL is not fatal");
+        // The collective is still nccl (TCP works), but the line says no id comes from meshd.
+        assert_eq!(v.collective, "nccl");
+        assert!(!v.nccl_id);
+        assert!(v.collective_line().contains("no libnccl on the master"), "{}", v.collective_line());
+        assert!(evaluate(&roster(3), &all(3), None).collective_line().contains("MESHD_NCCL_UNIQUE_ID from"));
         assert!(v.checks.iter().any(|c| c.name == "nccl id" && c.detail.contains("libnccl not found")));
     }
 

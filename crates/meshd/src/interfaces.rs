@@ -290,10 +290,14 @@ pub fn choose(
     let n = others.len();
     let probed = others.iter().filter(|p| p.answered.is_some()).count();
     let mut reason = if *routed == n {
-        format!("the kernel routes to all {n} other peers through {name}")
+        match n {
+            1 => format!("the kernel routes to the other peer through {name}"),
+            n => format!("the kernel routes to all {n} other peers through {name}"),
+        }
     } else {
         format!(
-            "{name} reaches {routed} of {n} other peers ({}); no single interface reaches all",
+            "{name} reaches {routed} of {} ({}); no single interface reaches all",
+            crate::plural(n as u64, "other peer"),
             via.join(", ")
         )
     };
@@ -307,18 +311,21 @@ pub fn choose(
 }
 
 /// No peers known: the best-looking interface, said to be a guess.
-fn guess(ifaces: &[Interface], only_self: bool) -> Result<Choice, ChoiceError> {
-    let rank = |k: IfaceKind| match k {
+fn guess_rank(k: IfaceKind) -> u8 {
+    match k {
         IfaceKind::Private => 0,
         IfaceKind::Public => 1,
         IfaceKind::ContainerBridge => 2,
         IfaceKind::LinkLocal => 3,
         IfaceKind::Loopback => 4,
-    };
+    }
+}
+
+fn guess(ifaces: &[Interface], only_self: bool) -> Result<Choice, ChoiceError> {
     let best = ifaces
         .iter()
         .filter(|i| i.up && !i.addrs.is_empty())
-        .min_by_key(|i| (rank(i.kind), i.name.clone()))
+        .min_by_key(|i| (guess_rank(i.kind), i.name.clone()))
         .ok_or(ChoiceError::NoInterface)?;
     let addr = best.addr_like(None).ok_or(ChoiceError::NoInterface)?;
     let why = if only_self { "the only listed peer is this host" } else { "no peers given" };
@@ -326,10 +333,41 @@ fn guess(ifaces: &[Interface], only_self: bool) -> Result<Choice, ChoiceError> {
         name: best.name.clone(),
         addr,
         reason: format!(
-            "{why}: best guess is the first up {} interface (pass --peers to choose by proof)",
+            "{why}: nothing proves which interface reaches the other nodes; an unproven guess is the first \
+             up {} interface (--peers decides)",
             best.kind.as_str()
         ),
     })
+}
+
+/// Whether [`choose`] rests on proof: other peers were listed (the kernel's routes to
+/// them, and meshd's answers) and no interface was forced. Without peers it only guesses.
+pub fn proven(peers: &[PeerReach], forced: Option<&str>) -> bool {
+    forced.is_none() && peers.iter().any(|p| !p.is_self)
+}
+
+/// Interfaces that could carry a job between nodes (up, with an address, not loopback), in
+/// the order a guess would take them: `(name, address, kind)`.
+pub fn candidates(ifaces: &[Interface]) -> Vec<(String, IpAddr, IfaceKind)> {
+    let mut c: Vec<&Interface> =
+        ifaces.iter().filter(|i| i.up && !i.addrs.is_empty() && i.kind != IfaceKind::Loopback).collect();
+    c.sort_by_key(|i| (guess_rank(i.kind), i.name.clone()));
+    c.into_iter().filter_map(|i| Some((i.name.clone(), i.addr_like(None)?, i.kind))).collect()
+}
+
+/// What `meshd ifaces` says without peers: the candidates, and that `--peers` decides.
+pub fn unproven_text(ifaces: &[Interface]) -> String {
+    let c = candidates(ifaces);
+    if c.is_empty() {
+        return "no peers given, and no interface but loopback: a job can only run on this host".into();
+    }
+    let list: Vec<String> = c.iter().map(|(n, a, k)| format!("{n} {a} ({})", k.as_str())).collect();
+    format!(
+        "no peers given: nothing proves which interface reaches the other nodes. Candidates: {}. \
+         `--peers` decides: meshd chooses the interface the routes to the listed peers take and proves \
+         it by their answers (try `meshd ifaces --peers HOST,...`)",
+        list.join(", ")
+    )
 }
 
 #[cfg(test)]

@@ -163,8 +163,8 @@ pub async fn run(
         };
         let master = &roster.members[0];
         info!(
-            "roster agreed: {} nodes, world size {}, master {} ({}), this node is node rank {node_rank}{}",
-            roster.members.len(),
+            "roster agreed: {}, world size {}, master {} ({}), this node is node rank {node_rank}{}",
+            crate::plural(roster.members.len() as u64, "node"),
             roster.world_size(),
             master.addr.ip(),
             master.hostname,
@@ -195,7 +195,10 @@ pub async fn run(
         };
         let verdict = outcome.verdict;
         for c in verdict.checks.iter().filter(|c| !c.ok) {
-            if c.fatal {
+            if c.name == "tcp" && verdict.ok {
+                // Said once, in words, by the warning below; the errors at debug.
+                tracing::debug!("preflight {}: {}", c.name, c.detail);
+            } else if c.fatal {
                 error!("preflight {}: {}", c.name, c.detail);
             } else {
                 warn!("preflight {}: {}", c.name, c.detail);
@@ -221,13 +224,17 @@ pub async fn run(
         let iface = mesh.choice().name.clone();
         let addrs: Vec<SocketAddr> = roster.members.iter().map(|m| m.addr).collect();
         let ring = RingNet::new(mesh.transport().clone(), node_rank, addrs.clone(), incoming.clone());
+        if let Some(w) = verdict.tcp_warning(&iface) {
+            warn!("{w}");
+        }
         if verdict.collective == "quic" {
             info!(
-                "preflight passed; collective: quic (ring over {} lane(s) to the next node; MESHD_LANES)",
-                ring.lanes
+                "preflight passed; collective: {}; ring over {} to the next node (MESHD_LANES)",
+                verdict.collective_line(),
+                crate::plural(ring.lanes as u64, "lane")
             );
         } else {
-            info!("preflight passed; collective: {}", verdict.collective);
+            info!("preflight passed; collective: {}", verdict.collective_line());
         }
         let svc_cfg = ServiceConfig {
             path: service::default_path(run_id, mesh.addr().port()),
@@ -297,7 +304,10 @@ pub async fn run(
             None => {
                 return Ok(JobOutcome {
                     code: 0,
-                    message: format!("job finished: all {} ranks exited 0", roster.world_size()),
+                    message: match roster.world_size() {
+                        1 => "job finished: the rank exited 0".to_string(),
+                        n => format!("job finished: all {n} ranks exited 0"),
+                    },
                 });
             }
             Some(Failure::Signal(m, code)) => return Ok(JobOutcome { code, message: m }),

@@ -20,6 +20,7 @@ pub mod supervisor;
 pub mod transport;
 
 pub use meshd_proto as proto;
+pub use meshd_proto::plural;
 
 /// A fresh random node id (from the system's secure random source).
 pub fn random_node_id() -> proto::NodeId {

@@ -455,7 +455,8 @@ impl RingNet {
         }
         if waited > 0 {
             tracing::debug!(
-                "ring operation {op_id}: {waited} received chunk(s) waited for their range to come back from QUIC"
+                "ring operation {op_id}: {} waited for their range to come back from QUIC",
+                crate::plural(waited as u64, "received chunk")
             );
         }
         result?;

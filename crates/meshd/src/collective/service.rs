@@ -110,6 +110,8 @@ enum StoreReq {
 /// never reachable by another user, not even between its creation and its chmod.
 pub fn default_path(run_id: &str, port: u16) -> PathBuf {
     let dir = std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/tmp"));
+    // The default run id already starts with `meshd-`: not twice.
+    let run_id = run_id.strip_prefix("meshd-").unwrap_or(run_id);
     let safe: String = run_id.chars().filter(|c| c.is_ascii_alphanumeric() || *c == '-').take(40).collect();
     dir.join(format!("meshd-{safe}-{port}-{}", std::process::id())).join("sock")
 }
@@ -588,7 +590,11 @@ async fn reduce_parts(
             let ring_op = if *o == ReduceOp::Avg { ReduceOp::Sum } else { *o };
             let t = std::time::Instant::now();
             gather_local(parts, acc.try_as_mut().unwrap_or_default(), *d, ring_op)?;
-            debug!("local gather of {len} bytes from {} ranks in {:?}", parts.len(), t.elapsed());
+            debug!(
+                "local gather of {len} bytes from {} in {:?}",
+                crate::plural(parts.len() as u64, "rank"),
+                t.elapsed()
+            );
             (*d, *o, acc, len)
         }
         // Broadcast as a byte-exact sum: the root's bytes plus zeros from everyone else,
@@ -669,5 +675,25 @@ async fn store(cfg: ServiceConfig, transport: Transport, mut rx: mpsc::Receiver<
             }
         }
         waiters = keep;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::default_path;
+
+    #[test]
+    fn socket_directory_names_meshd_once() {
+        let pid = std::process::id();
+        let dir = |run: &str| {
+            default_path(run, 29400)
+                .parent()
+                .and_then(|d| d.file_name())
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default()
+        };
+        assert_eq!(dir("meshd-0123456789ab"), format!("meshd-0123456789ab-29400-{pid}"));
+        assert_eq!(dir("train-7"), format!("meshd-train-7-29400-{pid}"));
+        assert!(default_path("meshd-x", 1).ends_with("sock"));
     }
 }

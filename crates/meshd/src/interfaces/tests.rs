@@ -100,6 +100,22 @@ fn no_peers_guesses_private_over_bridge_and_says_so() {
 }
 
 #[test]
+fn without_peers_nothing_is_proven_and_every_candidate_is_listed() {
+    let ifs = seed_host();
+    assert!(!proven(&[], None));
+    assert!(!proven(&[peer("10.0.0.2", Some(("eth1", "10.0.0.34")))], Some("eth1")), "forced is no proof");
+    assert!(proven(&[peer("10.0.0.2", Some(("eth1", "10.0.0.34")))], None));
+    let names: Vec<String> = candidates(&ifs).into_iter().map(|c| c.0).collect();
+    assert_eq!(names, ["eth1", "eth0"], "loopback is no candidate");
+    let t = unproven_text(&ifs);
+    assert!(t.contains("eth1 10.0.0.34 (private), eth0 172.17.0.4 (container-bridge)"), "{t}");
+    assert!(t.contains("`--peers` decides"), "{t}");
+    assert!(!t.contains("chosen"), "{t}");
+    let c = choose(&ifs, &[], None).expect("guess");
+    assert!(c.reason.contains("unproven guess") && c.reason.contains("--peers decides"), "{}", c.reason);
+}
+
+#[test]
 fn forced_iface_must_exist() {
     let c = choose(&seed_host(), &[], Some("eth0")).expect("forced");
     assert_eq!(c.name, "eth0");

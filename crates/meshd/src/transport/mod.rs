@@ -12,7 +12,7 @@ pub mod auth;
 pub mod guard;
 mod tls;
 
-use auth::{Role, Token};
+use auth::{Refusal, Role, Token};
 use bytes::Bytes;
 use meshd_proto::NodeId;
 use meshd_proto::wire::{self, AuthHello, Frame, MAX_LANES, PROTOCOL_VERSION, Query, StatusReply};
@@ -105,13 +105,16 @@ pub struct PathStats {
 /// Transport failures.
 #[derive(Debug, thiserror::Error)]
 pub enum TransportError {
-    /// The UDP port could not be bound.
-    #[error("cannot bind UDP {addr}: {source} (is another meshd running there? choose another with --port)")]
+    /// The UDP port could not be bound. The io error is part of the message, not a source
+    /// (so an error chain prints it once).
+    #[error("{}", bind_failure_text(*.addr, .error, .holder.as_deref()))]
     Bind {
         /// What we tried.
         addr: SocketAddr,
         /// Why it failed.
-        source: std::io::Error,
+        error: std::io::Error,
+        /// What holds the port, when it is in use and that could be found ("pid 12 (meshd)").
+        holder: Option<String>,
     },
     /// TLS setup failed.
     #[error("TLS setup: {0}")]
@@ -124,8 +127,8 @@ pub enum TransportError {
         /// Why, in words.
         reason: String,
     },
-    /// The peer refused us or we refused it.
-    #[error("peer {addr} failed authentication: {reason}")]
+    /// The peer refused us (`reason` starts with [`REFUSED_US`]) or we refused it.
+    #[error("{}", auth_failure_text(*.addr, .reason))]
     Auth {
         /// The peer.
         addr: SocketAddr,
@@ -379,19 +382,17 @@ impl Transport {
         tc.mtu_discovery_config(Some(md));
         let (server, client) = tls::configs(Arc::new(tc))?;
         let addr = SocketAddr::new(cfg.bind, cfg.port);
-        let socket =
-            std::net::UdpSocket::bind(addr).map_err(|source| TransportError::Bind { addr, source })?;
+        let socket = std::net::UdpSocket::bind(addr).map_err(|e| bind_error(addr, e))?;
         set_socket_buffers(&socket, 16 << 20);
         let runtime =
             quinn::default_runtime().ok_or_else(|| TransportError::Tls("no async runtime".into()))?;
-        let socket =
-            runtime.wrap_udp_socket(socket).map_err(|source| TransportError::Bind { addr, source })?;
+        let socket = runtime.wrap_udp_socket(socket).map_err(|e| bind_error(addr, e))?;
         let socket: Arc<dyn quinn::AsyncUdpSocket> = match max_payload {
             Some(payload) => Arc::new(GsoCapped::new(socket, payload, cfg.bind.is_ipv6())),
             None => socket,
         };
         let mut endpoint = quinn::Endpoint::new_with_abstract_socket(ec, Some(server), socket, runtime)
-            .map_err(|source| TransportError::Bind { addr, source })?;
+            .map_err(|e| bind_error(addr, e))?;
         endpoint.set_default_client_config(client);
         let (tx, rx) = mpsc::channel(4096);
         let (data_tx, data_rx) = mpsc::channel(256);
@@ -696,78 +697,151 @@ fn exporter(conn: &quinn::Connection) -> Option<[u8; 32]> {
     Some(out)
 }
 
-/// Checks the peer's hello; `Err((code, reason))` words the refusal.
+/// Checks the peer's hello; `Err((code, refusal))` says why it is refused.
 fn check_hello(
     inner: &Inner,
     conn: &quinn::Connection,
     peer_role: Role,
     h: &AuthHello,
-) -> Result<(), (u32, String)> {
+) -> Result<(), (u32, Refusal)> {
     let cfg = &inner.cfg;
     if h.version != PROTOCOL_VERSION {
-        return Err((
-            code::VERSION,
-            format!("it speaks meshd protocol v{}, this node v{PROTOCOL_VERSION}", h.version),
-        ));
+        return Err((code::VERSION, Refusal::Version(PROTOCOL_VERSION)));
     }
     match (&cfg.token, h.has_token) {
         (None, false) => {}
-        (None, true) => return Err((code::AUTH, "it holds a token but this node has none".into())),
-        (Some(_), false) => {
-            return Err((
-                code::AUTH,
-                "it has no token (give every node the same --token, MESHD_TOKEN or --token-file)".into(),
-            ));
-        }
+        (None, true) => return Err((code::AUTH, Refusal::UnexpectedToken)),
+        (Some(_), false) => return Err((code::AUTH, Refusal::NoToken)),
         (Some(t), true) => {
             let ok = exporter(conn).is_some_and(|ex| t.verify(&ex, peer_role, &h.node.0, h.run_hash, &h.mac));
             if !ok {
-                return Err((code::AUTH, "different token".into()));
+                return Err((code::AUTH, Refusal::DifferentToken));
             }
         }
     }
     // Run hash 0 is a probe (`meshd ifaces --peers`): it proves the token, joins no run.
     if h.run_hash != cfg.run_hash && h.run_hash != 0 && cfg.run_hash != 0 {
-        return Err((
-            code::OTHER_RUN,
-            "it belongs to another run (different --run-id, token, command or peers)".into(),
-        ));
+        return Err((code::OTHER_RUN, Refusal::OtherRun));
     }
     if h.node == cfg.node {
-        return Err((code::PROTOCOL, "it is this node itself".into()));
+        return Err((code::PROTOCOL, Refusal::Itself));
     }
     if h.lane as usize >= MAX_LANES || (h.lane > 0 && h.run_hash == 0) {
         return Err((
             code::PROTOCOL,
-            format!("lane {} is not allowed (a probe has none; at most {MAX_LANES})", h.lane),
+            Refusal::Other(format!("lane {} is not allowed (a probe has none; at most {MAX_LANES})", h.lane)),
         ));
     }
     Ok(())
 }
 
-fn refuse(inner: &Inner, conn: &quinn::Connection, code: u32, reason: &str) -> TransportError {
+/// Closes `conn` with `why`'s close reason and reports it in this node's words; `peer_version`
+/// is the version the peer announced (when it sent a hello).
+fn refuse(
+    inner: &Inner,
+    conn: &quinn::Connection,
+    code: u32,
+    why: &Refusal,
+    peer_version: u16,
+) -> TransportError {
     let addr = canonical(conn.remote_address());
-    conn.close(code.into(), reason.as_bytes());
-    report_auth_failure(inner, addr, reason);
-    TransportError::Auth { addr, reason: reason.to_string() }
+    conn.close(code.into(), why.wire().as_bytes());
+    let reason = why.here(peer_version);
+    report_auth_failure(inner, addr, &reason);
+    TransportError::Auth { addr, reason }
 }
+
+/// The one message of a failed bind.
+fn bind_failure_text(addr: SocketAddr, error: &std::io::Error, holder: Option<&str>) -> String {
+    let port = addr.port();
+    match (error.kind(), holder) {
+        (std::io::ErrorKind::AddrInUse, Some(h)) => format!(
+            "cannot bind UDP {addr}: {error}: UDP port {port} is held by {h} (another meshd? stop it, or \
+             choose another port with --port)"
+        ),
+        (std::io::ErrorKind::AddrInUse, None) => format!(
+            "cannot bind UDP {addr}: {error} (another meshd? stop it, or choose another port with --port)"
+        ),
+        _ => format!("cannot bind UDP {addr}: {error}"),
+    }
+}
+
+fn bind_error(addr: SocketAddr, error: std::io::Error) -> TransportError {
+    let holder =
+        if error.kind() == std::io::ErrorKind::AddrInUse { udp_port_holder(addr.port()) } else { None };
+    TransportError::Bind { addr, error, holder }
+}
+
+/// Who holds UDP `port`, best effort: the socket's inode from /proc/net/udp{,6}, then the
+/// process with that socket among /proc/*/fd ("pid 1234 (python3)"). `None` when it cannot
+/// be seen (another user's process, another network namespace).
+pub fn udp_port_holder(port: u16) -> Option<String> {
+    let mut inodes = Vec::new();
+    for table in ["/proc/net/udp", "/proc/net/udp6"] {
+        let Ok(text) = std::fs::read_to_string(table) else { continue };
+        for line in text.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let Some(local) = f.get(1) else { continue };
+            let p = local.rsplit_once(':').and_then(|(_, p)| u16::from_str_radix(p, 16).ok());
+            if p == Some(port) {
+                if let Some(inode) = f.get(9).filter(|i| **i != "0") {
+                    inodes.push(format!("socket:[{inode}]"));
+                }
+            }
+        }
+    }
+    if inodes.is_empty() {
+        return None;
+    }
+    for proc in std::fs::read_dir("/proc").ok()?.flatten() {
+        let name = proc.file_name();
+        let Some(pid) = name.to_str().filter(|n| n.bytes().all(|b| b.is_ascii_digit())) else { continue };
+        let Ok(fds) = std::fs::read_dir(proc.path().join("fd")) else { continue };
+        for fd in fds.flatten() {
+            let Ok(target) = std::fs::read_link(fd.path()) else { continue };
+            if inodes.iter().any(|i| target.as_os_str() == i.as_str()) {
+                let comm = std::fs::read_to_string(proc.path().join("comm")).unwrap_or_default();
+                return Some(format!("pid {pid} ({})", comm.trim()));
+            }
+        }
+    }
+    None
+}
+
+/// Words a refusal read from the peer (`it refused us: WIRE`) from this node's side.
+fn reword_refusal(addr: SocketAddr, reason: &str) -> String {
+    match reason.strip_prefix(REFUSED_US) {
+        Some(w) => format!("{REFUSED_US}{}", Refusal::parse(w).there(addr.ip(), PROTOCOL_VERSION)),
+        None => reason.to_string(),
+    }
+}
+
+/// How a refusal by the peer starts, in [`TransportEvent::AuthFailed`] and
+/// [`TransportError::Auth`] (what follows is written from this node's side).
+pub const REFUSED_US: &str = "it refused us: ";
 
 fn report_auth_failure(inner: &Inner, addr: SocketAddr, reason: &str) {
     // Once per peer IP and reason: a client that retries from new ports logs no more.
     if inner.logged.first(addr, reason) {
-        match reason.strip_prefix("it refused us: ") {
-            Some(r) => warn!("peer {addr} refused this node: failed authentication: {r}"),
-            None => warn!("peer {addr} failed authentication: {reason}"),
-        }
+        warn!("{}", auth_failure_text(addr, reason));
     }
     let _ = inner.events.try_send(TransportEvent::AuthFailed { addr, reason: reason.to_string() });
+}
+
+/// "peer X refused this node: failed authentication: ..." or "peer X failed
+/// authentication: ...", from a reason as carried in [`TransportError::Auth`].
+pub fn auth_failure_text(addr: SocketAddr, reason: &str) -> String {
+    match reason.strip_prefix(REFUSED_US) {
+        Some(r) => format!("peer {addr} refused this node: failed authentication: {r}"),
+        None => format!("peer {addr} failed authentication: {reason}"),
+    }
 }
 
 /// Reads the peer's close reason, when the peer refused us.
 fn refusal(e: &quinn::ConnectionError) -> Option<String> {
     match e {
         quinn::ConnectionError::ApplicationClosed(c) if c.error_code != code::BYE.into() => {
-            Some(format!("it refused us: {}", String::from_utf8_lossy(&c.reason)))
+            Some(format!("{REFUSED_US}{}", String::from_utf8_lossy(&c.reason)))
         }
         _ => None,
     }
@@ -805,18 +879,19 @@ async fn connect(
         let _ = send.finish();
         let theirs = match read_hello(&mut recv).await {
             Ok(h) => h,
-            Err(reason) if reason.starts_with("it refused us") => {
+            Err(reason) if reason.starts_with(REFUSED_US) => {
+                let reason = reword_refusal(to, &reason);
                 report_auth_failure(inner, to, &reason);
                 return Err(TransportError::Auth { addr: to, reason });
             }
             Err(reason) => return Err(peer_err(reason)),
         };
-        if let Err((code, reason)) = check_hello(inner, &conn, Role::Server, &theirs) {
-            return Err(refuse(inner, &conn, code, &reason));
+        if let Err((code, why)) = check_hello(inner, &conn, Role::Server, &theirs) {
+            return Err(refuse(inner, &conn, code, &why, theirs.version));
         }
         if theirs.lane != lane {
-            let reason = format!("it answered lane {} for lane {lane}", theirs.lane);
-            return Err(refuse(inner, &conn, code::PROTOCOL, &reason));
+            let why = Refusal::Other(format!("it answered lane {} for lane {lane}", theirs.lane));
+            return Err(refuse(inner, &conn, code::PROTOCOL, &why, theirs.version));
         }
         Ok((conn, theirs.node, theirs.observed))
     };
@@ -891,13 +966,13 @@ async fn accept_loop(inner: Arc<Inner>) {
                     Err(reason) => {
                         // Oversized or malformed: say so; a lost connection: nothing to say.
                         if reason.starts_with("bad hello") || reason.starts_with("hello larger") {
-                            refuse(&inner, &conn, code::PROTOCOL, &reason);
+                            refuse(&inner, &conn, code::PROTOCOL, &Refusal::Other(reason), PROTOCOL_VERSION);
                         }
                         return None;
                     }
                 };
-                if let Err((code, reason)) = check_hello(&inner, &conn, Role::Client, &theirs) {
-                    refuse(&inner, &conn, code, &reason);
+                if let Err((code, why)) = check_hello(&inner, &conn, Role::Client, &theirs) {
+                    refuse(&inner, &conn, code, &why, theirs.version);
                     return None;
                 }
                 let observed = Some(canonical(conn.remote_address()));
@@ -1060,5 +1135,67 @@ mod tests {
         let err = t.probe(to).await.expect_err("the handshake must fail").to_string();
         assert!(err.contains("does not speak meshd/4") && err.contains("another meshd version"), "{err}");
         accept.abort();
+    }
+
+    fn loopback(
+        node: u128,
+        token: Option<&str>,
+        run_hash: u64,
+    ) -> (Transport, mpsc::Receiver<TransportEvent>) {
+        let mut cfg = TransportConfig::new(NodeId::from_u128(node), 0);
+        cfg.bind = "127.0.0.1".parse().expect("ip");
+        cfg.token = token.map(Token::new);
+        cfg.run_hash = run_hash;
+        Transport::bind(cfg).expect("bind")
+    }
+
+    async fn auth_failed(events: &mut mpsc::Receiver<TransportEvent>) -> String {
+        loop {
+            match tokio::time::timeout(Duration::from_secs(5), events.recv()).await {
+                Ok(Some(TransportEvent::AuthFailed { reason, .. })) => return reason,
+                Ok(Some(_)) => {}
+                _ => panic!("no AuthFailed event"),
+            }
+        }
+    }
+
+    /// Each end words a token refusal from its own side: the node without a token reads
+    /// that IT has none, not that the refusing peer has none.
+    #[tokio::test]
+    async fn token_refusals_read_right_on_both_ends() {
+        let (with, mut with_events) = loopback(1, Some("t"), 7);
+        let (without, _e) = loopback(2, None, 7);
+        let err = without.probe(with.local_addr()).await.expect_err("refused").to_string();
+        assert!(
+            err.contains(
+                "refused this node: failed authentication: this node has no token; 127.0.0.1 has one"
+            ),
+            "{err}"
+        );
+        let theirs = auth_failed(&mut with_events).await;
+        assert!(theirs.starts_with("it has no token; this node has one"), "{theirs}");
+        // And the other way round: a token where the refusing node has none.
+        let (bare, mut bare_events) = loopback(3, None, 7);
+        let err = with.probe(bare.local_addr()).await.expect_err("refused").to_string();
+        assert!(err.contains("this node holds a token; 127.0.0.1 has none"), "{err}");
+        assert!(auth_failed(&mut bare_events).await.starts_with("it holds a token; this node has none"));
+        for t in [with, without, bare] {
+            t.shutdown().await;
+        }
+    }
+
+    /// Another run with the same token: the refusal names what separates runs.
+    #[tokio::test]
+    async fn another_run_says_to_give_each_job_its_own_run_id() {
+        let (a, mut a_events) = loopback(1, Some("t"), 7);
+        let (b, _e) = loopback(2, Some("t"), 8);
+        let err = b.open_data(a.local_addr(), 1).await.expect_err("refused").to_string();
+        assert!(err.contains("127.0.0.1 belongs to another job"), "{err}");
+        assert!(err.contains("give each job its own --run-id"), "{err}");
+        let here = auth_failed(&mut a_events).await;
+        assert!(here.starts_with("it belongs to another job"), "{here}");
+        assert!(!here.contains("command or peers"), "{here}");
+        a.shutdown().await;
+        b.shutdown().await;
     }
 }

@@ -1,0 +1,90 @@
+//! The `meshd` binary on one machine: defaults, flag errors, start-up errors (no lab).
+
+use std::process::{Command, Output};
+
+fn meshd(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_meshd"))
+        .args(args)
+        .env_remove("SLURM_NNODES")
+        .env_remove("SLURM_JOB_NODELIST")
+        .env_remove("MESHD_TOKEN")
+        .output()
+        .expect("run meshd")
+}
+
+fn text(o: &Output) -> (String, String) {
+    (String::from_utf8_lossy(&o.stdout).into(), String::from_utf8_lossy(&o.stderr).into())
+}
+
+/// A free UDP port on loopback (bound then released).
+fn free_udp_port() -> u16 {
+    std::net::UdpSocket::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+}
+
+/// Like torchrun, one machine needs no --nnodes.
+#[test]
+fn one_machine_needs_no_nnodes() {
+    let port = free_udp_port().to_string();
+    let o = meshd(&[
+        "run",
+        "--nproc-per-node",
+        "2",
+        "--port",
+        &port,
+        "--",
+        "sh",
+        "-c",
+        "echo rank $RANK of $WORLD_SIZE",
+    ]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(out.contains("rank 0 of 2") && out.contains("rank 1 of 2"), "{out}");
+}
+
+/// With peers, --nnodes stays required, and the error says what to pass.
+#[test]
+fn peers_without_nnodes_say_what_to_pass() {
+    let o = meshd(&["run", "--peers", "127.0.0.1,127.0.0.2", "--", "true"]);
+    let (_, err) = text(&o);
+    assert!(!o.status.success());
+    assert!(err.contains("pass --nnodes N") && err.contains("--nnodes 2"), "{err}");
+}
+
+/// A mistyped flag gets a suggestion.
+#[test]
+fn mistyped_flag_gets_a_suggestion() {
+    let o = meshd(&["run", "--nproc-per-nod", "2", "--", "true"]);
+    let (_, err) = text(&o);
+    assert!(!o.status.success());
+    assert!(err.contains("--nproc-per-node"), "did you mean ...? {err}");
+    assert!(err.contains("similar argument exists") || err.contains("did you mean"), "{err}");
+}
+
+/// Counts of one read "1 node", never "1 nodes".
+#[test]
+fn one_node_messages_use_the_singular() {
+    let port = free_udp_port().to_string();
+    let o = meshd(&["run", "--nproc-per-node", "1", "--port", &port, "--", "true"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(err.contains("roster agreed: 1 node,"), "{err}");
+    for bad in ["1 nodes", "1 ranks", "all 1 ", "1 lanes", "lane(s)"] {
+        assert!(!err.contains(bad), "{bad:?} in:\n{err}");
+    }
+}
+
+/// A port in use: the error once, naming what holds the port.
+#[test]
+fn port_in_use_is_said_once_with_its_holder() {
+    let held = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+    let port = held.local_addr().expect("addr").port().to_string();
+    let o = meshd(&["run", "--nnodes", "1", "--port", &port, "--", "true"]);
+    let (_, err) = text(&o);
+    assert!(!o.status.success(), "{err}");
+    assert_eq!(err.matches("Address already in use").count(), 1, "said once:\n{err}");
+    assert_eq!(err.matches("cannot bind UDP").count(), 1, "said once:\n{err}");
+    let me = format!("held by pid {} (", std::process::id());
+    assert!(err.contains(&me), "names the holder ({me}):\n{err}");
+    assert!(err.contains("--port"), "{err}");
+    drop(held);
+}
