@@ -29,8 +29,16 @@ pub async fn main(a: Args) -> Result<ExitCode> {
     if reach.iter().any(|r| !r.is_self) {
         probe_all(&mut reach, &a.net).await?;
     }
-    let choice = interfaces::choose(&ifs, &reach, a.iface.as_deref());
-    let proven = interfaces::proven(&reach, a.iface.as_deref());
+    // Only this node listed (every node pointed at this head node): the listed address
+    // says which interface the others will use, as `meshd run` announces it.
+    let seed = (a.iface.is_none() && !reach.is_empty() && reach.iter().all(|r| r.is_self))
+        .then(|| meshd::mesh::seed::alone(&ifs, &reach, false, 2).ok())
+        .flatten();
+    let proven = seed.is_some() || interfaces::proven(&reach, a.iface.as_deref());
+    let choice = match seed {
+        Some(c) => Ok(c),
+        None => interfaces::choose(&ifs, &reach, a.iface.as_deref()),
+    };
     // Without peers (and without --iface) nothing is proven: list the candidates instead.
     let unproven = (a.iface.is_none() && !proven).then(|| interfaces::unproven_text(&ifs));
     if a.json {

@@ -175,3 +175,27 @@ fn a_list_with_only_loopback_is_refused_with_what_to_pass() {
     assert!(err.contains("listed: 127.0.0.1:29400"), "{err}");
     assert!(err.contains("eth1 198.19.0.30") && err.contains("--nnodes 1"), "{err}");
 }
+
+/// `meshd ifaces --peers HEAD` on the head itself names the interface the head will
+/// announce (the one holding its listed address), as `meshd run` does.
+#[test]
+fn ifaces_on_the_head_names_the_seed_interface() {
+    if !lab::available() {
+        return;
+    }
+    let mut lab = Lab::new(2);
+    let head = lab.hosts[0].eth1.clone();
+    let (code, out, err) =
+        lab.run(0, &[meshd(), "ifaces", "--json", "--peers", &head], Duration::from_secs(20));
+    assert_eq!(code, Some(0), "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert_eq!(v["chosen"]["name"], "eth1", "{v}");
+    assert_eq!(v["chosen"]["addr"], head.as_str(), "{v}");
+    assert!(v["reason"].as_str().is_some_and(|r| r.contains("seed")), "{v}");
+    // On another host the same list is proven by the route to the head.
+    let (code, out, err) =
+        lab.run(1, &[meshd(), "ifaces", "--json", "--peers", &head], Duration::from_secs(20));
+    assert_eq!(code, Some(0), "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert_eq!(v["chosen"]["name"], "eth1", "{v}");
+}

@@ -6,7 +6,7 @@
 //! `&mut self`, so the cores are never shared or locked. Inputs (frames, timers) are
 //! pulled by [`Mesh::next`]; outputs (`poll_transmit`) are flushed after every input.
 
-mod seed;
+pub mod seed;
 
 use crate::interfaces::{self, Choice, Interface};
 use crate::peers::PeerSpec;
@@ -733,10 +733,16 @@ impl Mesh {
             msg.push_str(&format!("; {why}"));
         }
         for (a, r) in auth {
-            msg.push_str(&format!("; {a} answered but failed authentication: {r}"));
+            match r.strip_prefix(crate::transport::REFUSED_US) {
+                Some(r) => msg.push_str(&format!("; {a} answered and refused this node: {r}")),
+                None => msg.push_str(&format!("; {a} answered but failed authentication: {r}")),
+            }
         }
         if auth_overflow > 0 {
-            msg.push_str(&format!("; and {auth_overflow} more refusals from other addresses"));
+            msg.push_str(&format!(
+                "; and {} more from other addresses",
+                crate::plural(auth_overflow as u64, "refusal")
+            ));
         }
         let missing: Vec<String> = self
             .missing_peers()
