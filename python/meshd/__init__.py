@@ -268,6 +268,14 @@ class Client:
     def close(self):
         self._sock.close()
 
+    def _interrupt(self):
+        """Ends a wait for meshd's reply on another thread (the connection is unusable
+        after this): used at exit by meshd.torch's hook thread."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except (AttributeError, OSError):
+            pass
+
     def __enter__(self):
         return self
 
