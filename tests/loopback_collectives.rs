@@ -323,6 +323,20 @@ fn ddp_hook_allreduces_in_the_background_and_a_failure_fails_backward() {
     assert!(stderr.contains("meshd DDP hook: allreduce failed: meshd stopped answering (test)"), "{stderr}");
 }
 
+/// The client at exit and across fork, against a stand-in meshd
+/// (`tests/python/client_exit_fork.py`): the DDP hook's thread is stopped at exit even
+/// when an allreduce never gets its reply (its connection is shut down after a grace
+/// period), quietly; a forked child is refused its parent's connection, which goes on.
+#[test]
+fn hook_thread_stops_at_exit_and_a_forked_child_cannot_use_the_connection() {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/python/client_exit_fork.py");
+    let out = Command::new("/usr/bin/python3").arg(script).output().expect("python3");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("EXIT-FORK OK"), "{stdout}\n{stderr}");
+    assert!(!stderr.contains("allreduce failed"), "stopping at exit is not a failure to report:\n{stderr}");
+}
+
 /// README's DDP snippet as written: the hook's allreduces on their background thread, and
 /// no barrier at the end, so each rank exits the moment its last `backward()` returned.
 /// That thread was then still inside `Future.set_result` (torch's C++, GIL released) when

@@ -12,6 +12,7 @@ for its own bookkeeping, which can be a local one (``init_local_process_group``)
 """
 
 import atexit
+import os
 import queue
 import sys
 import threading
@@ -132,6 +133,18 @@ def _shutdown():
             file=sys.stderr,
             flush=True,
         )
+
+
+def _after_fork_in_child():
+    # The hook's thread does not exist in a forked child; a later hook call there (which
+    # meshd.connect() refuses anyway) must not queue work for it.
+    global _worker, _worker_lock
+    _worker = None
+    _worker_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def allreduce_hook(state, bucket):
