@@ -3,7 +3,9 @@
 Works where NCCL and Gloo cannot (only meshd's UDP port open between nodes). With
 `--ddp`, uses DistributedDataParallel with meshd.torch.allreduce_hook over a local
 process group; otherwise averages a flattened gradient by hand. Prints one line per rank
-with a SHA-256 of the final parameters: every rank must print the same.
+with a SHA-256 of the final parameters: every rank must print the same. Ends with a
+barrier, unless `--no-barrier`: then each rank exits as soon as its last step is done, as
+README's DDP snippet does.
 """
 import argparse
 import hashlib
@@ -20,6 +22,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--ddp", action="store_true")
+    ap.add_argument("--no-barrier", action="store_true", help="exit without a final barrier")
     args = ap.parse_args()
     torch.set_num_threads(1)
     c = meshd.connect()
@@ -63,7 +66,8 @@ def main():
         f"last_loss={loss.item():.4f} params_sha256={digest} collective={os.environ.get('MESHD_COLLECTIVE')}",
         flush=True,
     )
-    c.barrier()
+    if not args.no_barrier:
+        c.barrier()
 
 
 if __name__ == "__main__":

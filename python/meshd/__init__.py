@@ -18,6 +18,7 @@ import json
 import os
 import socket
 import struct
+import weakref
 
 __all__ = ["connect", "Client", "MeshdError"]
 
@@ -130,8 +131,31 @@ def _address(view):
     return ctypes.addressof((ctypes.c_char * len(view)).from_buffer(view))
 
 
+# Clients of this process. A forked child gets copies of their sockets: it closes its
+# copies (the parent's connections stay open) and refuses to use them, since a reply
+# from meshd would go to whichever process read first and both would send on one stream.
+_CLIENTS = weakref.WeakSet()
+
+
+def _after_fork_in_child():
+    for c in list(_CLIENTS):
+        c._forked = True
+        try:
+            c._sock.close()
+        except Exception:  # noqa: BLE001 - best effort in the child
+            pass
+    _CLIENTS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class Client:
     """A connection from one rank to its node's meshd."""
+
+    _forked = False
+    _pid = None
 
     def __init__(self, path=None, rank=None, world_size=None):
         self.path = path or os.environ.get("MESHD_SOCKET")
@@ -142,7 +166,9 @@ class Client:
             )
         self.rank = int(rank if rank is not None else os.environ.get("RANK", "0"))
         self.world_size = int(world_size if world_size is not None else os.environ.get("WORLD_SIZE", "1"))
+        self._pid = os.getpid()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        _CLIENTS.add(self)
         # Replies are read through this buffer: the length, the header and a small body
         # usually arrive in one recv.
         self._rbuf = bytearray(_MAX_HEADER + 4)
@@ -219,6 +245,8 @@ class Client:
         return head, (None if direct else bytes(body))
 
     def _call(self, head, payload=b"", into=None):
+        if self._forked:
+            raise MeshdError(_forked_message(self._pid))
         self._send(head, payload)
         reply, body = self._recv(into)
         if not reply.get("ok"):
@@ -268,6 +296,14 @@ class Client:
     def close(self):
         self._sock.close()
 
+    def _interrupt(self):
+        """Ends a wait for meshd's reply on another thread (the connection is unusable
+        after this): used at exit by meshd.torch's hook thread."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except (AttributeError, OSError):
+            pass
+
     def __enter__(self):
         return self
 
@@ -275,12 +311,26 @@ class Client:
         self.close()
 
 
+def _forked_message(pid):
+    return (
+        f"this meshd connection was made by process {pid}, and process {os.getpid()} is a "
+        "fork of it: a forked child (a DataLoader worker, multiprocessing with fork) must not "
+        "use its parent's connection, nor connect as the same rank; run collectives in the "
+        "rank's own process"
+    )
+
+
 _default = None
 
 
 def connect(path=None):
-    """Connects this rank to its node's meshd (once; later calls return the same client)."""
+    """Connects this rank to its node's meshd (once; later calls return the same client).
+
+    In a process forked from one that connected, raises MeshdError: the child is not a
+    rank of its own, and must not use the parent's connection."""
     global _default
+    if _default is not None and _default._forked:
+        raise MeshdError(_forked_message(_default._pid))
     if path is not None:
         return Client(path)
     if _default is None:
