@@ -35,7 +35,7 @@ pub struct JobArgs {
     /// Force the interface instead of choosing by probing.
     #[arg(long)]
     pub iface: Option<String>,
-    /// Separates jobs on the same network (default: derived from the token and SLURM_JOB_ID).
+    /// Separates jobs on the same network (default: from SLURM_JOB_ID; never from the token).
     #[arg(long)]
     pub run_id: Option<String>,
     /// Re-rendezvous and restart all ranks up to N times after a failure.
@@ -176,14 +176,15 @@ pub fn prepare(a: &JobArgs, cmd: &[String]) -> Result<Prepared> {
         bail!("--nnodes {nnodes} needs --peers (or SLURM_JOB_NODELIST): at least one other node's address");
     }
     let cmd_hash = stable_hash(&cmd.iter().map(|s| s.as_bytes()).collect::<Vec<_>>());
-    // The default run id depends on the token (and SLURM's job id) only. Not on the peer
-    // list: nodes may each be given a different member to join through. Not on the command:
-    // nodes started with different commands must meet, so that the preflight can refuse the
-    // launch and say which node differs.
-    let run_id = a.run_id.clone().unwrap_or_else(|| {
-        let fp = token.as_ref().map(|t| t.fingerprint()).unwrap_or(0).to_be_bytes();
-        let slurm = std::env::var("SLURM_JOB_ID").unwrap_or_default();
-        format!("meshd-{:012x}", stable_hash(&[&fp, slurm.as_bytes()]) >> 16)
+    // The default run id depends on SLURM's job id only: never on the token (it reaches the
+    // ranks' TORCHELASTIC_RUN_ID and the socket path; nothing derived from the token may be
+    // published), nor on the peer list (nodes may each be given a different member to join
+    // through), nor on the command (nodes started with different commands must meet, so that
+    // the preflight can refuse the launch and say which node differs). Jobs with different
+    // tokens are kept apart by authentication.
+    let run_id = a.run_id.clone().unwrap_or_else(|| match std::env::var("SLURM_JOB_ID") {
+        Ok(job) if !job.is_empty() => format!("meshd-slurm-{:012x}", stable_hash(&[job.as_bytes()]) >> 16),
+        _ => "meshd-default".to_string(),
     });
     let (nccl_version, nccl_note) = match meshd_nccl::NcclLib::load() {
         Ok(lib) => {

@@ -182,7 +182,7 @@ fn node_killed_during_rendezvous_no_partial_launch_and_timeout_names_it() {
         assert!(start.elapsed() >= Duration::from_secs(11), "host {i} gave up early:\n{err}");
         assert!(
             err.contains("rendezvous timed out")
-                && err.contains("never answered")
+                && (err.contains("never answered") || err.contains("198.19.0.19:29400 stopped answering"))
                 && err.contains("198.19.0.19"),
             "host {i} must name the node that died:\n{err}"
         );

@@ -132,8 +132,9 @@ fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime")
 }
 
-/// Case 2 (application level): an AuthHello is bound to its connection's TLS exporter, so
-/// the exact bytes that authenticated one connection are refused on another.
+/// Case 2 (application level): the authentication is bound to its connection's TLS
+/// exporter and to fresh SPAKE2 messages, so the exact bytes that authenticated one
+/// connection are refused on another.
 #[test]
 fn auth_hello_replayed_on_another_connection_is_refused() {
     let _g = serial();
@@ -145,12 +146,12 @@ fn auth_hello_replayed_on_another_connection_is_refused() {
         let ep = client_endpoint();
         let token = Token::new(TOKEN);
         let a = ep.connect(to, "meshd").expect("connect").await.expect("handshake a");
-        let recorded = wire::encode(&hello(&a, &token, node(50), RUN));
-        let answer = send_hello(&a, &recorded).await;
+        let answer = authenticate(&a, hello(&token, node(50), RUN)).await;
         assert!(answer.is_ok(), "the honest hello must authenticate: {answer:?}");
+        let (_, first, confirm) = answer.expect("recorded");
         // The same bytes on a second connection (another TLS session).
         let b = ep.connect(to, "meshd").expect("connect").await.expect("handshake b");
-        let replay = send_hello(&b, &recorded).await;
+        let replay = exchange(&b, &first, |_| confirm.clone()).await;
         let reason = close_reason(&b, Duration::from_secs(5)).await;
         eprintln!("FIGURE replayed-hello: answer {replay:?}, closed with {reason:?}");
         assert!(replay.is_err(), "a replayed hello must not be answered");
@@ -158,14 +159,14 @@ fn auth_hello_replayed_on_another_connection_is_refused() {
         // The first connection is unaffected, and a fresh honest one still works.
         assert!(a.close_reason().is_none(), "the original connection stays up");
         let c = ep.connect(to, "meshd").expect("connect").await.expect("handshake c");
-        assert!(send_hello(&c, &wire::encode(&hello(&c, &token, node(51), RUN))).await.is_ok());
+        assert!(authenticate(&c, hello(&token, node(51), RUN)).await.is_ok());
         // A wrong token from 50 new source ports: refused each time, logged once.
         let wrong = Token::new("wrong-token-Kd02");
         let mut refused = 0;
         for i in 0..50 {
             let ep2 = client_endpoint();
             let d = ep2.connect(to, "meshd").expect("connect").await.expect("handshake");
-            let _ = send_hello(&d, &wire::encode(&hello(&d, &wrong, node(100 + i), RUN))).await;
+            let _ = authenticate(&d, hello(&wrong, node(100 + i), RUN)).await;
             if close_reason(&d, Duration::from_secs(5)).await == Some((1, "different token".into())) {
                 refused += 1;
             }
@@ -210,7 +211,7 @@ fn oversized_hello_and_frame_close_the_connection_with_a_reason() {
         let mut closes = Vec::new();
         for _ in 0..20 {
             let c = ep.connect(to, "meshd").expect("connect").await.expect("handshake");
-            send_hello(&c, &wire::encode(&hello(&c, &token, node(60), RUN))).await.expect("auth");
+            authenticate(&c, hello(&token, node(60), RUN)).await.expect("auth");
             let mut s = c.open_uni().await.expect("uni");
             let mut body = (5u32 << 20).to_be_bytes().to_vec();
             body.extend(std::iter::repeat_n(0xAB, 1 << 20));
@@ -264,24 +265,24 @@ fn lane_hellos_out_of_bounds_are_refused() {
         let to = victim.local_addr();
         let ep = client_endpoint();
         let token = Token::new(TOKEN);
-        let lane_hello = |c: &quinn::Connection, lane: u8, run: u64| {
-            let mut h = hello(c, &token, node(70), run);
-            h.lane = lane;
-            wire::encode(&h)
+        let lane_hello = |lane: u8, run: u64| {
+            let mut h = hello(&token, node(70), run);
+            h.hello.lane = lane;
+            h
         };
 
         let c = ep.connect(to, "meshd").expect("connect").await.expect("handshake");
-        let _ = send_hello(&c, &lane_hello(&c, wire::MAX_LANES as u8, RUN)).await;
+        let _ = authenticate(&c, lane_hello(wire::MAX_LANES as u8, RUN)).await;
         let why = close_reason(&c, Duration::from_secs(5)).await;
         assert_eq!(why, Some((4, "lane 16 is not allowed (a probe has none; at most 16)".to_string())));
 
         let c = ep.connect(to, "meshd").expect("connect").await.expect("handshake");
-        let _ = send_hello(&c, &lane_hello(&c, 1, 0)).await;
+        let _ = authenticate(&c, lane_hello(1, 0)).await;
         let why = close_reason(&c, Duration::from_secs(5)).await;
         assert_eq!(why, Some((4, "lane 1 is not allowed (a probe has none; at most 16)".to_string())));
 
         let c = ep.connect(to, "meshd").expect("connect").await.expect("handshake");
-        let answer = send_hello(&c, &lane_hello(&c, 2, RUN)).await.expect("lane accepted");
+        let (answer, _, _) = authenticate(&c, lane_hello(2, RUN)).await.expect("lane accepted");
         assert_eq!(answer.lane, 2, "the answer names the lane");
         tokio::time::sleep(Duration::from_millis(300)).await;
         assert!(victim.connected().is_empty(), "a lane is not a peer connection: {:?}", victim.connected());

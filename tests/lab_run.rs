@@ -246,7 +246,7 @@ fn max_restarts_restarts_every_rank_and_succeeds() {
             2,
             "host {i} ranks must run again with count 1:\n{out}\n{err}"
         );
-        assert!(err.contains("restarting all ranks (1/1)"), "host {i}:\n{err}");
+        assert!(err.contains("restart round 1 of 1: restarting all ranks"), "host {i}:\n{err}");
     }
 }
 

@@ -150,3 +150,44 @@ fn a_multi_node_mesh_without_a_token_is_refused_unless_insecure() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--token on the command line is visible"), "{err}");
 }
+
+/// The run id (TORCHELASTIC_RUN_ID, the socket path) says nothing about the token: two
+/// tokens give the same one, so nothing published can be used to test token guesses.
+#[test]
+fn the_run_id_does_not_depend_on_the_token() {
+    let run = |token: &str, port: &str| {
+        let out = meshd(
+            &[
+                "run",
+                "--nnodes",
+                "1",
+                "--port",
+                port,
+                "--",
+                "sh",
+                "-c",
+                "echo RUNID=$TORCHELASTIC_RUN_ID SOCK=$MESHD_SOCKET",
+            ],
+            &[("MESHD_TOKEN", token)],
+        );
+        assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+        let s = String::from_utf8_lossy(&out.stdout).to_string();
+        let id = s
+            .split("RUNID=")
+            .nth(1)
+            .and_then(|r| r.split_whitespace().next())
+            .unwrap_or_default()
+            .to_string();
+        let sock =
+            s.split("SOCK=").nth(1).and_then(|r| r.split_whitespace().next()).unwrap_or_default().to_string();
+        (id, sock)
+    };
+    let (a, sock_a) = run("first-secret", "29776");
+    let (b, _) = run("another-secret", "29776");
+    assert_eq!(a, b, "the run id must not depend on the token");
+    assert_eq!(a, "meshd-default");
+    assert!(!sock_a.contains("first-secret"), "{sock_a}");
+    // The socket directory was removed at exit.
+    let dir = std::path::Path::new(&sock_a).parent().expect("dir").to_path_buf();
+    assert!(!dir.exists(), "{} left behind", dir.display());
+}

@@ -158,6 +158,7 @@ pub fn handshake_inputs() -> Vec<Vec<u8>> {
         has_token,
         observed,
         lane: 0,
+        pake: if has_token { vec![0x42; 33] } else { Vec::new() },
     };
     let reply = StatusReply {
         node: id(1),

@@ -141,29 +141,102 @@ pub fn client_endpoint() -> quinn::Endpoint {
     ep
 }
 
-/// The hello an honest client sends on `conn`.
-pub fn hello(conn: &quinn::Connection, token: &Token, node: NodeId, run_hash: u64) -> AuthHello {
-    let mut ex = [0u8; 32];
-    conn.export_keying_material(&mut ex, meshd::transport::auth::EXPORTER_LABEL, b"").expect("exporter");
-    AuthHello {
+/// A client's first message: its hello (with a fresh SPAKE2 message) and the exchange's
+/// state, to finish once the server answered.
+pub struct Attempt {
+    /// The hello; a test may change fields before encoding it.
+    pub hello: AuthHello,
+    pake: Option<meshd::transport::auth::Pake>,
+}
+
+/// The hello an honest client with `token` sends first.
+pub fn hello(token: &Token, node: NodeId, run_hash: u64) -> Attempt {
+    let pake = token.start();
+    let hello = AuthHello {
         version: PROTOCOL_VERSION,
         node,
         run_hash,
-        mac: token.mac(&ex, Role::Client, &node.0, run_hash),
+        mac: [0; 32],
         has_token: true,
         observed: None,
         lane: 0,
-    }
+        pake: pake.message().to_vec(),
+    };
+    Attempt { hello, pake: Some(pake) }
 }
 
-/// Sends `hello_bytes` as the hello on a new connection's first stream; returns the
-/// connection and the server's answer (or why there was none).
-pub async fn send_hello(conn: &quinn::Connection, hello_bytes: &[u8]) -> Result<AuthHello, String> {
+fn framed(body: &[u8]) -> Vec<u8> {
+    let mut m = (body.len() as u16).to_be_bytes().to_vec();
+    m.extend_from_slice(body);
+    m
+}
+
+async fn read_framed(recv: &mut quinn::RecvStream) -> Result<Vec<u8>, String> {
+    let mut len = [0u8; 2];
+    recv.read_exact(&mut len).await.map_err(|e| e.to_string())?;
+    let mut body = vec![0u8; u16::from_be_bytes(len) as usize];
+    recv.read_exact(&mut body).await.map_err(|e| e.to_string())?;
+    Ok(body)
+}
+
+/// Runs the client side of the authentication on a new connection's first stream: sends
+/// `first` (an encoded hello), reads the server's hello, sends `confirm(answer)`, and waits
+/// for the verdict (the server ends its stream when it accepts). Returns the server's hello,
+/// or why there was none.
+pub async fn exchange(
+    conn: &quinn::Connection,
+    first: &[u8],
+    confirm: impl FnOnce(&AuthHello) -> Vec<u8>,
+) -> Result<AuthHello, String> {
     let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
-    send.write_all(hello_bytes).await.map_err(|e| e.to_string())?;
+    send.write_all(&framed(first)).await.map_err(|e| e.to_string())?;
+    let answer: AuthHello = wire::decode(&read_framed(&mut recv).await?).map_err(|e| e.to_string())?;
+    send.write_all(&framed(&confirm(&answer))).await.map_err(|e| e.to_string())?;
     let _ = send.finish();
-    let body = recv.read_to_end(4096).await.map_err(|e| e.to_string())?;
-    wire::decode(&body).map_err(|e| e.to_string())
+    recv.read_to_end(0).await.map_err(|e| e.to_string())?;
+    Ok(answer)
+}
+
+/// A client holding `token` authenticates (as an attacker would: it sends its confirmation
+/// whether or not the server's verified, so the server decides). Returns the server's
+/// hello, and the exact bytes sent (first message, confirmation) for replays.
+pub async fn authenticate(
+    conn: &quinn::Connection,
+    attempt: Attempt,
+) -> Result<(AuthHello, Vec<u8>, Vec<u8>), String> {
+    let Attempt { hello, pake } = attempt;
+    let first = wire::encode(&hello);
+    let mut ex = [0u8; 32];
+    conn.export_keying_material(&mut ex, meshd::transport::auth::EXPORTER_LABEL, b"").expect("exporter");
+    let mut sent = Vec::new();
+    let answer = exchange(conn, &first, |answer| {
+        let t = meshd::transport::auth::Transcript {
+            exporter: &ex,
+            client: &hello.node.0,
+            server: &answer.node.0,
+            client_run: hello.run_hash,
+            server_run: answer.run_hash,
+            client_msg: &hello.pake,
+            server_msg: &answer.pake,
+        };
+        let c = match pake.and_then(|p| p.finish(&answer.pake)) {
+            Some(k) => k.confirm(Role::Client, &t).to_vec(),
+            None => vec![0; 32],
+        };
+        sent = c.clone();
+        c
+    })
+    .await?;
+    Ok((answer, first, sent))
+}
+
+/// Sends `bytes` as they are on a new connection's first stream (no framing: for garbage
+/// and oversized input) and reads the server's first answer, if any.
+pub async fn send_hello(conn: &quinn::Connection, bytes: &[u8]) -> Result<AuthHello, String> {
+    let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
+    send.write_all(bytes).await.map_err(|e| e.to_string())?;
+    let _ = send.finish();
+    wire::decode(&read_framed(&mut recv).await?).map_err(|e| e.to_string())
 }
 
 /// Why the server closed `conn`: (application code, reason), waiting up to `limit`.

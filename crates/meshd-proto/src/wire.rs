@@ -28,7 +28,8 @@ pub struct AuthHello {
     pub node: NodeId,
     /// Hash of the sender's run id: a node of another run is refused with that reason.
     pub run_hash: u64,
-    /// HMAC-SHA256(token key, TLS exporter || role); all zero without a token.
+    /// The accepting side's key confirmation (`confirm_s`, see meshd's `transport::auth`);
+    /// all zero from the connecting side and without a token.
     pub mac: [u8; 32],
     /// Whether the sender holds a token at all (to word the refusal).
     pub has_token: bool,
@@ -39,6 +40,8 @@ pub struct AuthHello {
     /// extra connection ("lane") that carries only bulk collective data, so that several
     /// connections' packet work and encryption run on several cores.
     pub lane: u8,
+    /// The sender's SPAKE2 message (33 bytes; empty without a token).
+    pub pake: Vec<u8>,
 }
 
 /// Most connections (the main one and its lanes) one node opens to another.

@@ -759,6 +759,24 @@ impl Mesh {
         if !self.unresolved.is_empty() {
             msg.push_str(&format!("; never resolved: {}", self.unresolved.join(", ")));
         }
+        // Nodes of this run that were there and went silent (a meshd that died) or left.
+        let gone: Vec<String> = self
+            .membership
+            .members()
+            .into_iter()
+            .filter(|m| m.id != self.cfg.node && m.meta.run_hash == self.run_hash)
+            .filter(|m| matches!(m.status, MemberStatus::Dead | MemberStatus::Left))
+            .map(|m| {
+                let how = if m.status == MemberStatus::Dead { "stopped answering" } else { "left" };
+                format!("{} {how}", m.meta.gossip_addr.unwrap_or(m.addr))
+            })
+            .collect();
+        if !gone.is_empty() {
+            msg.push_str(&format!(
+                "; present earlier, then gone: {} (did meshd stop there?)",
+                gone.join(", ")
+            ));
+        }
         msg
     }
 

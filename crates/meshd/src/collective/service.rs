@@ -106,14 +106,58 @@ enum StoreReq {
 }
 
 /// A default socket path for this job: `sock` in a directory of its own
-/// (`meshd-RUN-PORT-PID`, created owner-only by [`Service::start`]), so the socket is
-/// never reachable by another user, not even between its creation and its chmod.
+/// (`meshd-RUN-PORT-PID-RANDOM` in `$XDG_RUNTIME_DIR`, else `/tmp`, created owner-only by
+/// [`Service::start`]), so the socket is never reachable by another user, not even between
+/// its creation and its chmod, and another user cannot guess the name to create it first.
 pub fn default_path(run_id: &str, port: u16) -> PathBuf {
     let dir = std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/tmp"));
     // The default run id already starts with `meshd-`: not twice.
     let run_id = run_id.strip_prefix("meshd-").unwrap_or(run_id);
     let safe: String = run_id.chars().filter(|c| c.is_ascii_alphanumeric() || *c == '-').take(40).collect();
-    dir.join(format!("meshd-{safe}-{port}-{}", std::process::id())).join("sock")
+    let mut r = [0u8; 8];
+    if ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut r).is_err() {
+        // No system randomness: the time still makes the name unpredictable enough to not
+        // be pre-created by chance, and an existing one is refused anyway.
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        r = (t as u64).to_le_bytes();
+    }
+    let random: String = r.iter().map(|b| format!("{b:02x}")).collect();
+    dir.join(format!("meshd-{safe}-{port}-{}-{random}", std::process::id())).join("sock")
+}
+
+/// Removes this user's socket directories left by meshd processes that no longer exist (a
+/// meshd killed with SIGKILL cannot remove its own). Returns how many it removed.
+pub fn sweep_stale(base: &Path) -> usize {
+    use std::os::unix::fs::MetadataExt;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    let Ok(entries) = std::fs::read_dir(base) else { return 0 };
+    let mut removed = 0;
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !name.starts_with("meshd-") {
+            continue;
+        }
+        // meshd-RUN-PORT-PID-RANDOM: the pid is the second field from the end.
+        let Some(pid) = name.rsplit('-').nth(1).and_then(|p| p.parse::<i32>().ok()) else { continue };
+        let Ok(m) = std::fs::symlink_metadata(e.path()) else { continue };
+        if !m.is_dir() || m.uid() != me || pid <= 0 {
+            continue;
+        }
+        // SAFETY: signal 0 only checks whether the process exists.
+        let gone = unsafe { libc::kill(pid, 0) } != 0
+            && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+        if gone {
+            let _ = std::fs::remove_file(e.path().join("sock"));
+            if std::fs::remove_dir(e.path()).is_ok() {
+                removed += 1;
+            }
+        }
+    }
+    removed
 }
 
 /// Creates `path`'s directory owner-only (0700) when it does not exist and returns it (to
@@ -147,6 +191,15 @@ fn private_dir(path: &Path) -> std::io::Result<Option<PathBuf>> {
 impl Service {
     /// Binds the socket (owner-only) and starts serving.
     pub fn start(cfg: ServiceConfig, ring: RingNet, transport: Transport) -> std::io::Result<Service> {
+        if let Some(base) = cfg.path.parent().and_then(Path::parent) {
+            let n = sweep_stale(base);
+            if n > 0 {
+                tracing::debug!(
+                    "removed {n} stale socket director{} of meshd processes that are gone",
+                    if n == 1 { "y" } else { "ies" }
+                );
+            }
+        }
         let dir = private_dir(&cfg.path)?;
         let _ = std::fs::remove_file(&cfg.path);
         let listener = UnixListener::bind(&cfg.path)?;
@@ -680,7 +733,7 @@ async fn store(cfg: ServiceConfig, transport: Transport, mut rx: mpsc::Receiver<
 
 #[cfg(test)]
 mod tests {
-    use super::default_path;
+    use super::{default_path, sweep_stale};
 
     #[test]
     fn socket_directory_names_meshd_once() {
@@ -692,8 +745,36 @@ mod tests {
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_default()
         };
-        assert_eq!(dir("meshd-0123456789ab"), format!("meshd-0123456789ab-29400-{pid}"));
-        assert_eq!(dir("train-7"), format!("meshd-train-7-29400-{pid}"));
+        let a = dir("meshd-0123456789ab");
+        assert!(a.starts_with(&format!("meshd-0123456789ab-29400-{pid}-")), "{a}");
+        assert!(dir("train-7").starts_with(&format!("meshd-train-7-29400-{pid}-")));
         assert!(default_path("meshd-x", 1).ends_with("sock"));
+        // Unpredictable: another user cannot create it first.
+        let random = |n: &str| n.rsplit('-').next().unwrap_or_default().to_string();
+        assert_eq!(random(&a).len(), 16);
+        assert_ne!(random(&a), random(&dir("meshd-0123456789ab")));
+    }
+
+    /// Issue 16: a SIGKILLed meshd's socket directory is removed by the next meshd of the
+    /// same user; a live process's and another user's are kept.
+    #[test]
+    fn stale_socket_directories_of_gone_processes_are_swept() {
+        use std::os::unix::fs::DirBuilderExt;
+        let base = std::env::temp_dir().join(format!("meshd-sweep-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        std::fs::create_dir_all(&base).expect("base");
+        // A pid that does not exist (above the kernel's pid_max default range is unusual:
+        // take one that kill(0) says is gone).
+        let dead = (4_000_000..4_100_000).find(|p| unsafe { libc::kill(*p, 0) } != 0).expect("a free pid");
+        let stale = base.join(format!("meshd-run-29400-{dead}-00112233aabbccdd"));
+        let live = base.join(format!("meshd-run-29400-{}-00112233aabbccdd", std::process::id()));
+        let other = base.join("not-meshd-1-2-3");
+        for d in [&stale, &live, &other] {
+            std::fs::DirBuilder::new().mode(0o700).create(d).expect("mkdir");
+        }
+        std::fs::write(stale.join("sock"), b"").expect("sock");
+        assert_eq!(sweep_stale(&base), 1);
+        assert!(!stale.exists() && live.exists() && other.exists());
+        let _ = std::fs::remove_dir_all(&base);
     }
 }

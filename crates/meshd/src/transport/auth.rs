@@ -1,20 +1,42 @@
-//! Token authentication bound to the TLS session.
+//! Token authentication bound to the TLS session, with no offline guessing.
 //!
 //! Every node has a throw-away self-signed certificate (TLS gives encryption and a session
-//! secret), and proves it holds the cluster token by sending
-//! `HMAC-SHA256(K, exporter || role || node || run)`, where `K = SHA-256("meshd token v1" ||
-//! token)` and `exporter` is 32 bytes of TLS keying material (RFC 5705) unique to this
-//! connection. The token never travels; a recorded MAC is useless on any other connection
-//! (other exporter); a man in the middle holds two different sessions and cannot forge
-//! either MAC; the role byte stops a reflected MAC. See docs/PROTOCOL.md for why this was
-//! chosen over a token-derived CA.
+//! secret). On the connection's first bidirectional stream the two ends run SPAKE2 (a
+//! password-authenticated key exchange, RustCrypto's `spake2`, symmetric mode) with the
+//! token as the password, then each proves it derived the same key with a confirmation MAC
+//! bound to the TLS session:
+//!
+//! ```text
+//! client -> server   hello  (version, node, run, lane, SPAKE2 message X)
+//! server -> client   hello  (..., SPAKE2 message Y, confirm_s)
+//! client -> server   confirm_c            (only if confirm_s verified)
+//! server -> client   end of stream        (only if confirm_c verified: accepted)
+//! confirm_r = HMAC-SHA256(K, "meshd confirm v1" || r || exporter || client node || server node
+//!                         || client run || server run || X || Y)
+//! ```
+//!
+//! `K` is the SPAKE2 key, `exporter` 32 bytes of TLS keying material (RFC 5705) unique to the
+//! connection. What an eavesdropper, a squatter on a peer's address or a client without the
+//! token sees (X, Y, a confirmation) lets it test ONE guess of the token per connection,
+//! online, against a live node; nothing it records can be tested offline (that would need
+//! the discrete log). A man in the middle holds two TLS sessions with two exporters and
+//! cannot make either confirmation verify; the role byte stops a reflected one. The token
+//! never travels and nothing derived from it is published (the run id is not). See
+//! docs/PROTOCOL.md for why a PAKE instead of a slow KDF.
 
 use ring::{digest, hmac};
+use spake2::{Ed25519Group, Identity, Password, Spake2};
 
 /// Label for the TLS exporter.
-pub const EXPORTER_LABEL: &[u8] = b"EXPORTER-meshd-auth-v1";
+pub const EXPORTER_LABEL: &[u8] = b"EXPORTER-meshd-auth-v2";
 
-/// Which end of the connection computes the MAC.
+/// SPAKE2's identity string (both ends, symmetric mode): the protocol and its version.
+const PAKE_IDENTITY: &[u8] = b"meshd token pake v1";
+
+/// Length of a SPAKE2 message (a side byte and an Ed25519 point).
+pub const PAKE_MESSAGE_LEN: usize = 33;
+
+/// Which end of the connection computes the confirmation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Role {
     /// The connecting side.
@@ -23,12 +45,10 @@ pub enum Role {
     Server,
 }
 
-/// The cluster secret, kept only as a derived HMAC key (never printed).
+/// The cluster secret, kept only in derived form (never printed).
 #[derive(Clone)]
 pub struct Token {
-    key: hmac::Key,
-    /// Short public fingerprint (for run ids), not the token.
-    fingerprint: u64,
+    password: [u8; 32],
 }
 
 impl std::fmt::Debug for Token {
@@ -38,59 +58,116 @@ impl std::fmt::Debug for Token {
 }
 
 impl Token {
-    /// Derives the key from the user's secret. Leading/trailing whitespace (a token file's
-    /// newline) is ignored.
+    /// Takes the user's secret. Leading/trailing whitespace (a token file's newline) is
+    /// ignored.
     pub fn new(secret: &str) -> Self {
-        let secret = secret.trim();
         let mut ctx = digest::Context::new(&digest::SHA256);
-        ctx.update(b"meshd token v1");
-        ctx.update(secret.as_bytes());
-        let k = ctx.finish();
-        let fp = digest::digest(&digest::SHA256, k.as_ref());
-        let mut b = [0u8; 8];
-        b.copy_from_slice(&fp.as_ref()[..8]);
-        Token { key: hmac::Key::new(hmac::HMAC_SHA256, k.as_ref()), fingerprint: u64::from_be_bytes(b) }
+        ctx.update(b"meshd token v2");
+        ctx.update(secret.trim().as_bytes());
+        let mut password = [0u8; 32];
+        password.copy_from_slice(ctx.finish().as_ref());
+        Token { password }
     }
 
-    /// A value derived twice from the token (safe to mix into a run id).
-    pub fn fingerprint(&self) -> u64 {
-        self.fingerprint
+    /// Starts the key exchange for one connection (fresh randomness each time).
+    pub fn start(&self) -> Pake {
+        let (state, message) = Spake2::<Ed25519Group>::start_symmetric(
+            &Password::new(self.password),
+            &Identity::new(PAKE_IDENTITY),
+        );
+        Pake { state, message }
+    }
+}
+
+/// One connection's side of the key exchange.
+pub struct Pake {
+    state: Spake2<Ed25519Group>,
+    message: Vec<u8>,
+}
+
+impl std::fmt::Debug for Pake {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Pake(<secret>)")
+    }
+}
+
+impl Pake {
+    /// The message to send the other end.
+    pub fn message(&self) -> &[u8] {
+        &self.message
     }
 
-    /// The MAC one end sends.
-    pub fn mac(&self, exporter: &[u8; 32], role: Role, node: &[u8; 16], run_hash: u64) -> [u8; 32] {
-        let mut ctx = hmac::Context::with_key(&self.key);
-        ctx.update(exporter);
-        ctx.update(match role {
-            Role::Client => b"c",
-            Role::Server => b"s",
+    /// The session key from the other end's message, or `None` when it is malformed. A
+    /// wrong token does not fail here: it yields another key, and the confirmation fails.
+    pub fn finish(self, theirs: &[u8]) -> Option<SessionKey> {
+        let k = self.state.finish(theirs).ok()?;
+        Some(SessionKey { key: hmac::Key::new(hmac::HMAC_SHA256, &k) })
+    }
+}
+
+/// What a confirmation is bound to: the TLS session, both nodes, both runs, both messages.
+#[derive(Clone, Copy, Debug)]
+pub struct Transcript<'a> {
+    /// TLS exporter of this connection.
+    pub exporter: &'a [u8; 32],
+    /// The connecting node's id.
+    pub client: &'a [u8; 16],
+    /// The accepting node's id.
+    pub server: &'a [u8; 16],
+    /// The connecting node's run hash.
+    pub client_run: u64,
+    /// The accepting node's run hash.
+    pub server_run: u64,
+    /// The connecting node's SPAKE2 message.
+    pub client_msg: &'a [u8],
+    /// The accepting node's SPAKE2 message.
+    pub server_msg: &'a [u8],
+}
+
+impl Transcript<'_> {
+    fn bytes(&self, role: Role) -> Vec<u8> {
+        let mut m = Vec::with_capacity(128 + self.client_msg.len() + self.server_msg.len());
+        m.extend_from_slice(b"meshd confirm v1");
+        m.push(match role {
+            Role::Client => b'c',
+            Role::Server => b's',
         });
-        ctx.update(node);
-        ctx.update(&run_hash.to_be_bytes());
-        let tag = ctx.sign();
+        m.extend_from_slice(self.exporter);
+        m.extend_from_slice(self.client);
+        m.extend_from_slice(self.server);
+        m.extend_from_slice(&self.client_run.to_be_bytes());
+        m.extend_from_slice(&self.server_run.to_be_bytes());
+        for part in [self.client_msg, self.server_msg] {
+            m.extend_from_slice(&(part.len() as u16).to_be_bytes());
+            m.extend_from_slice(part);
+        }
+        m
+    }
+}
+
+/// The key both ends derived (if they hold the same token).
+pub struct SessionKey {
+    key: hmac::Key,
+}
+
+impl std::fmt::Debug for SessionKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SessionKey(<secret>)")
+    }
+}
+
+impl SessionKey {
+    /// The confirmation `role` sends.
+    pub fn confirm(&self, role: Role, t: &Transcript<'_>) -> [u8; 32] {
+        let tag = hmac::sign(&self.key, &t.bytes(role));
         let mut out = [0u8; 32];
         out.copy_from_slice(tag.as_ref());
         out
     }
 
-    /// Constant-time check of a peer's MAC.
-    pub fn verify(
-        &self,
-        exporter: &[u8; 32],
-        role: Role,
-        node: &[u8; 16],
-        run_hash: u64,
-        mac: &[u8; 32],
-    ) -> bool {
-        let mut msg = Vec::with_capacity(32 + 1 + 16 + 8);
-        msg.extend_from_slice(exporter);
-        msg.push(match role {
-            Role::Client => b'c',
-            Role::Server => b's',
-        });
-        msg.extend_from_slice(node);
-        msg.extend_from_slice(&run_hash.to_be_bytes());
-        hmac::verify(&self.key, &msg, mac).is_ok()
+    /// Constant-time check of the other end's confirmation.
+    pub fn verify(&self, role: Role, t: &Transcript<'_>, mac: &[u8]) -> bool {
+        hmac::verify(&self.key, &t.bytes(role), mac).is_ok()
     }
 }
 
@@ -185,31 +262,76 @@ impl Refusal {
 
 /// What separates runs, and what to do when two jobs meet.
 fn other_run_hint() -> &'static str {
-    "its run id differs from this node's (the run id is --run-id, else derived from the token and \
-     SLURM_JOB_ID only); another job with the same token uses these nodes: give each job its own --run-id"
+    "its run id differs from this node's (the run id is --run-id, else derived from SLURM_JOB_ID \
+     only); another job with the same token uses these nodes: give each job its own --run-id"
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// Runs the exchange between a client holding `a` and a server holding `b`, each end
+    /// with its own TLS exporter; (client accepts the server, server accepts the client).
+    fn exchange(a: &Token, b: &Token, ex_a: [u8; 32], ex_b: [u8; 32]) -> (bool, bool) {
+        let (pa, pb) = (a.start(), b.start());
+        let (ma, mb) = (pa.message().to_vec(), pb.message().to_vec());
+        assert_eq!(ma.len(), PAKE_MESSAGE_LEN);
+        let (ka, kb) = (pa.finish(&mb).expect("a"), pb.finish(&ma).expect("b"));
+        let at = |exporter| Transcript {
+            exporter,
+            client: &[1; 16],
+            server: &[2; 16],
+            client_run: 9,
+            server_run: 9,
+            client_msg: &ma,
+            server_msg: &mb,
+        };
+        let (ta, tb) = (at(&ex_a), at(&ex_b));
+        let s = kb.confirm(Role::Server, &tb);
+        let c = ka.confirm(Role::Client, &ta);
+        (ka.verify(Role::Server, &ta, &s), kb.verify(Role::Client, &tb, &c))
+    }
+
     #[test]
-    fn mac_verifies_only_with_same_token_role_and_session() {
+    fn confirmations_verify_only_with_the_same_token_and_session() {
         let a = Token::new("s3cret\n");
         let same = Token::new("s3cret");
         let other = Token::new("other");
-        let ex = [5u8; 32];
-        let node = [1u8; 16];
-        let mac = a.mac(&ex, Role::Client, &node, 9);
-        assert!(same.verify(&ex, Role::Client, &node, 9, &mac));
-        assert!(!other.verify(&ex, Role::Client, &node, 9, &mac));
-        assert!(!a.verify(&ex, Role::Server, &node, 9, &mac), "reflection");
-        assert!(!a.verify(&[6u8; 32], Role::Client, &node, 9, &mac), "other session");
-        assert!(!a.verify(&ex, Role::Client, &[2u8; 16], 9, &mac), "other node");
-        assert!(!a.verify(&ex, Role::Client, &node, 10, &mac), "other run");
+        assert_eq!(exchange(&a, &same, [5; 32], [5; 32]), (true, true));
+        assert_eq!(exchange(&a, &other, [5; 32], [5; 32]), (false, false), "another token");
+        assert_eq!(exchange(&a, &same, [5; 32], [6; 32]), (false, false), "a man in the middle");
         assert_eq!(format!("{a:?}"), "Token(<redacted>)");
-        assert_eq!(a.fingerprint(), same.fingerprint());
-        assert_ne!(a.fingerprint(), other.fingerprint());
+        // A reflected confirmation (the server's sent back as the client's) does not verify.
+        let (pa, pb) = (a.start(), same.start());
+        let (ma, mb) = (pa.message().to_vec(), pb.message().to_vec());
+        let (ka, kb) = (pa.finish(&mb).expect("a"), pb.finish(&ma).expect("b"));
+        let t = Transcript {
+            exporter: &[5; 32],
+            client: &[1; 16],
+            server: &[2; 16],
+            client_run: 9,
+            server_run: 9,
+            client_msg: &ma,
+            server_msg: &mb,
+        };
+        let s = kb.confirm(Role::Server, &t);
+        assert!(ka.verify(Role::Server, &t, &s));
+        assert!(!kb.verify(Role::Client, &t, &s), "reflection");
+        // Other node, other run: no.
+        let other_node = Transcript { client: &[3; 16], ..t };
+        assert!(!ka.verify(Role::Server, &other_node, &s));
+        let other_run = Transcript { server_run: 10, ..t };
+        assert!(!ka.verify(Role::Server, &other_run, &s));
+        // Malformed messages end the exchange.
+        assert!(a.start().finish(&[0u8; 3]).is_none());
+    }
+
+    /// Two starts with the same token send different messages: nothing derived from the
+    /// token alone is on the wire.
+    #[test]
+    fn messages_are_fresh_each_connection() {
+        let t = Token::new("s3cret");
+        assert_ne!(t.start().message(), t.start().message());
     }
 
     #[test]
@@ -244,7 +366,7 @@ mod tests {
     fn another_run_names_what_separates_runs() {
         let peer: std::net::IpAddr = [198, 19, 0, 7].into();
         for s in [Refusal::OtherRun.here(3), Refusal::OtherRun.there(peer, 3)] {
-            assert!(s.contains("--run-id, else derived from the token and SLURM_JOB_ID"), "{s}");
+            assert!(s.contains("--run-id, else derived from SLURM_JOB_ID"), "{s}");
             assert!(
                 s.contains(
                     "another job with the same token uses these nodes: give each job its own --run-id"

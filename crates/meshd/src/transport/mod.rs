@@ -668,18 +668,8 @@ fn existing_lane(inner: &Inner, to: SocketAddr, lane: u8) -> Option<quinn::Conne
     lanes.get(&(to, lane)).filter(|c| c.close_reason().is_none()).cloned()
 }
 
-fn my_hello(
-    inner: &Inner,
-    conn: &quinn::Connection,
-    role: Role,
-    observed: Option<SocketAddr>,
-    lane: u8,
-) -> AuthHello {
+fn my_hello(inner: &Inner, observed: Option<SocketAddr>, lane: u8, pake: &[u8], mac: [u8; 32]) -> AuthHello {
     let cfg = &inner.cfg;
-    let mac = match (&cfg.token, exporter(conn)) {
-        (Some(t), Some(ex)) => t.mac(&ex, role, &cfg.node.0, cfg.run_hash),
-        _ => [0; 32],
-    };
     AuthHello {
         version: PROTOCOL_VERSION,
         node: cfg.node,
@@ -688,6 +678,7 @@ fn my_hello(
         has_token: cfg.token.is_some(),
         observed,
         lane,
+        pake: pake.to_vec(),
     }
 }
 
@@ -697,13 +688,9 @@ fn exporter(conn: &quinn::Connection) -> Option<[u8; 32]> {
     Some(out)
 }
 
-/// Checks the peer's hello; `Err((code, refusal))` says why it is refused.
-fn check_hello(
-    inner: &Inner,
-    conn: &quinn::Connection,
-    peer_role: Role,
-    h: &AuthHello,
-) -> Result<(), (u32, Refusal)> {
+/// Checks the peer's hello before the key confirmation; `Err((code, refusal))` says why it
+/// is refused.
+fn check_hello(inner: &Inner, h: &AuthHello) -> Result<(), (u32, Refusal)> {
     let cfg = &inner.cfg;
     if h.version != PROTOCOL_VERSION {
         return Err((code::VERSION, Refusal::Version(PROTOCOL_VERSION)));
@@ -712,12 +699,10 @@ fn check_hello(
         (None, false) => {}
         (None, true) => return Err((code::AUTH, Refusal::UnexpectedToken)),
         (Some(_), false) => return Err((code::AUTH, Refusal::NoToken)),
-        (Some(t), true) => {
-            let ok = exporter(conn).is_some_and(|ex| t.verify(&ex, peer_role, &h.node.0, h.run_hash, &h.mac));
-            if !ok {
-                return Err((code::AUTH, Refusal::DifferentToken));
-            }
+        (Some(_), true) if h.pake.len() != auth::PAKE_MESSAGE_LEN => {
+            return Err((code::PROTOCOL, Refusal::Other("bad hello: malformed key exchange".into())));
         }
+        (Some(_), true) => {}
     }
     // Run hash 0 is a probe (`meshd ifaces --peers`): it proves the token, joins no run.
     if h.run_hash != cfg.run_hash && h.run_hash != 0 && cfg.run_hash != 0 {
@@ -847,15 +832,57 @@ fn refusal(e: &quinn::ConnectionError) -> Option<String> {
     }
 }
 
-async fn read_hello(recv: &mut quinn::RecvStream) -> Result<AuthHello, String> {
-    let body = recv.read_to_end(1024).await.map_err(|e| match e {
-        quinn::ReadToEndError::Read(quinn::ReadError::ConnectionLost(c)) => {
+/// Largest message of the authentication exchange.
+const MAX_HELLO: usize = 1024;
+
+/// Reads one length-prefixed message (u16, big-endian) of the authentication exchange.
+async fn read_auth_message(recv: &mut quinn::RecvStream) -> Result<Vec<u8>, String> {
+    let lost = |e: quinn::ReadExactError| match e {
+        quinn::ReadExactError::ReadError(quinn::ReadError::ConnectionLost(c)) => {
             refusal(&c).unwrap_or(c.to_string())
         }
-        quinn::ReadToEndError::TooLong => "hello larger than 1024 bytes".to_string(),
+        quinn::ReadExactError::FinishedEarly(_) => "bad hello: the stream ended early".to_string(),
         other => other.to_string(),
-    })?;
+    };
+    let mut len = [0u8; 2];
+    recv.read_exact(&mut len).await.map_err(lost)?;
+    let len = u16::from_be_bytes(len) as usize;
+    if len > MAX_HELLO {
+        return Err(format!("hello larger than {MAX_HELLO} bytes"));
+    }
+    let mut body = vec![0u8; len];
+    recv.read_exact(&mut body).await.map_err(lost)?;
+    Ok(body)
+}
+
+async fn read_hello(recv: &mut quinn::RecvStream) -> Result<AuthHello, String> {
+    let body = read_auth_message(recv).await?;
     wire::decode(&body).map_err(|e| format!("bad hello: {e}"))
+}
+
+/// Writes one length-prefixed message of the authentication exchange.
+async fn write_auth_message(send: &mut quinn::SendStream, body: &[u8]) -> Result<(), String> {
+    let mut m = Vec::with_capacity(2 + body.len());
+    m.extend_from_slice(&(body.len().min(u16::MAX as usize) as u16).to_be_bytes());
+    m.extend_from_slice(body);
+    send.write_all(&m).await.map_err(|e| e.to_string())
+}
+
+/// The transcript both ends' confirmations cover (see [`auth`]).
+fn transcript<'a>(
+    exporter: &'a [u8; 32],
+    client: &'a AuthHello,
+    server: &'a AuthHello,
+) -> auth::Transcript<'a> {
+    auth::Transcript {
+        exporter,
+        client: &client.node.0,
+        server: &server.node.0,
+        client_run: client.run_hash,
+        server_run: server.run_hash,
+        client_msg: &client.pake,
+        server_msg: &server.pake,
+    }
 }
 
 /// Connects and authenticates; lane 0 registers the connection as the peer's, a lane above
@@ -874,24 +901,56 @@ async fn connect(
             .await
             .map_err(|e| peer_err(handshake_failure(&e)))?;
         let (mut send, mut recv) = conn.open_bi().await.map_err(|e| peer_err(e.to_string()))?;
-        let hello = my_hello(inner, &conn, Role::Client, None, lane);
-        send.write_all(&wire::encode(&hello)).await.map_err(|e| peer_err(e.to_string()))?;
-        let _ = send.finish();
-        let theirs = match read_hello(&mut recv).await {
-            Ok(h) => h,
-            Err(reason) if reason.starts_with(REFUSED_US) => {
+        let pake = inner.cfg.token.as_ref().map(|t| t.start());
+        let mine = my_hello(inner, None, lane, pake.as_ref().map_or(&[][..], |p| p.message()), [0; 32]);
+        write_auth_message(&mut send, &wire::encode(&mine)).await.map_err(peer_err)?;
+        let refused = |reason: String| {
+            if reason.starts_with(REFUSED_US) {
                 let reason = reword_refusal(to, &reason);
                 report_auth_failure(inner, to, &reason);
-                return Err(TransportError::Auth { addr: to, reason });
+                TransportError::Auth { addr: to, reason }
+            } else {
+                peer_err(reason)
             }
-            Err(reason) => return Err(peer_err(reason)),
         };
-        if let Err((code, why)) = check_hello(inner, &conn, Role::Server, &theirs) {
+        let theirs = read_hello(&mut recv).await.map_err(refused)?;
+        if let Err((code, why)) = check_hello(inner, &theirs) {
             return Err(refuse(inner, &conn, code, &why, theirs.version));
         }
         if theirs.lane != lane {
             let why = Refusal::Other(format!("it answered lane {} for lane {lane}", theirs.lane));
             return Err(refuse(inner, &conn, code::PROTOCOL, &why, theirs.version));
+        }
+        // The server proves it holds the token first; only then does this node confirm.
+        let confirm = match (pake, exporter(&conn)) {
+            (Some(p), Some(ex)) => {
+                let t = transcript(&ex, &mine, &theirs);
+                let key = p.finish(&theirs.pake);
+                match key.filter(|k| k.verify(Role::Server, &t, &theirs.mac)) {
+                    Some(k) => k.confirm(Role::Client, &t),
+                    None => {
+                        return Err(refuse(
+                            inner,
+                            &conn,
+                            code::AUTH,
+                            &Refusal::DifferentToken,
+                            theirs.version,
+                        ));
+                    }
+                }
+            }
+            (Some(_), None) => return Err(peer_err("no TLS keying material".into())),
+            (None, _) => [0; 32],
+        };
+        write_auth_message(&mut send, &confirm).await.map_err(peer_err)?;
+        let _ = send.finish();
+        // Accepted when the server ends its stream; a refusal closes the connection.
+        match recv.read_to_end(0).await {
+            Ok(_) => {}
+            Err(quinn::ReadToEndError::Read(quinn::ReadError::ConnectionLost(c))) => {
+                return Err(refused(refusal(&c).unwrap_or(c.to_string())));
+            }
+            Err(e) => return Err(peer_err(format!("bad end of the authentication: {e}"))),
         }
         Ok((conn, theirs.node, theirs.observed))
     };
@@ -961,24 +1020,70 @@ async fn accept_loop(inner: Arc<Inner>) {
             let fut = async {
                 let conn = incoming.await.ok()?;
                 let (mut send, mut recv) = conn.accept_bi().await.ok()?;
+                // Oversized or malformed: say so; a lost connection: nothing to say.
+                let malformed = |conn: &quinn::Connection, reason: String| {
+                    if reason.starts_with("bad hello") || reason.starts_with("hello larger") {
+                        refuse(&inner, conn, code::PROTOCOL, &Refusal::Other(reason), PROTOCOL_VERSION);
+                    }
+                };
                 let theirs = match read_hello(&mut recv).await {
                     Ok(h) => h,
                     Err(reason) => {
-                        // Oversized or malformed: say so; a lost connection: nothing to say.
-                        if reason.starts_with("bad hello") || reason.starts_with("hello larger") {
-                            refuse(&inner, &conn, code::PROTOCOL, &Refusal::Other(reason), PROTOCOL_VERSION);
-                        }
+                        malformed(&conn, reason);
                         return None;
                     }
                 };
-                if let Err((code, why)) = check_hello(&inner, &conn, Role::Client, &theirs) {
+                if let Err((code, why)) = check_hello(&inner, &theirs) {
                     refuse(&inner, &conn, code, &why, theirs.version);
                     return None;
                 }
                 let observed = Some(canonical(conn.remote_address()));
-                let hello = my_hello(&inner, &conn, Role::Server, observed, theirs.lane);
-                send.write_all(&wire::encode(&hello)).await.ok()?;
-                let _ = send.finish();
+                let pake = inner.cfg.token.as_ref().map(|t| t.start());
+                let mut mine = my_hello(
+                    &inner,
+                    observed,
+                    theirs.lane,
+                    pake.as_ref().map_or(&[][..], |p| p.message()),
+                    [0; 32],
+                );
+                let ex = exporter(&conn)?;
+                let key = match pake {
+                    Some(p) => match p.finish(&theirs.pake) {
+                        Some(k) => Some(k),
+                        None => {
+                            malformed(&conn, "bad hello: malformed key exchange".into());
+                            return None;
+                        }
+                    },
+                    None => None,
+                };
+                if let Some(k) = &key {
+                    mine.mac = k.confirm(Role::Server, &transcript(&ex, &theirs, &mine));
+                }
+                write_auth_message(&mut send, &wire::encode(&mine)).await.ok()?;
+                let confirm = match read_auth_message(&mut recv).await {
+                    Ok(c) => c,
+                    Err(reason) => {
+                        // The client found this node's confirmation wrong and closed: it says
+                        // why in its close reason.
+                        if let Some(r) = reason.strip_prefix(REFUSED_US) {
+                            let from = canonical(conn.remote_address());
+                            let reason = reword_refusal(from, &format!("{REFUSED_US}{r}"));
+                            report_auth_failure(&inner, from, &reason);
+                        } else {
+                            malformed(&conn, reason);
+                        }
+                        return None;
+                    }
+                };
+                if let Some(k) = &key {
+                    if !k.verify(Role::Client, &transcript(&ex, &theirs, &mine), &confirm) {
+                        refuse(&inner, &conn, code::AUTH, &Refusal::DifferentToken, theirs.version);
+                        return None;
+                    }
+                }
+                // Accepted: the end of this stream says so.
+                send.finish().ok()?;
                 let kind = if theirs.lane > 0 {
                     Accepted::Lane(theirs.lane)
                 } else if theirs.run_hash == 0 && inner.cfg.run_hash != 0 {
@@ -1135,6 +1240,56 @@ mod tests {
         let err = t.probe(to).await.expect_err("the handshake must fail").to_string();
         assert!(err.contains("does not speak meshd/4") && err.contains("another meshd version"), "{err}");
         accept.abort();
+    }
+
+    /// Issue 16: whoever answers at a peer's address (a squatter on the port) without the
+    /// token gets nothing it could test token guesses against offline. It sees the client's
+    /// SPAKE2 message, fresh on every connection, and answers with its own and a made-up
+    /// confirmation; the client refuses it and sends no confirmation of its own.
+    #[tokio::test]
+    async fn a_squatter_gets_no_confirmation_and_nothing_repeatable() {
+        let (server, _) = tls::configs(Arc::new(quinn::TransportConfig::default())).expect("configs");
+        let squatter =
+            quinn::Endpoint::server(server, "127.0.0.1:0".parse().expect("addr")).expect("endpoint");
+        let to = squatter.local_addr().expect("addr");
+        let seen = tokio::spawn(async move {
+            let mut firsts = Vec::new();
+            let mut after = Vec::new();
+            for _ in 0..2 {
+                let Some(incoming) = squatter.accept().await else { break };
+                let Ok(conn) = incoming.await else { continue };
+                let Ok((mut send, mut recv)) = conn.accept_bi().await else { continue };
+                let Ok(first) = read_hello(&mut recv).await else { continue };
+                // Answer as a node holding some other token would.
+                let guess = Token::new("a guess").start();
+                let mut h = first.clone();
+                h.node = NodeId::from_u128(99);
+                h.pake = guess.message().to_vec();
+                h.mac = [0x5a; 32];
+                let _ = write_auth_message(&mut send, &wire::encode(&h)).await;
+                // Whatever the client sends next (nothing: it refuses) until it closes.
+                let rest = recv.read_to_end(4096).await;
+                after.push(rest.map(|b| b.len()).map_err(|e| e.to_string()));
+                firsts.push(first);
+                let _ = conn.closed().await;
+            }
+            (firsts, after)
+        });
+        let (client, mut events) = loopback(1, Some("the real token"), 7);
+        for _ in 0..2 {
+            let err = client.probe(to).await.expect_err("the squatter must be refused").to_string();
+            assert!(err.contains("different token"), "{err}");
+        }
+        let (firsts, after) =
+            tokio::time::timeout(Duration::from_secs(10), seen).await.expect("in time").expect("task");
+        assert_eq!(firsts.len(), 2);
+        assert_ne!(firsts[0].pake, firsts[1].pake, "a fresh SPAKE2 message on every connection");
+        assert_eq!(firsts[0].mac, [0; 32], "nothing keyed by the token in the first message");
+        for a in &after {
+            assert!(!matches!(a, Ok(n) if *n > 0), "the client sent its confirmation to a squatter: {a:?}");
+        }
+        let reason = auth_failed(&mut events).await;
+        assert!(reason.contains("different token"), "{reason}");
     }
 
     fn loopback(
