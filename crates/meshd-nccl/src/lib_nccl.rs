@@ -2,19 +2,14 @@
 
 use crate::NcclError;
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
-use std::io::Read;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
 
 /// `ncclResult_t ncclGetVersion(int *version)`.
 type GetVersionFn = unsafe extern "C" fn(*mut c_int) -> c_int;
 /// `ncclResult_t ncclGetUniqueId(ncclUniqueId *uniqueId)` (128 bytes).
 type GetUniqueIdFn = unsafe extern "C" fn(*mut u8) -> c_int;
 
-/// How long the Python interpreter may take to list its `sys.path`.
-const PYTHON_TIMEOUT: Duration = Duration::from_secs(5);
 /// The file the PyPI wheels (`nvidia-nccl-cu12`, `-cu13`) install, relative to site-packages.
 const WHEEL_REL: &str = "nvidia/nccl/lib/libnccl.so.2";
 
@@ -34,9 +29,12 @@ impl NcclLib {
     /// 1. `$MESHD_NCCL_LIB` (a path to libnccl.so.2): when set, only that file is tried and
     ///    its own error is returned (a wrong explicit path is not papered over);
     /// 2. the dynamic loader's usual paths: `dlopen("libnccl.so.2")`, then `"libnccl.so"`;
-    /// 3. the active Python's `nvidia/nccl/lib` (`python3`'s `import nvidia.nccl` and every
-    ///    `sys.path` entry, 5 s timeout);
-    /// 4. `$VIRTUAL_ENV` and `$CONDA_PREFIX` `lib/python3*/site-packages/nvidia/nccl/lib`.
+    /// 3. the Python environments' `nvidia/nccl/lib` (where `pip install nvidia-nccl-cu12`
+    ///    puts it), found WITHOUT starting an interpreter (one start through a pyenv shim or a
+    ///    conda on network storage can take seconds): `$PYTHONPATH`, `$VIRTUAL_ENV`,
+    ///    `$CONDA_PREFIX`, the environment meshd itself was installed in, each `python3` on
+    ///    `PATH` (its venv, or its installation's site- and dist-packages; pyenv's versions),
+    ///    and the user site (`~/.local`). See [`python_site_dirs`].
     ///
     /// The error lists every place tried, in words.
     pub fn load() -> Result<NcclLib, NcclError> {
@@ -59,37 +57,20 @@ impl NcclLib {
         }
 
         let mut candidates: Vec<PathBuf> = Vec::new();
-        match python_dirs() {
-            Ok((pkg_dirs, sys_path)) => {
-                for d in &pkg_dirs {
-                    candidates.push(d.join("lib/libnccl.so.2"));
-                }
-                for d in &sys_path {
-                    candidates.push(d.join(WHEEL_REL));
-                }
-                tried.push(format!(
-                    "python3 (import nvidia.nccl: {}; {} sys.path entries searched for {WHEEL_REL})",
-                    if pkg_dirs.is_empty() { "not installed".to_owned() } else { format!("{pkg_dirs:?}") },
-                    sys_path.len()
-                ));
-            }
-            Err(why) => tried.push(format!("python3 sys.path: {why}")),
+        let env = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty());
+        let sites = python_site_dirs(&SiteEnv {
+            pythonpath: env("PYTHONPATH"),
+            virtual_env: env("VIRTUAL_ENV"),
+            conda_prefix: env("CONDA_PREFIX"),
+            path: env("PATH"),
+            home: env("HOME"),
+            pyenv_root: env("PYENV_ROOT"),
+            exe: std::env::current_exe().ok(),
+        });
+        for (what, dirs) in &sites {
+            tried.push(format!("{what}: {} searched for {WHEEL_REL}", dirs.len()));
+            candidates.extend(dirs.iter().map(|d| d.join(WHEEL_REL)));
         }
-        for var in ["VIRTUAL_ENV", "CONDA_PREFIX"] {
-            match std::env::var_os(var).filter(|v| !v.is_empty()) {
-                None => tried.push(format!("${var} (not set)")),
-                Some(prefix) => {
-                    let found = site_packages(Path::new(&prefix));
-                    tried.push(format!(
-                        "${var}={}: {} site-packages searched for {WHEEL_REL}",
-                        Path::new(&prefix).display(),
-                        found.len()
-                    ));
-                    candidates.extend(found.into_iter().map(|sp| sp.join(WHEEL_REL)));
-                }
-            }
-        }
-
         let mut seen = std::collections::HashSet::new();
         for c in candidates {
             if !seen.insert(c.clone()) || !c.is_file() {
@@ -233,77 +214,92 @@ fn dladdr_file(addr: *mut c_void) -> Option<PathBuf> {
     }
 }
 
-/// Asks `python3` for its `nvidia.nccl` package directories and its `sys.path`.
-fn python_dirs() -> Result<(Vec<PathBuf>, Vec<PathBuf>), String> {
-    const SCRIPT: &str = "import sys\n\
-        for p in sys.path:\n    print('P', p)\n\
-        try:\n    import nvidia.nccl as m\n    for p in list(getattr(m, '__path__', [])):\n        print('N', p)\n\
-        except Exception:\n    pass\n";
-    let mut cmd = Command::new("python3");
-    cmd.env_remove("MESHD_TOKEN");
-    cmd.arg("-c").arg(SCRIPT).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::null());
-    // A meshd killed (SIGKILL) during the probe must not leave python3 behind. The thread
-    // that forks waits for the child below, so the signal cannot fire early.
-    // A meshd that died before the prctl sends no signal: the child then gives up.
-    let parent = std::process::id() as libc::pid_t;
-    // SAFETY: prctl and getppid are async-signal-safe; nothing else runs between fork and
-    // exec.
-    unsafe {
-        std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-            if libc::getppid() != parent {
-                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
-            }
-            Ok(())
-        });
-    }
-    let mut child = cmd.spawn().map_err(|e| format!("cannot run python3: {e}"))?;
-    let mut stdout = child.stdout.take().ok_or("no stdout pipe")?;
-    let reader = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = stdout.read_to_string(&mut s);
-        s
-    });
-    let deadline = Instant::now() + PYTHON_TIMEOUT;
-    let status = loop {
-        match child.try_wait() {
-            Ok(Some(st)) => break st,
-            Ok(None) if Instant::now() >= deadline => {
-                let _ = child.kill();
-                let _ = child.wait();
-                let _ = reader.join();
-                return Err(format!("python3 timed out after {} s", PYTHON_TIMEOUT.as_secs()));
-            }
-            Ok(None) => std::thread::sleep(Duration::from_millis(20)),
-            Err(e) => return Err(format!("waiting for python3: {e}")),
-        }
-    };
-    let out = reader.join().map_err(|_| "reader thread failed".to_owned())?;
-    if !status.success() {
-        return Err(format!("python3 exited with {status}"));
-    }
-    let (mut pkg, mut path) = (Vec::new(), Vec::new());
-    for line in out.lines() {
-        if let Some(p) = line.strip_prefix("N ") {
-            pkg.push(PathBuf::from(p));
-        } else if let Some(p) = line.strip_prefix("P ") {
-            if !p.is_empty() {
-                path.push(PathBuf::from(p));
-            }
-        }
-    }
-    Ok((pkg, path))
+/// Where Python environments live, as the process environment says.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct SiteEnv {
+    pub pythonpath: Option<std::ffi::OsString>,
+    pub virtual_env: Option<std::ffi::OsString>,
+    pub conda_prefix: Option<std::ffi::OsString>,
+    pub path: Option<std::ffi::OsString>,
+    pub home: Option<std::ffi::OsString>,
+    pub pyenv_root: Option<std::ffi::OsString>,
+    pub exe: Option<PathBuf>,
 }
 
-/// `PREFIX/lib/python3*/site-packages` directories that exist.
+/// The site directories an interpreter would search, read from the file system alone,
+/// grouped by where they came from (for the "tried" list). Only directories that exist.
+pub(crate) fn python_site_dirs(env: &SiteEnv) -> Vec<(String, Vec<PathBuf>)> {
+    let mut out: Vec<(String, Vec<PathBuf>)> = Vec::new();
+    if let Some(pp) = &env.pythonpath {
+        let dirs: Vec<PathBuf> = std::env::split_paths(pp).filter(|d| d.is_dir()).collect();
+        out.push(("$PYTHONPATH".into(), dirs));
+    }
+    for (var, v) in [("VIRTUAL_ENV", &env.virtual_env), ("CONDA_PREFIX", &env.conda_prefix)] {
+        match v {
+            None => out.push((format!("${var} (not set)"), Vec::new())),
+            Some(prefix) => out
+                .push((format!("${var}={}", Path::new(prefix).display()), site_packages(Path::new(prefix)))),
+        }
+    }
+    // The environment meshd was installed in (`pip install meshd`: PREFIX/bin/meshd).
+    if let Some(prefix) = env.exe.as_deref().and_then(Path::parent).and_then(Path::parent) {
+        out.push((format!("meshd's own environment {}", prefix.display()), site_packages(prefix)));
+    }
+    // Each python3 on PATH, resolved without running it.
+    let mut prefixes: Vec<PathBuf> = Vec::new();
+    if let Some(path) = &env.path {
+        for dir in std::env::split_paths(path) {
+            let py = dir.join("python3");
+            if !py.exists() {
+                continue;
+            }
+            if dir.ends_with("shims") {
+                // pyenv: every installed version.
+                let root = env
+                    .pyenv_root
+                    .as_ref()
+                    .map(PathBuf::from)
+                    .or_else(|| dir.parent().map(Path::to_path_buf))
+                    .unwrap_or_default();
+                if let Ok(rd) = std::fs::read_dir(root.join("versions")) {
+                    prefixes.extend(rd.flatten().map(|e| e.path()));
+                }
+                continue;
+            }
+            // A venv: PREFIX/bin/python3 with PREFIX/pyvenv.cfg (python3 a symlink out of it).
+            if let Some(prefix) = dir.parent().filter(|p| p.join("pyvenv.cfg").is_file()) {
+                prefixes.push(prefix.to_path_buf());
+                continue;
+            }
+            if let Some(prefix) =
+                py.canonicalize().ok().as_deref().and_then(Path::parent).and_then(Path::parent)
+            {
+                prefixes.push(prefix.to_path_buf());
+                // Debian and Ubuntu: pip's installs go to /usr/local.
+                prefixes.push(prefix.join("local"));
+            }
+        }
+    }
+    prefixes.dedup();
+    let on_path: Vec<PathBuf> = prefixes.iter().flat_map(|p| site_packages(p)).collect();
+    out.push(("python3 on PATH (no interpreter started)".into(), on_path));
+    if let Some(home) = &env.home {
+        out.push(("the user site ~/.local".into(), site_packages(&Path::new(home).join(".local"))));
+    }
+    out
+}
+
+/// `PREFIX/lib/python3*/{site,dist}-packages` directories that exist.
 fn site_packages(prefix: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
     if let Ok(rd) = std::fs::read_dir(prefix.join("lib")) {
         for e in rd.flatten() {
             if e.file_name().as_bytes().starts_with(b"python3") {
-                let sp = e.path().join("site-packages");
-                if sp.is_dir() {
-                    out.push(sp);
+                for sub in ["site-packages", "dist-packages"] {
+                    let sp = e.path().join(sub);
+                    if sp.is_dir() {
+                        out.push(sp);
+                    }
                 }
             }
         }
@@ -315,6 +311,30 @@ fn site_packages(prefix: &Path) -> Vec<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A venv, a conda prefix and a Debian-style /usr/local found from the file system
+    /// alone: the layouts `pip install nvidia-nccl-cu12` leaves.
+    #[test]
+    fn site_dirs_are_found_without_an_interpreter() {
+        let base = std::env::temp_dir().join(format!("meshd-sites-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        let venv = base.join("venv");
+        std::fs::create_dir_all(venv.join("bin")).expect("mkdir");
+        std::fs::create_dir_all(venv.join("lib/python3.12/site-packages")).expect("mkdir");
+        std::fs::write(venv.join("pyvenv.cfg"), "home = /usr/bin\n").expect("cfg");
+        std::fs::write(venv.join("bin/python3"), "").expect("py");
+        let conda = base.join("conda");
+        std::fs::create_dir_all(conda.join("lib/python3.11/site-packages")).expect("mkdir");
+        let env = SiteEnv {
+            path: Some(venv.join("bin").into_os_string()),
+            conda_prefix: Some(conda.clone().into_os_string()),
+            ..SiteEnv::default()
+        };
+        let all: Vec<PathBuf> = python_site_dirs(&env).into_iter().flat_map(|(_, d)| d).collect();
+        assert!(all.contains(&venv.join("lib/python3.12/site-packages")), "{all:?}");
+        assert!(all.contains(&conda.join("lib/python3.11/site-packages")), "{all:?}");
+        let _ = std::fs::remove_dir_all(&base);
+    }
 
     #[test]
     fn version_strings() {

@@ -356,3 +356,43 @@ fn probe_of_closed_port_fails_cleanly() {
     assert!(matches!(e, NcclError::Probe { .. }), "{e:?}");
     assert!(e.to_string().contains(&closed.to_string()), "{e}");
 }
+
+/// Issue 24: finding libnccl starts no interpreter (a pyenv shim or a conda on network
+/// storage can take seconds to start): a `python3` on PATH that records being run is never
+/// run, and a wheel's library in the venv of that `python3` is still found.
+#[test]
+fn load_starts_no_interpreter_and_finds_the_venv_of_python3_on_path() {
+    let base = std::env::temp_dir().join(format!("meshd-nccl-nopy-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    let venv = base.join("venv");
+    std::fs::create_dir_all(venv.join("bin")).expect("mkdir");
+    std::fs::write(venv.join("pyvenv.cfg"), "home = /usr/bin\n").expect("cfg");
+    let marker = base.join("python-was-run");
+    let py = venv.join("bin/python3");
+    std::fs::write(&py, format!("#!/bin/sh\ntouch {}\nexec /usr/bin/python3 \"$@\"\n", marker.display()))
+        .expect("py");
+    std::fs::set_permissions(&py, std::os::unix::fs::PermissionsExt::from_mode(0o755)).expect("chmod");
+    let path = format!("{}:/usr/bin:/bin", venv.join("bin").display());
+    let env = [
+        ("MESHD_NCCL_LIB", None),
+        ("VIRTUAL_ENV", None),
+        ("CONDA_PREFIX", None),
+        ("PYTHONPATH", None),
+        ("PATH", Some(path.as_str())),
+    ];
+    let r = load_in_child(&env);
+    assert!(!marker.exists(), "load() ran python3");
+    // With a wheel's library in that venv, it is found (still without running python3).
+    if let Some(lib) = nccl_lib_path("load_starts_no_interpreter_and_finds_the_venv_of_python3_on_path") {
+        let lib = std::path::absolute(&lib).expect("absolute");
+        let sp = venv.join("lib/python3.99/site-packages/nvidia/nccl/lib");
+        std::fs::create_dir_all(&sp).expect("mkdir");
+        std::os::unix::fs::symlink(&lib, sp.join("libnccl.so.2")).expect("symlink");
+        let r = load_in_child(&env);
+        assert!(r.is_ok(), "the venv of python3 on PATH was not searched: {r:?}");
+        assert!(!marker.exists(), "load() ran python3");
+    } else {
+        assert!(r.is_err(), "{r:?}");
+    }
+    let _ = std::fs::remove_dir_all(&base);
+}
