@@ -141,8 +141,14 @@ pub fn sweep_stale(base: &Path) -> usize {
         if !name.starts_with("meshd-") {
             continue;
         }
-        // meshd-RUN-PORT-PID-RANDOM: the pid is the second field from the end.
-        let Some(pid) = name.rsplit('-').nth(1).and_then(|p| p.parse::<i32>().ok()) else { continue };
+        // meshd-RUN-PORT-PID-RANDOM: the pid is the second field from the end, after 16 hex
+        // digits (a name of another form, an older meshd's, is never touched).
+        let mut fields = name.rsplit('-');
+        let random = fields.next().unwrap_or_default();
+        if random.len() != 16 || !random.chars().all(|c| c.is_ascii_hexdigit()) {
+            continue;
+        }
+        let Some(pid) = fields.next().and_then(|p| p.parse::<i32>().ok()) else { continue };
         let Ok(m) = std::fs::symlink_metadata(e.path()) else { continue };
         if !m.is_dir() || m.uid() != me || pid <= 0 {
             continue;
@@ -769,12 +775,14 @@ mod tests {
         let stale = base.join(format!("meshd-run-29400-{dead}-00112233aabbccdd"));
         let live = base.join(format!("meshd-run-29400-{}-00112233aabbccdd", std::process::id()));
         let other = base.join("not-meshd-1-2-3");
-        for d in [&stale, &live, &other] {
+        // An older meshd's name (no random part): its last number is a port, not a pid.
+        let older = base.join("meshd-default-29400-1");
+        for d in [&stale, &live, &other, &older] {
             std::fs::DirBuilder::new().mode(0o700).create(d).expect("mkdir");
         }
         std::fs::write(stale.join("sock"), b"").expect("sock");
         assert_eq!(sweep_stale(&base), 1);
-        assert!(!stale.exists() && live.exists() && other.exists());
+        assert!(!stale.exists() && live.exists() && other.exists() && older.exists());
         let _ = std::fs::remove_dir_all(&base);
     }
 }
