@@ -337,24 +337,16 @@ impl Transport {
         tc.keep_alive_interval(Some(cfg.keep_alive))
             .max_idle_timeout(quinn::IdleTimeout::try_from(cfg.idle_timeout).ok())
             .enable_segmentation_offload(cfg.gso)
-            // A neighbour has at most 2 x 16 lanes of ring data streams open to us, plus
-            // a few messages. quinn keeps a finished stream's receive state, with its
-            // reassembly queue, for reuse, up to this many per connection: at 256, meshd's
-            // RSS after 1,500 allreduces of 16 MiB at MTU 1500 was 107-111 MiB, at 64,
-            // 89-94 MiB (docs/PERFORMANCE.md).
-            .max_concurrent_uni_streams(64u32.into())
-            .max_concurrent_bidi_streams(4u32.into())
-            .datagram_receive_buffer_size(Some(1 << 20))
             // Nodes start at about the same time, so the first Initial to a peer that is
             // not listening yet is lost; with quinn's default 333 ms initial RTT the
             // retransmit (and so the whole rendezvous) waits about a second. Cluster links
             // are sub-millisecond: start the estimate at 30 ms.
             .initial_rtt(Duration::from_millis(30))
-            // Bulk collective data: windows large enough that a stream is not capped at
-            // window / RTT on a fast link.
-            .stream_receive_window((16u32 << 20).into())
-            .receive_window((64u32 << 20).into())
             .send_window(64 << 20);
+        // Every connection starts with tiny windows and stream limits (what authentication
+        // needs) and gets the bulk-data ones only once the peer's MAC verified
+        // (`guard::open_up`), on both ends.
+        guard::pre_auth_limits(&mut tc);
         // Congestion control: cubic (quinn's default), or `MESHD_CC=bbr|newreno`.
         match std::env::var("MESHD_CC").as_deref() {
             Ok("bbr") => {
@@ -873,6 +865,7 @@ async fn connect(
             .map_err(|e| peer_err(e.to_string()))?
             .await
             .map_err(|e| peer_err(handshake_failure(&e)))?;
+        let _drain = guard::drain_datagrams(&conn);
         let (mut send, mut recv) = conn.open_bi().await.map_err(|e| peer_err(e.to_string()))?;
         let hello = my_hello(inner, &conn, Role::Client, None, lane);
         send.write_all(&wire::encode(&hello)).await.map_err(|e| peer_err(e.to_string()))?;
@@ -903,6 +896,8 @@ async fn connect(
                 to.port()
             ))
         })??;
+    // The server proved the token: its streams and data may come now.
+    guard::open_up(&conn);
     if lane == 0 {
         register(inner, conn.clone(), node, observed);
     } else {
@@ -960,6 +955,7 @@ async fn accept_loop(inner: Arc<Inner>) {
         tokio::spawn(async move {
             let fut = async {
                 let conn = incoming.await.ok()?;
+                let _drain = guard::drain_datagrams(&conn);
                 let (mut send, mut recv) = conn.accept_bi().await.ok()?;
                 let theirs = match read_hello(&mut recv).await {
                     Ok(h) => h,
@@ -991,6 +987,10 @@ async fn accept_loop(inner: Arc<Inner>) {
             // Half-open or silent handshakes are dropped after the connect timeout.
             let done = tokio::time::timeout(inner.cfg.connect_timeout, fut).await;
             drop(permit);
+            if let Ok(Some((conn, _, _))) = &done {
+                // The client proved the token: its streams and data may come now.
+                guard::open_up(conn);
+            }
             match done {
                 // A probe gets its answer and nothing else: no frame of it is read.
                 Ok(Some((conn, _, Accepted::Probe))) => serve_queries(&inner, conn).await,
