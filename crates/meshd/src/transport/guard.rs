@@ -1,7 +1,8 @@
 //! Limits that keep hostile input cheap: handshakes in progress (per source IP and in
-//! total), flow-control windows that stay tiny until the peer's MAC verified, refusals
-//! logged once per (IP, reason) with a bounded memory of what was said, and control frames
-//! read length-first so an oversized length is refused before its body is read.
+//! total), stateless Retry when handshakes pile up, flow-control windows that stay tiny
+//! until the peer's MAC verified, refusals logged once per (IP, reason) with a bounded
+//! memory of what was said, and control frames read length-first so an oversized length
+//! is refused before its body is read.
 
 use meshd_proto::wire::{self, WireError};
 use std::collections::{HashMap, HashSet};
@@ -13,6 +14,12 @@ use tracing::warn;
 pub const MAX_PENDING: usize = 1024;
 /// Handshakes in progress at once from one IP address.
 pub const MAX_PENDING_PER_IP: usize = 64;
+/// Unvalidated handshakes in progress, from all sources, above which a new one must first
+/// prove its source address with a stateless QUIC Retry (one extra round trip). Spoofed
+/// sources cannot answer a Retry, so at most this many slots hold spoofed state.
+pub const RETRY_ABOVE: usize = 32;
+/// Handshakes in progress from one IP above which its next one gets a Retry.
+pub const RETRY_ABOVE_PER_IP: usize = 8;
 /// Distinct (IP, reason) refusals remembered for logging once; past this, refusals are
 /// no longer logged (one line says so).
 pub const MAX_LOGGED: usize = 4096;
@@ -63,6 +70,15 @@ impl Gate {
     /// Handshakes in progress now.
     pub fn pending(&self) -> usize {
         lock(&self.state).0
+    }
+
+    /// Whether a handshake from `ip` whose source address is not validated yet should get
+    /// a stateless Retry first: when more than [`RETRY_ABOVE`] handshakes are in progress,
+    /// or more than [`RETRY_ABOVE_PER_IP`] from `ip`. Without a flood neither holds, and
+    /// connections cost no extra round trip.
+    pub fn should_retry(&self, ip: IpAddr) -> bool {
+        let st = lock(&self.state);
+        st.0 >= RETRY_ABOVE || st.1.get(&ip).is_some_and(|n| *n >= RETRY_ABOVE_PER_IP)
     }
 }
 
@@ -250,6 +266,26 @@ mod tests {
         assert_eq!(g.admit("10.9.9.9".parse().expect("ip")).expect_err("total limit"), Full::Total);
         drop(all);
         assert!(g.admit(a).is_ok());
+    }
+
+    #[test]
+    fn retry_only_when_handshakes_pile_up() {
+        let g = Arc::new(Gate::default());
+        let a: IpAddr = "10.0.0.1".parse().expect("ip");
+        let mut held: Vec<Permit> = Vec::new();
+        while held.len() < RETRY_ABOVE_PER_IP {
+            assert!(!g.should_retry(a), "no flood, no extra round trip");
+            held.push(g.admit(a).expect("admit"));
+        }
+        assert!(g.should_retry(a), "over its per-IP share");
+        let b: IpAddr = "10.0.0.2".parse().expect("ip");
+        assert!(!g.should_retry(b), "another address is not affected yet");
+        for i in held.len()..RETRY_ABOVE {
+            held.push(g.admit(IpAddr::from([10, 3, 0, i as u8])).expect("admit"));
+        }
+        assert!(g.should_retry(b), "too many in progress in all");
+        drop(held);
+        assert!(!g.should_retry(a) && !g.should_retry(b));
     }
 
     #[test]

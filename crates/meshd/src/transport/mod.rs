@@ -933,6 +933,14 @@ fn handshake_failure(e: &quinn::ConnectionError) -> String {
 async fn accept_loop(inner: Arc<Inner>) {
     while let Some(incoming) = inner.endpoint.accept().await {
         let from = canonical(incoming.remote_address());
+        // Handshakes pile up (a flood, perhaps from spoofed addresses): a source must
+        // first prove it receives our packets (stateless Retry) before it gets a slot.
+        if !incoming.remote_address_validated() && inner.gate.should_retry(from.ip()) {
+            if let Err(e) = incoming.retry() {
+                e.into_incoming().refuse();
+            }
+            continue;
+        }
         // Bounded state for handshakes that never finish: a few per source IP, a cap in
         // total; past it the attempt is refused at once (QUIC CONNECTION_REFUSED).
         let permit = match inner.gate.admit(from.ip()) {
