@@ -306,3 +306,147 @@ pub fn meshd_pid(ns: &str) -> Option<u32> {
         .filter_map(|p| p.parse::<u32>().ok())
         .find(|p| std::fs::read_to_string(format!("/proc/{p}/comm")).is_ok_and(|c| c.trim() == "meshd"))
 }
+
+/// What [`push_unauthenticated`] managed.
+#[derive(Debug, Default, Clone)]
+pub struct PushStats {
+    /// Connections attempted, and those that finished TLS.
+    pub tried: usize,
+    pub tls_ok: usize,
+    /// Streams the victim let them open (all connections together).
+    pub bidi: usize,
+    pub uni: usize,
+    /// Stream bytes the client's QUIC stack took (queued or sent), and UDP bytes sent.
+    pub stream_bytes: u64,
+    pub udp_bytes: u64,
+    /// Datagrams handed to QUIC.
+    pub datagrams: u64,
+    /// How long the longest-lived connection was kept by the victim.
+    pub held_max: Duration,
+}
+
+/// The most hostile unauthenticated client the victim's limits allow, `conns` times at
+/// once from this host: each connection finishes TLS, never authenticates, opens every
+/// stream the victim allows (up to 16 bidirectional and 128 unidirectional), keeps an
+/// unfinished 1000-byte "hello" on its first stream (under the 1 KiB limit, so the victim
+/// waits for the rest until its deadline), pushes data on every other stream and datagrams
+/// at `dgram_rate` per second, until the victim closes it or `limit` passes. Stream data is
+/// capped at `cap` bytes per connection and paced to `rate` bytes per second in all. Must
+/// run in a runtime.
+pub async fn push_unauthenticated(
+    to: SocketAddr,
+    conns: usize,
+    limit: Duration,
+    cap: u64,
+    rate: u64,
+    dgram_rate: u64,
+) -> PushStats {
+    use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+    let ep = client_endpoint();
+    let start = Instant::now();
+    let pushed = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..conns {
+        let ep = ep.clone();
+        let pushed = pushed.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut st = PushStats { tried: 1, ..Default::default() };
+            let Ok(Ok(c)) =
+                tokio::time::timeout(Duration::from_secs(3), ep.connect(to, "meshd").expect("connect")).await
+            else {
+                return st;
+            };
+            st.tls_ok = 1;
+            let t = Instant::now();
+            let mut sends = Vec::new();
+            while st.bidi < 16 {
+                match tokio::time::timeout(Duration::from_millis(100), c.open_bi()).await {
+                    Ok(Ok((s, _r))) => {
+                        st.bidi += 1;
+                        sends.push(s);
+                    }
+                    _ => break,
+                }
+            }
+            while st.uni < 128 {
+                match tokio::time::timeout(Duration::from_millis(100), c.open_uni()).await {
+                    Ok(Ok(s)) => {
+                        st.uni += 1;
+                        sends.push(s);
+                    }
+                    _ => break,
+                }
+            }
+            let mine = Arc::new(AtomicU64::new(0));
+            let mut writers = Vec::new();
+            for (i, mut s) in sends.into_iter().enumerate() {
+                let (pushed, mine) = (pushed.clone(), mine.clone());
+                writers.push(tokio::spawn(async move {
+                    if i == 0 {
+                        let _ = s.write_all(&[0u8; 1000]).await;
+                        mine.fetch_add(1000, Relaxed);
+                        std::future::pending::<()>().await;
+                    }
+                    let chunk = vec![0xA5u8; 16 << 10];
+                    while mine.load(Relaxed) < cap && start.elapsed() < limit {
+                        // Pace: never ahead of `rate` bytes per second, all connections together.
+                        let due = (start.elapsed().as_secs_f64() * rate as f64) as u64;
+                        if pushed.load(Relaxed) > due {
+                            tokio::time::sleep(Duration::from_millis(5)).await;
+                            continue;
+                        }
+                        match s.write(&chunk).await {
+                            Ok(n) => {
+                                mine.fetch_add(n as u64, Relaxed);
+                                pushed.fetch_add(n as u64, Relaxed);
+                            }
+                            Err(_) => break,
+                        }
+                    }
+                    std::future::pending::<()>().await
+                }));
+            }
+            let c2 = c.clone();
+            let dgrams = tokio::spawn(async move {
+                let mut sent = 0u64;
+                let t = Instant::now();
+                while t.elapsed() < limit && c2.close_reason().is_none() {
+                    let due = (t.elapsed().as_secs_f64() * dgram_rate as f64) as u64;
+                    while sent < due {
+                        let n = c2.max_datagram_size().unwrap_or(0).max(1);
+                        if c2.send_datagram(vec![0x5Au8; n].into()).is_err() {
+                            break;
+                        }
+                        sent += 1;
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                sent
+            });
+            let _ = tokio::time::timeout(limit.saturating_sub(t.elapsed()), c.closed()).await;
+            st.held_max = t.elapsed();
+            for w in writers {
+                w.abort();
+            }
+            st.datagrams = dgrams.await.unwrap_or(0);
+            st.stream_bytes = mine.load(Relaxed);
+            st.udp_bytes = c.stats().udp_tx.bytes;
+            c.close(0u32.into(), b"");
+            st
+        }));
+    }
+    let mut all = PushStats::default();
+    for t in tasks {
+        let s = t.await.expect("attacker connection");
+        all.tried += s.tried;
+        all.tls_ok += s.tls_ok;
+        all.bidi += s.bidi;
+        all.uni += s.uni;
+        all.stream_bytes += s.stream_bytes;
+        all.udp_bytes += s.udp_bytes;
+        all.datagrams += s.datagrams;
+        all.held_max = all.held_max.max(s.held_max);
+    }
+    ep.close(0u32.into(), b"");
+    all
+}

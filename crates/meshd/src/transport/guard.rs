@@ -1,7 +1,8 @@
 //! Limits that keep hostile input cheap: handshakes in progress (per source IP and in
-//! total), refusals logged once per (IP, reason) with a bounded memory of what was said,
-//! and control frames read length-first so an oversized length is refused before its body
-//! is read.
+//! total), stateless Retry when handshakes pile up, flow-control windows that stay tiny
+//! until the peer's MAC verified, refusals logged once per (IP, reason) with a bounded
+//! memory of what was said, and control frames read length-first so an oversized length
+//! is refused before its body is read.
 
 use meshd_proto::wire::{self, WireError};
 use std::collections::{HashMap, HashSet};
@@ -13,6 +14,12 @@ use tracing::warn;
 pub const MAX_PENDING: usize = 1024;
 /// Handshakes in progress at once from one IP address.
 pub const MAX_PENDING_PER_IP: usize = 64;
+/// Unvalidated handshakes in progress, from all sources, above which a new one must first
+/// prove its source address with a stateless QUIC Retry (one extra round trip). Spoofed
+/// sources cannot answer a Retry, so at most this many slots hold spoofed state.
+pub const RETRY_ABOVE: usize = 32;
+/// Handshakes in progress from one IP above which its next one gets a Retry.
+pub const RETRY_ABOVE_PER_IP: usize = 8;
 /// Distinct (IP, reason) refusals remembered for logging once; past this, refusals are
 /// no longer logged (one line says so).
 pub const MAX_LOGGED: usize = 4096;
@@ -63,6 +70,85 @@ impl Gate {
     /// Handshakes in progress now.
     pub fn pending(&self) -> usize {
         lock(&self.state).0
+    }
+
+    /// Whether a handshake from `ip` whose source address is not validated yet should get
+    /// a stateless Retry first: when more than [`RETRY_ABOVE`] handshakes are in progress,
+    /// or more than [`RETRY_ABOVE_PER_IP`] from `ip`. Without a flood neither holds, and
+    /// connections cost no extra round trip.
+    pub fn should_retry(&self, ip: IpAddr) -> bool {
+        let st = lock(&self.state);
+        st.0 >= RETRY_ABOVE || st.1.get(&ip).is_some_and(|n| *n >= RETRY_ABOVE_PER_IP)
+    }
+}
+
+// ---- flow control before and after authentication ----------------------------------------
+
+/// Connection receive window (stream bytes buffered from the peer, all streams together)
+/// until the peer's MAC verified: the hello (at most 1 KiB) and the answer fit.
+pub const PRE_AUTH_RECEIVE_WINDOW: u32 = 4 << 10;
+/// Bidirectional streams the peer may open until it authenticated: the hello's.
+pub const PRE_AUTH_BIDI_STREAMS: u32 = 1;
+/// Unidirectional streams the peer may open until it authenticated: none.
+pub const PRE_AUTH_UNI_STREAMS: u32 = 0;
+/// Connection receive window once authenticated: bulk collective data needs windows large
+/// enough that a stream is not capped at window / RTT on a fast link.
+pub const RECEIVE_WINDOW: u32 = 64 << 20;
+/// Per-stream receive window. A QUIC transport parameter, fixed for the connection's life
+/// (quinn cannot raise it per connection); before authentication the connection window
+/// ([`PRE_AUTH_RECEIVE_WINDOW`]) bounds every stream's bytes together, so it costs nothing.
+pub const STREAM_RECEIVE_WINDOW: u32 = 16 << 20;
+/// Unidirectional streams an authenticated peer may have open at once. A neighbour has at
+/// most 2 x 16 lanes of ring data streams open to us, plus a few messages. quinn keeps a
+/// finished stream's receive state, with its reassembly queue, for reuse, up to this many
+/// per connection: at 256, meshd's RSS after 1,500 allreduces of 16 MiB at MTU 1500 was
+/// 107-111 MiB, at 64, 89-94 MiB (docs/PERFORMANCE.md).
+pub const UNI_STREAMS: u32 = 64;
+/// Bidirectional streams an authenticated peer may have open at once (hello, status
+/// queries).
+pub const BIDI_STREAMS: u32 = 4;
+/// Received QUIC datagrams buffered per connection (the oldest is dropped past it). Also a
+/// transport parameter fixed for the connection's life, so it is small from the start: it
+/// holds a few gossip datagrams (they are read as they come, and may be lost) and is more
+/// than the largest datagram a 9000-byte MTU carries plus quinn's per-datagram overhead
+/// (a datagram over the buffer closes the connection). Before authentication nothing
+/// keeps them: [`discarding_datagrams`] reads and drops them.
+pub const DATAGRAM_RECEIVE_BUFFER: usize = 16 << 10;
+
+/// Sets `tc`'s limits to what an unauthenticated peer gets; [`open_up`] raises them on a
+/// connection whose peer authenticated.
+pub fn pre_auth_limits(tc: &mut quinn::TransportConfig) {
+    tc.max_concurrent_uni_streams(PRE_AUTH_UNI_STREAMS.into())
+        .max_concurrent_bidi_streams(PRE_AUTH_BIDI_STREAMS.into())
+        .datagram_receive_buffer_size(Some(DATAGRAM_RECEIVE_BUFFER))
+        .stream_receive_window(STREAM_RECEIVE_WINDOW.into())
+        .receive_window(PRE_AUTH_RECEIVE_WINDOW.into());
+}
+
+/// Gives a connection whose peer's MAC verified the full windows and stream limits (the
+/// peer learns them from MAX_DATA / MAX_STREAMS frames in the next packets).
+pub fn open_up(conn: &quinn::Connection) {
+    conn.set_receive_window(RECEIVE_WINDOW.into());
+    conn.set_max_concurrent_uni_streams(UNI_STREAMS.into());
+    conn.set_max_concurrent_bi_streams(BIDI_STREAMS.into());
+}
+
+/// Reads and drops the datagrams of a connection whose peer is not authenticated yet, so
+/// that none is held in its buffer (each would keep its whole received packet alive), until
+/// the returned guard is dropped (at the end of the authentication exchange; an
+/// authenticated peer sends datagrams only after it verified this node's answer).
+pub fn drain_datagrams(conn: &quinn::Connection) -> Drain {
+    let conn = conn.clone();
+    Drain(tokio::spawn(async move { while conn.read_datagram().await.is_ok() {} }).abort_handle())
+}
+
+/// Stops [`drain_datagrams`] when dropped.
+#[derive(Debug)]
+pub struct Drain(tokio::task::AbortHandle);
+
+impl Drop for Drain {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
@@ -180,6 +266,26 @@ mod tests {
         assert_eq!(g.admit("10.9.9.9".parse().expect("ip")).expect_err("total limit"), Full::Total);
         drop(all);
         assert!(g.admit(a).is_ok());
+    }
+
+    #[test]
+    fn retry_only_when_handshakes_pile_up() {
+        let g = Arc::new(Gate::default());
+        let a: IpAddr = "10.0.0.1".parse().expect("ip");
+        let mut held: Vec<Permit> = Vec::new();
+        while held.len() < RETRY_ABOVE_PER_IP {
+            assert!(!g.should_retry(a), "no flood, no extra round trip");
+            held.push(g.admit(a).expect("admit"));
+        }
+        assert!(g.should_retry(a), "over its per-IP share");
+        let b: IpAddr = "10.0.0.2".parse().expect("ip");
+        assert!(!g.should_retry(b), "another address is not affected yet");
+        for i in held.len()..RETRY_ABOVE {
+            held.push(g.admit(IpAddr::from([10, 3, 0, i as u8])).expect("admit"));
+        }
+        assert!(g.should_retry(b), "too many in progress in all");
+        drop(held);
+        assert!(!g.should_retry(a) && !g.should_retry(b));
     }
 
     #[test]

@@ -337,24 +337,16 @@ impl Transport {
         tc.keep_alive_interval(Some(cfg.keep_alive))
             .max_idle_timeout(quinn::IdleTimeout::try_from(cfg.idle_timeout).ok())
             .enable_segmentation_offload(cfg.gso)
-            // A neighbour has at most 2 x 16 lanes of ring data streams open to us, plus
-            // a few messages. quinn keeps a finished stream's receive state, with its
-            // reassembly queue, for reuse, up to this many per connection: at 256, meshd's
-            // RSS after 1,500 allreduces of 16 MiB at MTU 1500 was 107-111 MiB, at 64,
-            // 89-94 MiB (docs/PERFORMANCE.md).
-            .max_concurrent_uni_streams(64u32.into())
-            .max_concurrent_bidi_streams(4u32.into())
-            .datagram_receive_buffer_size(Some(1 << 20))
             // Nodes start at about the same time, so the first Initial to a peer that is
             // not listening yet is lost; with quinn's default 333 ms initial RTT the
             // retransmit (and so the whole rendezvous) waits about a second. Cluster links
             // are sub-millisecond: start the estimate at 30 ms.
             .initial_rtt(Duration::from_millis(30))
-            // Bulk collective data: windows large enough that a stream is not capped at
-            // window / RTT on a fast link.
-            .stream_receive_window((16u32 << 20).into())
-            .receive_window((64u32 << 20).into())
             .send_window(64 << 20);
+        // Every connection starts with tiny windows and stream limits (what authentication
+        // needs) and gets the bulk-data ones only once the peer's MAC verified
+        // (`guard::open_up`), on both ends.
+        guard::pre_auth_limits(&mut tc);
         // Congestion control: cubic (quinn's default), or `MESHD_CC=bbr|newreno`.
         match std::env::var("MESHD_CC").as_deref() {
             Ok("bbr") => {
@@ -900,6 +892,7 @@ async fn connect(
             .map_err(|e| peer_err(e.to_string()))?
             .await
             .map_err(|e| peer_err(handshake_failure(&e)))?;
+        let _drain = guard::drain_datagrams(&conn);
         let (mut send, mut recv) = conn.open_bi().await.map_err(|e| peer_err(e.to_string()))?;
         let pake = inner.cfg.token.as_ref().map(|t| t.start());
         let mine = my_hello(inner, None, lane, pake.as_ref().map_or(&[][..], |p| p.message()), [0; 32]);
@@ -962,6 +955,8 @@ async fn connect(
                 to.port()
             ))
         })??;
+    // The server proved the token: its streams and data may come now.
+    guard::open_up(&conn);
     if lane == 0 {
         register(inner, conn.clone(), node, observed);
     } else {
@@ -997,6 +992,14 @@ fn handshake_failure(e: &quinn::ConnectionError) -> String {
 async fn accept_loop(inner: Arc<Inner>) {
     while let Some(incoming) = inner.endpoint.accept().await {
         let from = canonical(incoming.remote_address());
+        // Handshakes pile up (a flood, perhaps from spoofed addresses): a source must
+        // first prove it receives our packets (stateless Retry) before it gets a slot.
+        if !incoming.remote_address_validated() && inner.gate.should_retry(from.ip()) {
+            if let Err(e) = incoming.retry() {
+                e.into_incoming().refuse();
+            }
+            continue;
+        }
         // Bounded state for handshakes that never finish: a few per source IP, a cap in
         // total; past it the attempt is refused at once (QUIC CONNECTION_REFUSED).
         let permit = match inner.gate.admit(from.ip()) {
@@ -1019,6 +1022,7 @@ async fn accept_loop(inner: Arc<Inner>) {
         tokio::spawn(async move {
             let fut = async {
                 let conn = incoming.await.ok()?;
+                let _drain = guard::drain_datagrams(&conn);
                 let (mut send, mut recv) = conn.accept_bi().await.ok()?;
                 // Oversized or malformed: say so; a lost connection: nothing to say.
                 let malformed = |conn: &quinn::Connection, reason: String| {
@@ -1096,6 +1100,10 @@ async fn accept_loop(inner: Arc<Inner>) {
             // Half-open or silent handshakes are dropped after the connect timeout.
             let done = tokio::time::timeout(inner.cfg.connect_timeout, fut).await;
             drop(permit);
+            if let Ok(Some((conn, _, _))) = &done {
+                // The client proved the token: its streams and data may come now.
+                guard::open_up(conn);
+            }
             match done {
                 // A probe gets its answer and nothing else: no frame of it is read.
                 Ok(Some((conn, _, Accepted::Probe))) => serve_queries(&inner, conn).await,
