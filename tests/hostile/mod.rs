@@ -383,7 +383,12 @@ pub async fn push_unauthenticated(
                 let (pushed, mine) = (pushed.clone(), mine.clone());
                 writers.push(tokio::spawn(async move {
                     if i == 0 {
-                        let _ = s.write_all(&[0u8; 1000]).await;
+                        // The hello's length prefix claims the most the server accepts
+                        // (1024) and 998 bytes follow: the server waits for the rest until
+                        // its authentication deadline, the longest a hello can be held.
+                        let mut first = [0u8; 1000];
+                        first[..2].copy_from_slice(&1024u16.to_be_bytes());
+                        let _ = s.write_all(&first).await;
                         mine.fetch_add(1000, Relaxed);
                         std::future::pending::<()>().await;
                     }
