@@ -678,6 +678,14 @@ impl Mesh {
                 for (_, why) in self.disagreeing(restart) {
                     line.push_str(&format!("; {why}"));
                 }
+                for (a, r) in &last_auth {
+                    // The keyword only ("different token"); the full reason was logged once.
+                    let r = r.strip_prefix(crate::transport::REFUSED_US).unwrap_or(r);
+                    line.push_str(&format!(
+                        "; {a} failed authentication ({})",
+                        r.split(':').next().unwrap_or(r)
+                    ));
+                }
                 info!("{line}");
                 next_progress = now + Duration::from_secs(5);
             }
