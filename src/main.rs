@@ -79,7 +79,10 @@ fn main() -> ExitCode {
     if std::env::args().nth(1).as_deref() == Some("__nccl-root") {
         return ExitCode::from(meshd_nccl::serve_root_blocking().clamp(0, 255) as u8);
     }
-    let cli = Cli::parse();
+    let mut cli = Cli::parse();
+    if let Cmd::Run(a) = &mut cli.cmd {
+        a.note_dashdash(&std::env::args().collect::<Vec<_>>());
+    }
     common::init_tracing();
     // One worker per 8 cores, from 2 to 8: meshd shares the machine with the job's own
     // processes, but on a many-core GPU node the QUIC ring's lanes need cores of their own.

@@ -324,3 +324,73 @@ fn a_dead_node_replaced_by_a_new_one_restarts_the_job_with_max_restarts() {
         assert!(out.contains("REPLACED count=1"), "node {i} must run restart round 1:\n{out}");
     }
 }
+
+/// A torchrun launch line, unchanged but for `torchrun` -> `meshd run`: underscores, the
+/// rendezvous endpoint of a head node (not the master), a script path without `--`, and
+/// torchrun's per-node flags (here deliberately not what meshd decides: each node is told its
+/// host index as node rank, so every node warns, naming both values).
+#[test]
+fn a_torchrun_launch_line_runs_on_three_hosts() {
+    if !lab::available() {
+        return;
+    }
+    let mut lab = Lab::new(3);
+    let dir = std::env::temp_dir().join(format!("meshd-torchrun-line-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let script = dir.join("print_env.py");
+    std::fs::write(
+        &script,
+        "import os, sys\n\
+         keys = 'RANK LOCAL_RANK WORLD_SIZE NODE_RANK MASTER_ADDR TORCHELASTIC_RUN_ID TORCHELASTIC_MAX_RESTARTS'.split()\n\
+         print('ENV ' + ' '.join(f'{k}={os.environ[k]}' for k in keys) + ' ARGS=' + ','.join(sys.argv[1:]) \
+         + ' U=' + str('-u' in sys.orig_argv))\n",
+    )
+    .expect("script");
+    let script_s = script.display().to_string();
+    let head = format!("{}:29400", lab.hosts[0].eth1);
+    let ks: Vec<usize> = (0..3)
+        .map(|i| {
+            let node_rank = format!("--node_rank={i}");
+            let args = [
+                meshd(),
+                "run",
+                "--nnodes=3",
+                "--nproc_per_node=2",
+                "--max_restarts=0",
+                "--rdzv_id=torchrun-line",
+                "--rdzv_backend=c10d",
+                "--rdzv_endpoint",
+                &head,
+                &node_rank,
+                &script_s,
+                "--lr",
+                "3",
+                "--epochs=2",
+            ];
+            lab.spawn(i, &args, &[("MESHD_TOKEN", "lab-secret")])
+        })
+        .collect();
+    // Node ranks follow eth1 addresses: host 0 (.30) is node 2, host 1 (.7) node 0, host 2 (.19) node 1.
+    let agreed = [2, 0, 1];
+    let mut ranks = Vec::new();
+    for (i, k) in ks.into_iter().enumerate() {
+        let (code, out, err) = lab.wait(k, Duration::from_secs(60));
+        assert_eq!(code, Some(0), "host {i}:\n{out}\n{err}");
+        let envs = env_lines(&out);
+        assert_eq!(envs.len(), 2, "host {i}:\n{out}\n{err}");
+        for e in &envs {
+            assert_eq!(e["WORLD_SIZE"], "6");
+            assert_eq!(e["TORCHELASTIC_RUN_ID"], "torchrun-line");
+            assert_eq!(e["TORCHELASTIC_MAX_RESTARTS"], "0");
+            assert_eq!(e["NODE_RANK"], agreed[i].to_string(), "host {i}");
+            assert_eq!(e["ARGS"], "--lr,3,--epochs=2", "the script's own arguments");
+            assert_eq!(e["U"], "True", "run as python -u");
+            ranks.push(e["RANK"].parse::<u32>().expect("rank"));
+        }
+        let want = format!("--node-rank {i} disagrees with the node rank the nodes agreed on, {}", agreed[i]);
+        assert!(err.contains(&want), "host {i} must warn ({want}):\n{err}");
+    }
+    ranks.sort();
+    assert_eq!(ranks, [0, 1, 2, 3, 4, 5]);
+    let _ = std::fs::remove_dir_all(&dir);
+}

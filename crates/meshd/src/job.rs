@@ -47,6 +47,16 @@ pub struct JobConfig {
     pub preflight: PreflightInput,
     /// SIGTERM to SIGKILL.
     pub grace: Duration,
+    /// ROLE_NAME of every rank (torchrun's `--role`).
+    pub role: String,
+    /// `--node-rank` of an old torchrun line: checked against the agreed node rank.
+    pub expect_node_rank: Option<u32>,
+    /// `--master-addr` of an old torchrun line: checked against the agreed master.
+    pub expect_master_addr: Option<String>,
+    /// MASTER_PORT to use when it is free on the master (`--master-port`).
+    pub master_port: Option<u16>,
+    /// Console routing of the ranks' output (`--redirects`, `--tee`, `--local-ranks-filter`).
+    pub output: supervisor::OutputSpec,
 }
 
 /// How a job ended on this node.
@@ -115,6 +125,60 @@ pub fn rank_env(
     env
 }
 
+/// Sets `k` in `env`, replacing an earlier value.
+fn set_env(env: &mut Vec<(String, String)>, k: &str, v: String) {
+    match env.iter_mut().find(|(a, _)| a == k) {
+        Some(e) => e.1 = v,
+        None => env.push((k.to_string(), v)),
+    }
+}
+
+/// Warnings for an old torchrun line's per-node flags that disagree with what the nodes
+/// agreed on (`--node-rank`, `--master-addr`, `--master-port`): each names both values.
+pub fn cross_check(
+    flag_node_rank: Option<u32>,
+    flag_master_addr: Option<&str>,
+    flag_master_port: Option<u16>,
+    roster: &Roster,
+    node_rank: usize,
+) -> Vec<String> {
+    let mut w = Vec::new();
+    if let Some(n) = flag_node_rank {
+        if n as usize != node_rank {
+            w.push(format!(
+                "--node-rank {n} disagrees with the node rank the nodes agreed on, {node_rank} (node ranks follow \
+                 the nodes' addresses; meshd needs no --node-rank: drop it)"
+            ));
+        }
+    }
+    let master = &roster.members[0];
+    if let Some(a) = flag_master_addr.filter(|a| !a.trim().is_empty()) {
+        let host = a.trim().trim_start_matches('[').trim_end_matches(']');
+        let ip = master.addr.ip();
+        let same = host.parse::<IpAddr>().map(|h| h == ip).unwrap_or_else(|_| {
+            use std::net::ToSocketAddrs;
+            (host, 0).to_socket_addrs().map(|mut it| it.any(|s| s.ip() == ip)).unwrap_or(false)
+                || (!master.hostname.is_empty() && host.eq_ignore_ascii_case(&master.hostname))
+        });
+        if !same {
+            w.push(format!(
+                "--master-addr {a} disagrees with the master the nodes agreed on, {ip} ({}): MASTER_ADDR is {ip} \
+                 (meshd needs no --master-addr: drop it)",
+                if master.hostname.is_empty() { "?" } else { &master.hostname }
+            ));
+        }
+    }
+    if let Some(p) = flag_master_port {
+        if p != roster.master_port {
+            w.push(format!(
+                "--master-port {p} was not free on the master: MASTER_PORT is {} instead",
+                roster.master_port
+            ));
+        }
+    }
+    w
+}
+
 /// How long a roster member's graceful leave (without `Done`) waits for the `Abort` that
 /// usually explains it before the member itself is blamed.
 pub const LEFT_GRACE: Duration = Duration::from_secs(2);
@@ -148,7 +212,11 @@ pub async fn run(
             .ok_or_else(|| MeshError::Iface("data streams already taken".into()))?,
     ));
     loop {
-        let master_port = free_tcp_port(mesh.addr().ip()).unwrap_or(29500);
+        let master_port = cfg
+            .master_port
+            .filter(|p| TcpListener::bind(SocketAddr::new(mesh.addr().ip(), *p)).is_ok())
+            .or_else(|| free_tcp_port(mesh.addr().ip()).ok())
+            .unwrap_or(29500);
         let roster = tokio::select! {
             r = mesh.rendezvous(restart, cfg.rdzv.clone(), master_port, cfg.rdzv_timeout) => r?,
             s = sig.recv() => {
@@ -170,6 +238,10 @@ pub async fn run(
             master.hostname,
             if restart > 0 { format!(", restart {restart}") } else { String::new() }
         );
+        let flags = (cfg.expect_node_rank, cfg.expect_master_addr.as_deref(), cfg.master_port);
+        for w in cross_check(flags.0, flags.1, flags.2, &roster, node_rank) {
+            warn!("{w}");
+        }
         let preflight = tokio::select! {
             r = preflight_round(mesh, &roster, &cfg.preflight) => r,
             s = sig.recv() => {
@@ -267,6 +339,9 @@ pub async fn run(
                     &verdict.collective,
                     &user_has,
                 );
+                if cfg.role != "default" {
+                    set_env(&mut env, "ROLE_NAME", cfg.role.clone());
+                }
                 if let Some(s) = &svc {
                     env.push(("MESHD_SOCKET".into(), s.path().display().to_string()));
                 }
@@ -284,7 +359,8 @@ pub async fn run(
                 warn!("cannot create --log-dir {}: {e}; logging to the console only", d.display());
             }
         }
-        let failure = match Supervisor::spawn(&cfg.cmd, &ranks, cfg.log_dir.as_deref()).await {
+        let round_out = supervisor::RoundOutput { dir: cfg.log_dir.clone(), spec: cfg.output.clone() };
+        let failure = match Supervisor::spawn(&cfg.cmd, &ranks, &round_out).await {
             Ok(mut sup) => {
                 mesh.set_state(NodeState::Running, restart);
                 let f = supervise(mesh, &roster, &mut sup, svc.as_ref(), &mut sig).await;
