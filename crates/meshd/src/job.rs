@@ -20,7 +20,7 @@ use crate::preflight::{self, PreflightInput};
 use crate::signals::{Signals, Stop};
 use crate::supervisor::{self, RankSpec, Supervisor};
 use meshd_proto::membership::MemberEvent;
-use meshd_proto::rendezvous::{Message, RdzvConfig, Roster};
+use meshd_proto::rendezvous::{Message, RankFailure, RdzvConfig, Roster};
 use meshd_proto::{NodeId, NodeState};
 use std::collections::BTreeSet;
 use std::net::{IpAddr, SocketAddr, TcpListener};
@@ -184,8 +184,8 @@ pub fn cross_check(
 pub const LEFT_GRACE: Duration = Duration::from_secs(2);
 
 enum Failure {
-    /// A failure that may be restarted.
-    Job(String),
+    /// A failure that may be restarted (with the failed rank's details when a rank failed).
+    Job(String, Option<Box<RankFailure>>),
     /// A signal: stop, never restart.
     Signal(String, u8),
 }
@@ -211,6 +211,22 @@ pub async fn run(
             .take_data_streams()
             .ok_or_else(|| MeshError::Iface("data streams already taken".into()))?,
     ));
+    // Per-round files: error files always, output files with --log-dir (or --redirects).
+    let redirected = cfg.output.redirects_any() && cfg.log_dir.is_none();
+    let dirs = match cause::LogDirs::new(cfg.log_dir.as_deref(), redirected) {
+        Ok(d) => {
+            if redirected {
+                info!("output kept off the console by --redirects goes to {}", d.base().display());
+            }
+            Some(d)
+        }
+        Err(e) => {
+            warn!(
+                "cannot create a directory for the ranks' error files: {e}; TORCHELASTIC_ERROR_FILE is not set"
+            );
+            None
+        }
+    };
     loop {
         let master_port = cfg
             .master_port
@@ -247,7 +263,7 @@ pub async fn run(
             s = sig.recv() => {
                 // Tell the others, so that none of them launches without this node.
                 let reason = format!("{} on {} during the preflight", s.describe(), describe_member(&roster, mesh.node()));
-                abort(mesh, &roster, None, &reason);
+                abort(mesh, &roster, None, &reason, None);
                 let linger = Instant::now() + Duration::from_millis(300);
                 while mesh.next(Some(linger)).await.is_some_and(|i| !matches!(i, MeshInput::Tick)) {}
                 return Ok(JobOutcome { code: s.exit_code(), message: reason });
@@ -258,7 +274,7 @@ pub async fn run(
             Err(MeshError::Aborted(reason)) => {
                 // Tell the others, so that none of them launches without this node, and keep
                 // answering a moment so the message gets out.
-                abort(mesh, &roster, None, &reason);
+                abort(mesh, &roster, None, &reason, None);
                 let linger = Instant::now() + Duration::from_millis(400);
                 while mesh.next(Some(linger)).await.is_some_and(|i| !matches!(i, MeshInput::Tick)) {}
                 return Ok(JobOutcome { code: 1, message: format!("job stopped before launch: {reason}") });
@@ -326,6 +342,9 @@ pub async fn run(
                 None
             }
         };
+        let first = roster.first_global_rank(node_rank);
+        let globals: Vec<u32> = (0..roster.members[node_rank].nproc).map(|l| first + l).collect();
+        let round_dir = dirs.as_ref().map(|d| d.round(restart, &globals));
         let ranks: Vec<RankSpec> = (0..roster.members[node_rank].nproc)
             .map(|l| {
                 let mut env = rank_env(
@@ -342,6 +361,17 @@ pub async fn run(
                 if cfg.role != "default" {
                     set_env(&mut env, "ROLE_NAME", cfg.role.clone());
                 }
+                // As torchrun: each rank's own error file, for torch's @record.
+                if let Some(d) = &round_dir {
+                    set_env(
+                        &mut env,
+                        "TORCHELASTIC_ERROR_FILE",
+                        cause::error_file(d, first + l).display().to_string(),
+                    );
+                }
+                if !user_has("PYTHONUNBUFFERED") {
+                    env.push(("PYTHONUNBUFFERED".into(), "1".into()));
+                }
                 if let Some(s) = &svc {
                     env.push(("MESHD_SOCKET".into(), s.path().display().to_string()));
                 }
@@ -354,16 +384,14 @@ pub async fn run(
                 RankSpec { global: roster.first_global_rank(node_rank) + l, local: l, env }
             })
             .collect();
-        if let Some(d) = &cfg.log_dir {
-            if let Err(e) = std::fs::create_dir_all(d) {
-                warn!("cannot create --log-dir {}: {e}; logging to the console only", d.display());
-            }
-        }
-        let round_out = supervisor::RoundOutput { dir: cfg.log_dir.clone(), spec: cfg.output.clone() };
+        let files = dirs.as_ref().is_some_and(|d| d.user) || redirected;
+        let round_out =
+            supervisor::RoundOutput { dir: round_dir.clone().filter(|_| files), spec: cfg.output.clone() };
         let failure = match Supervisor::spawn(&cfg.cmd, &ranks, &round_out).await {
             Ok(mut sup) => {
                 mesh.set_state(NodeState::Running, restart);
-                let f = supervise(mesh, &roster, &mut sup, svc.as_ref(), &mut sig).await;
+                let f =
+                    supervise(mesh, &roster, &mut sup, svc.as_ref(), &mut sig, round_dir.as_deref()).await;
                 sup.stop(cfg.grace).await;
                 drop(svc);
                 drop(nccl_root);
@@ -372,10 +400,25 @@ pub async fn run(
             Err(e) => {
                 let reason =
                     format!("node {} ({}): {e}", roster.members[node_rank].hostname, mesh.addr().ip());
-                abort(mesh, &roster, None, &reason);
-                Some(Failure::Job(reason))
+                abort(mesh, &roster, None, &reason, None);
+                Some(Failure::Job(reason, None))
             }
         };
+        if let Some(Failure::Job(_, Some(c))) = &failure {
+            // Every node says why, once the ranks' last output is out.
+            supervisor::output::flush().await;
+            eprint!("{}", cause::block(c));
+            if let Some(d) = dirs.as_ref().filter(|d| d.user) {
+                // Written whole then renamed: nodes sharing the directory write the same file.
+                let p = d.base().join("error.json");
+                let tmp = d.base().join(format!(".error.json.{}", std::process::id()));
+                if let Err(e) =
+                    std::fs::write(&tmp, cause::error_json(c)).and_then(|_| std::fs::rename(&tmp, &p))
+                {
+                    warn!("cannot write {}: {e}", p.display());
+                }
+            }
+        }
         match failure {
             None => {
                 return Ok(JobOutcome {
@@ -387,7 +430,7 @@ pub async fn run(
                 });
             }
             Some(Failure::Signal(m, code)) => return Ok(JobOutcome { code, message: m }),
-            Some(Failure::Job(m)) if restart < cfg.max_restarts => {
+            Some(Failure::Job(m, _)) if restart < cfg.max_restarts => {
                 restart += 1;
                 let left = cfg.max_restarts - restart;
                 warn!(
@@ -398,9 +441,10 @@ pub async fn run(
                 mesh.set_state(NodeState::Waiting, restart);
                 mesh.set_master(None);
             }
-            Some(Failure::Job(m)) => {
+            Some(Failure::Job(m, c)) => {
                 mesh.set_state(NodeState::Failed, restart);
-                return Ok(JobOutcome { code: 1, message: format!("job failed: {m}") });
+                let code = c.map_or(1, |c| c.status);
+                return Ok(JobOutcome { code, message: format!("job failed: {m}") });
             }
         }
     }
@@ -467,13 +511,46 @@ pub async fn finish_together(mesh: &mut Mesh, roster: &Roster, limit: Duration) 
     while mesh.next(Some(linger)).await.is_some_and(|i| !matches!(i, MeshInput::Tick)) {}
 }
 
-fn abort(mesh: &mut Mesh, roster: &Roster, rank: Option<u32>, reason: &str) {
+fn abort(mesh: &mut Mesh, roster: &Roster, rank: Option<u32>, reason: &str, cause: Option<Box<RankFailure>>) {
     let me = mesh.node();
     let hostname = roster.members.iter().find(|m| m.id == me).map(|m| m.hostname.clone()).unwrap_or_default();
-    let msg =
-        Message::Abort { restart: roster.restart, node: me, hostname, rank, reason: reason.to_string() };
+    let msg = Message::Abort {
+        restart: roster.restart,
+        node: me,
+        hostname,
+        rank,
+        reason: reason.to_string(),
+        cause,
+    };
     mesh.broadcast(roster, msg);
     mesh.set_state(NodeState::Failed, roster.restart);
+}
+
+/// The details of a local rank that failed: where it ran, how it ended, and why (its error
+/// file, else its last stderr lines).
+fn rank_failure(
+    mesh: &Mesh,
+    roster: &Roster,
+    e: &supervisor::RankExit,
+    tail: &[String],
+    round_dir: Option<&std::path::Path>,
+) -> RankFailure {
+    let me = mesh.node();
+    let node_rank = roster.node_rank(me).unwrap_or(0);
+    let mut f = RankFailure {
+        host: roster.members.get(node_rank).map(|m| m.hostname.clone()).unwrap_or_default(),
+        addr: mesh.addr().ip().to_string(),
+        node_rank: node_rank as u32,
+        rank: e.global,
+        local_rank: e.local,
+        exit: supervisor::describe(&e.status),
+        status: cause::exit_status(&e.status),
+        time: cause::now_unix(),
+        ..Default::default()
+    };
+    let file = round_dir.map(|d| cause::error_file(d, e.global)).unwrap_or_default();
+    cause::explain(&mut f, &file, tail);
+    f
 }
 
 fn describe_member(roster: &Roster, id: NodeId) -> String {
@@ -491,6 +568,7 @@ async fn supervise(
     sup: &mut Supervisor,
     svc: Option<&Service>,
     sig: &mut Signals,
+    round_dir: Option<&std::path::Path>,
 ) -> Option<Failure> {
     let me = mesh.node();
     let here = describe_member(roster, me);
@@ -507,8 +585,8 @@ async fn supervise(
             } else if Instant::now() >= at {
                 let reason = format!("{} left the mesh before the job finished", describe_member(roster, id));
                 error!("{reason}; stopping the job on every node");
-                abort(mesh, roster, None, &reason);
-                return Some(Failure::Job(reason));
+                abort(mesh, roster, None, &reason, None);
+                return Some(Failure::Job(reason, None));
             }
         }
         if local_done && done == everyone {
@@ -543,22 +621,23 @@ async fn supervise(
                     Some(e) => {
                         let reason = format!("rank {} (local rank {}) on {here} {}", e.global, e.local, supervisor::describe(&e.status));
                         error!("{reason}; stopping the job on every node");
-                        abort(mesh, roster, Some(e.global), &reason);
-                        return Some(Failure::Job(reason));
+                        let c = Box::new(rank_failure(mesh, roster, &e, &sup.tail(e.global), round_dir));
+                        abort(mesh, roster, Some(e.global), &reason, Some(c.clone()));
+                        return Some(Failure::Job(reason, Some(c)));
                     }
                     None => {}
                 }
             }
             input = mesh.next(Some(tick)) => {
                 match input {
-                    None => return Some(Failure::Job("the mesh transport stopped".into())),
+                    None => return Some(Failure::Job("the mesh transport stopped".into(), None)),
                     // Lifecycle messages count only from this round's roster: a straggler of an
                     // earlier job with the same run id (an earlier srun step) neither stops
                     // this one nor, with its Done, keeps it from finishing.
-                    Some(MeshInput::Rdzv(from, Message::Abort { restart, reason, .. })) if restart == roster.restart && everyone.contains(&from) => {
+                    Some(MeshInput::Rdzv(from, Message::Abort { restart, reason, cause, .. })) if restart == roster.restart && everyone.contains(&from) => {
                         error!("job stopped by {}: {reason}", describe_member(roster, from));
                         mesh.set_state(NodeState::Failed, roster.restart);
-                        return Some(Failure::Job(reason));
+                        return Some(Failure::Job(reason, cause));
                     }
                     Some(MeshInput::Rdzv(from, Message::Done { restart })) if restart == roster.restart && everyone.contains(&from) => {
                         done.insert(from);
@@ -581,8 +660,8 @@ async fn supervise(
                     Some(MeshInput::Member(MemberEvent::Down(id))) if everyone.contains(&id) && !done.contains(&id) => {
                         let reason = format!("{} stopped answering (declared dead by the mesh)", describe_member(roster, id));
                         error!("{reason}; stopping the job on every node");
-                        abort(mesh, roster, None, &reason);
-                        return Some(Failure::Job(reason));
+                        abort(mesh, roster, None, &reason, None);
+                        return Some(Failure::Job(reason, None));
                     }
                     Some(MeshInput::Tick) if local_done => {
                         mesh.broadcast(roster, Message::Done { restart: roster.restart });
@@ -593,12 +672,14 @@ async fn supervise(
             }
             s = sig.recv() => {
                 let reason = format!("{} on {here}", s.describe());
-                abort(mesh, roster, None, &reason);
+                abort(mesh, roster, None, &reason, None);
                 return Some(Failure::Signal(reason, s.exit_code()));
             }
         }
     }
 }
+
+pub mod cause;
 
 #[cfg(test)]
 mod tests;
