@@ -104,7 +104,15 @@ fn main() -> ExitCode {
     };
     let res = rt.block_on(async {
         // Installed first and once: every wait of every command ends on SIGINT/SIGTERM.
-        let signals = match meshd::signals::Signals::install() {
+        let installed = match &cli.cmd {
+            // `run` forwards SIGUSR1/SIGUSR2 to its ranks and stops on --signals-to-handle.
+            Cmd::Run(a) => match meshd::signals::parse_stops(&a.job.signals_to_handle) {
+                Ok(stops) => meshd::signals::Signals::install_with(&stops, true),
+                Err(e) => return Err(anyhow::anyhow!("{e}")),
+            },
+            _ => meshd::signals::Signals::install(),
+        };
+        let signals = match installed {
             Ok(s) => s,
             Err(e) => return Err(anyhow::anyhow!("cannot watch SIGINT/SIGTERM: {e}")),
         };

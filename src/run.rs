@@ -100,6 +100,12 @@ pub struct JobArgs {
     /// Time between SIGTERM and SIGKILL when stopping ranks.
     #[arg(long, default_value = "5s", value_parser = parse_duration)]
     pub grace: Duration,
+    /// Signals that stop the job (torchrun's --signals-to-handle; SIGINT and SIGTERM always do). SIGUSR1/SIGUSR2 not listed are forwarded to every rank on every node.
+    #[arg(long, alias = "signals_to_handle", env = "PET_SIGNALS_TO_HANDLE", default_value = meshd::signals::DEFAULT_STOPS)]
+    pub signals_to_handle: String,
+    /// Stop the job, printing the ranks' Python stacks, when no rank of a node wrote output or called meshd's local service for this long (exit status 124).
+    #[arg(long, alias = "stall_timeout", value_parser = parse_duration)]
+    pub stall_timeout: Option<Duration>,
     /// The ranks' ROLE_NAME (torchrun's --role).
     #[arg(long, env = "PET_ROLE", default_value = "default")]
     pub role: String,
@@ -460,6 +466,7 @@ pub fn prepare(a: &JobArgs, cmd: &[String]) -> Result<Prepared> {
         expect_master_addr: a.master_addr.clone(),
         master_port: a.master_port,
         output,
+        stall_timeout: a.stall_timeout.filter(|d| !d.is_zero()),
     };
     Ok(Prepared { mesh, job, run_id })
 }

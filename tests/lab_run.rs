@@ -490,3 +490,100 @@ fn a_rank_killed_by_a_signal_gives_128_plus_n_on_every_node() {
         assert!(block.contains("last-words-5e2"), "the rank's stderr tail, host {i}:\n{block}");
     }
 }
+
+/// SIGUSR1 (and SIGUSR2) sent to one meshd reaches every rank on every node; meshd goes on,
+/// and SIGHUP (in torchrun's default --signals-to-handle) stops the job with 128+1.
+#[test]
+fn sigusr1_to_one_meshd_reaches_every_rank_on_every_node() {
+    if !lab::available() {
+        return;
+    }
+    let mut lab = Lab::new(2);
+    let peers = lab.peers();
+    let script = "trap 'echo GOT-USR1 rank=$RANK; exit 0' USR1; echo STARTED rank=$RANK; \
+                  i=0; while [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done; exit 5";
+    let args = [
+        meshd(),
+        "run",
+        "--nnodes",
+        "2",
+        "--peers",
+        &peers,
+        "--nproc-per-node",
+        "2",
+        "--grace",
+        "1s",
+        "--",
+        "sh",
+        "-c",
+        script,
+    ];
+    let ks: Vec<usize> = (0..2).map(|i| lab.spawn(i, &args, &[("MESHD_TOKEN", "sig")])).collect();
+    std::thread::sleep(Duration::from_secs(6)); // the job runs by now
+    lab.signal(ks[1], libc::SIGUSR1);
+    for (i, k) in ks.into_iter().enumerate() {
+        let (code, out, err) = lab.wait(k, Duration::from_secs(40));
+        assert_eq!(code, Some(0), "host {i}: the ranks trapped it and exited 0:\n{out}\n{err}");
+        assert_eq!(out.matches("GOT-USR1").count(), 2, "host {i}: both ranks got it:\n{out}\n{err}");
+    }
+    // SIGHUP is one of the signals that stop the job: exit 128+1 there, the others fail too.
+    let ks: Vec<usize> = (0..2).map(|i| lab.spawn(i, &args, &[("MESHD_TOKEN", "sig")])).collect();
+    std::thread::sleep(Duration::from_secs(6));
+    lab.signal(ks[0], libc::SIGHUP);
+    let (code, _, err) = lab.wait(ks[0], Duration::from_secs(30));
+    assert_eq!(code, Some(129), "SIGHUP stops meshd with 129:\n{err}");
+    let (code, _, err) = lab.wait(ks[1], Duration::from_secs(30));
+    assert_ne!(code, Some(0), "the other node stops too:\n{err}");
+}
+
+/// Ranks that neither write nor call meshd for --stall-timeout: the job ends on every node
+/// with the stall named and the Python stacks (PYTHONFAULTHANDLER + SIGABRT) in the output.
+#[test]
+fn a_stalled_job_ends_everywhere_with_python_stacks() {
+    if !lab::available() {
+        return;
+    }
+    let mut lab = Lab::new(2);
+    let dir = std::env::temp_dir().join(format!("meshd-stall-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let script = dir.join("stall.py");
+    std::fs::write(
+        &script,
+        "import os, time\n\
+         def wait_forever_zq():\n    while True:\n        time.sleep(1000)\n\
+         print('started', os.environ['RANK'])\n\
+         wait_forever_zq()\n",
+    )
+    .expect("script");
+    let script_s = script.display().to_string();
+    let peers = lab.peers();
+    let args = [
+        meshd(),
+        "run",
+        "--nnodes",
+        "2",
+        "--peers",
+        &peers,
+        "--nproc-per-node",
+        "1",
+        "--grace",
+        "1s",
+        "--stall-timeout",
+        "3s",
+        &script_s,
+    ];
+    let t = std::time::Instant::now();
+    let res = lab.run_on_all(
+        &args,
+        &[("MESHD_TOKEN", "stall"), ("MESHD_PYTHON", "/usr/bin/python3")],
+        Duration::from_secs(60),
+    );
+    for (i, (code, out, err)) in res.iter().enumerate() {
+        assert_eq!(*code, Some(124), "host {i}:\n{out}\n{err}");
+        let block = err.split("meshd: root cause: ").nth(1).unwrap_or_else(|| panic!("host {i}:\n{err}"));
+        assert!(block.contains("stalled: no output or meshd call for 3s"), "host {i}:\n{block}");
+        assert!(block.contains("in wait_forever_zq"), "a Python stack, host {i}:\n{block}");
+    }
+    assert!(t.elapsed() < Duration::from_secs(40), "took {:?}", t.elapsed());
+    let _ = std::fs::remove_dir_all(&dir);
+}

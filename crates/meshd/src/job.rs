@@ -57,6 +57,9 @@ pub struct JobConfig {
     pub master_port: Option<u16>,
     /// Console routing of the ranks' output (`--redirects`, `--tee`, `--local-ranks-filter`).
     pub output: supervisor::OutputSpec,
+    /// Stop the job, with the ranks' Python stacks, when no rank of this node wrote output
+    /// or called the local service for this long (`--stall-timeout`).
+    pub stall_timeout: Option<Duration>,
 }
 
 /// How a job ended on this node.
@@ -324,6 +327,7 @@ pub async fn run(
         } else {
             info!("preflight passed; collective: {}", verdict.collective_line());
         }
+        let activity = std::sync::Arc::new(supervisor::output::Activity::default());
         let svc_cfg = ServiceConfig {
             path: service::default_path(run_id, mesh.addr().port()),
             local_world: roster.members[node_rank].nproc,
@@ -331,6 +335,7 @@ pub async fn run(
             world: roster.world_size(),
             restart,
             others: addrs.iter().copied().filter(|a| *a != mesh.addr()).collect(),
+            activity: Some(activity.clone()),
         };
         let svc = match Service::start(svc_cfg.clone(), ring, mesh.transport().clone()) {
             Ok(s) => Some(s),
@@ -369,8 +374,21 @@ pub async fn run(
                         cause::error_file(d, first + l).display().to_string(),
                     );
                 }
-                if !user_has("PYTHONUNBUFFERED") {
-                    env.push(("PYTHONUNBUFFERED".into(), "1".into()));
+                // Python dumps every thread's stack on SIGABRT (what --stall-timeout sends) and
+                // on a crash; under --log-dir, PyTorch's NCCL flight recorder dumps there on a
+                // collective timeout.
+                let mut defaults =
+                    vec![("PYTHONUNBUFFERED", "1".to_string()), ("PYTHONFAULTHANDLER", "1".to_string())];
+                if let Some(d) = round_dir.as_ref().filter(|_| dirs.as_ref().is_some_and(|d| d.user)) {
+                    defaults.push(("TORCH_NCCL_DUMP_ON_TIMEOUT", "1".into()));
+                    defaults.push(("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000".into()));
+                    defaults
+                        .push(("TORCH_FR_DUMP_TEMP_FILE", d.join("nccl_trace_rank_").display().to_string()));
+                }
+                for (k, v) in defaults {
+                    if !user_has(k) {
+                        env.push((k.into(), v));
+                    }
                 }
                 if let Some(s) = &svc {
                     env.push(("MESHD_SOCKET".into(), s.path().display().to_string()));
@@ -385,13 +403,24 @@ pub async fn run(
             })
             .collect();
         let files = dirs.as_ref().is_some_and(|d| d.user) || redirected;
-        let round_out =
-            supervisor::RoundOutput { dir: round_dir.clone().filter(|_| files), spec: cfg.output.clone() };
+        let round_out = supervisor::RoundOutput {
+            dir: round_dir.clone().filter(|_| files),
+            spec: cfg.output.clone(),
+            activity: Some(activity.clone()),
+        };
         let failure = match Supervisor::spawn(&cfg.cmd, &ranks, &round_out).await {
             Ok(mut sup) => {
                 mesh.set_state(NodeState::Running, restart);
-                let f =
-                    supervise(mesh, &roster, &mut sup, svc.as_ref(), &mut sig, round_dir.as_deref()).await;
+                let f = supervise(
+                    mesh,
+                    &roster,
+                    &mut sup,
+                    svc.as_ref(),
+                    &mut sig,
+                    round_dir.as_deref(),
+                    cfg.stall_timeout,
+                )
+                .await;
                 sup.stop(cfg.grace).await;
                 drop(svc);
                 drop(nccl_root);
@@ -553,6 +582,60 @@ fn rank_failure(
     f
 }
 
+/// This node's ranks stalled: each gets SIGABRT (with PYTHONFAULTHANDLER=1, Python prints
+/// every thread's stack to stderr, then dies), and their last stderr lines become the root
+/// cause. Exit status 124, as `timeout`'s.
+async fn stalled(
+    mesh: &Mesh,
+    roster: &Roster,
+    sup: &mut Supervisor,
+    t: Duration,
+    round_dir: Option<&std::path::Path>,
+) -> RankFailure {
+    let ranks: Vec<(u32, u32, i32)> = sup.ranks().to_vec();
+    warn!(
+        "no rank wrote output or called meshd for {t:?} (--stall-timeout): sending SIGABRT to {} for their Python stacks",
+        crate::plural(ranks.len() as u64, "rank")
+    );
+    sup.signal_all(libc::SIGABRT);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
+    while sup.running() > 0 {
+        match tokio::time::timeout_at(deadline, sup.next_exit()).await {
+            Ok(Some(_)) => {}
+            _ => break,
+        }
+    }
+    let me = mesh.node();
+    let node_rank = roster.node_rank(me).unwrap_or(0);
+    let mut stacks = String::new();
+    for (g, _, _) in &ranks {
+        stacks.push_str(&format!("rank {g}:\n"));
+        for l in sup.tail(*g) {
+            stacks.push_str("  ");
+            stacks.push_str(&l);
+            stacks.push('\n');
+        }
+    }
+    let (g, l) = ranks.first().map(|r| (r.0, r.1)).unwrap_or_default();
+    let _ = round_dir;
+    RankFailure {
+        host: roster.members.get(node_rank).map(|m| m.hostname.clone()).unwrap_or_default(),
+        addr: mesh.addr().ip().to_string(),
+        node_rank: node_rank as u32,
+        rank: g,
+        local_rank: l,
+        exit: format!("stalled: no output or meshd call for {t:?}"),
+        status: 124,
+        time: cause::now_unix(),
+        message: format!(
+            "job stalled on {}",
+            roster.members.get(node_rank).map(|m| m.hostname.as_str()).unwrap_or("?")
+        ),
+        traceback: cause::keep_end(stacks.trim_end(), cause::MAX_TRACEBACK),
+        source: "stall".into(),
+    }
+}
+
 fn describe_member(roster: &Roster, id: NodeId) -> String {
     roster
         .members
@@ -569,8 +652,11 @@ async fn supervise(
     svc: Option<&Service>,
     sig: &mut Signals,
     round_dir: Option<&std::path::Path>,
+    stall_timeout: Option<Duration>,
 ) -> Option<Failure> {
     let me = mesh.node();
+    let mut forwarded = sig.forwarded();
+    let activity = sup.activity();
     let here = describe_member(roster, me);
     let mut done: BTreeSet<NodeId> = BTreeSet::new();
     let mut local_done = false;
@@ -607,7 +693,27 @@ async fn supervise(
         if let Some((_, at)) = left {
             tick = tick.min(at);
         }
+        let stall_at = stall_timeout.map(|t| activity.last() + t);
         tokio::select! {
+            _ = tokio::time::sleep_until(stall_at.unwrap_or_else(Instant::now).into()), if stall_at.is_some() && !local_done => {
+                let t = stall_timeout.unwrap_or_default();
+                if activity.last().elapsed() < t {
+                    continue;
+                }
+                let c = Box::new(stalled(mesh, roster, sup, t, round_dir).await);
+                let reason = format!("{}: no rank on {here} wrote output or called meshd for {t:?} (--stall-timeout)", c.message);
+                error!("{reason}; stopping the job on every node");
+                abort(mesh, roster, Some(c.rank), &reason, Some(c.clone()));
+                return Some(Failure::Job(reason, Some(c)));
+            }
+            n = async { match forwarded.as_mut() { Some(f) => f.recv().await.ok(), None => std::future::pending().await } } => {
+                if let Some(n) = n {
+                    info!("{} received: forwarding it to every rank on every node", crate::signals::signal_name(n));
+                    sup.signal_all(n);
+                    let hostname = roster.members.iter().find(|m| m.id == me).map(|m| m.hostname.clone()).unwrap_or_default();
+                    mesh.broadcast(roster, Message::Signal { restart: roster.restart, signal: n, hostname });
+                }
+            }
             exit = sup.next_exit(), if !local_done => {
                 match exit {
                     Some(e) if e.status.success() && sup.running() == 0 => {
@@ -641,6 +747,21 @@ async fn supervise(
                     }
                     Some(MeshInput::Rdzv(from, Message::Done { restart })) if restart == roster.restart && everyone.contains(&from) => {
                         done.insert(from);
+                    }
+                    // Only the signals meshd forwards: a peer cannot make ranks die this way.
+                    Some(MeshInput::Rdzv(from, Message::Signal { restart, signal, .. }))
+                        if restart == roster.restart
+                            && everyone.contains(&from)
+                            && [libc::SIGUSR1, libc::SIGUSR2].contains(&signal) =>
+                    {
+                        info!(
+                            "{} from {}: forwarding it to this node's ranks",
+                            crate::signals::signal_name(signal),
+                            describe_member(roster, from)
+                        );
+                        if !local_done {
+                            sup.signal_all(signal);
+                        }
                     }
                     Some(MeshInput::Rdzv(from, m @ Message::Propose(_))) => mesh.defer(from, m),
                     Some(MeshInput::Store(_, m)) => {

@@ -101,6 +101,8 @@ pub struct RoundOutput {
     pub dir: Option<PathBuf>,
     /// Console routing.
     pub spec: OutputSpec,
+    /// Marked whenever a rank writes output (shared with the local service).
+    pub activity: Option<Arc<Activity>>,
 }
 
 /// A rank that ended.
@@ -174,7 +176,7 @@ impl Supervisor {
     ) -> Result<Supervisor, SpawnError> {
         let (tx, rx) = mpsc::channel(ranks.len().max(1));
         orphans::become_subreaper();
-        let activity = Arc::new(Activity::default());
+        let activity = out.activity.clone().unwrap_or_default();
         activity.touch();
         let mut sup = Supervisor {
             running: Vec::new(),

@@ -210,7 +210,8 @@ pub fn block(f: &RankFailure) -> String {
             s.push('\n');
         }
     }
-    s.push_str(&format!("meshd: exit status {} (the failed rank's)\n", f.status));
+    let whose = if f.source == "stall" { "the job stalled" } else { "the failed rank's" };
+    s.push_str(&format!("meshd: exit status {} ({whose})\n", f.status));
     s
 }
 
