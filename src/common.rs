@@ -16,7 +16,7 @@ pub struct NetArgs {
     #[arg(long, env = "MESHD_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
     /// Read the shared secret from a file (mode 0600; `meshd token --file F` makes one).
-    #[arg(long, conflicts_with = "token")]
+    #[arg(long, alias = "token_file", conflicts_with = "token")]
     pub token_file: Option<String>,
     /// Allow a multi-node mesh without a token: anyone who reaches the UDP port can join,
     /// read the mesh, start or stop the job.

@@ -79,7 +79,10 @@ fn main() -> ExitCode {
     if std::env::args().nth(1).as_deref() == Some("__nccl-root") {
         return ExitCode::from(meshd_nccl::serve_root_blocking().clamp(0, 255) as u8);
     }
-    let cli = Cli::parse();
+    let mut cli = Cli::parse();
+    if let Cmd::Run(a) = &mut cli.cmd {
+        a.note_dashdash(&std::env::args().collect::<Vec<_>>());
+    }
     common::init_tracing();
     // One worker per 8 cores, from 2 to 8: meshd shares the machine with the job's own
     // processes, but on a many-core GPU node the QUIC ring's lanes need cores of their own.
@@ -101,7 +104,15 @@ fn main() -> ExitCode {
     };
     let res = rt.block_on(async {
         // Installed first and once: every wait of every command ends on SIGINT/SIGTERM.
-        let signals = match meshd::signals::Signals::install() {
+        let installed = match &cli.cmd {
+            // `run` forwards SIGUSR1/SIGUSR2 to its ranks and stops on --signals-to-handle.
+            Cmd::Run(a) => match meshd::signals::parse_stops(&a.job.signals_to_handle) {
+                Ok(stops) => meshd::signals::Signals::install_with(&stops, true),
+                Err(e) => return Err(anyhow::anyhow!("{e}")),
+            },
+            _ => meshd::signals::Signals::install(),
+        };
+        let signals = match installed {
             Ok(s) => s,
             Err(e) => return Err(anyhow::anyhow!("cannot watch SIGINT/SIGTERM: {e}")),
         };

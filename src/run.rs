@@ -2,12 +2,15 @@
 
 use crate::common::{self, NetArgs};
 use anyhow::{Context, Result, bail};
+use clap::ArgAction;
+use clap::builder::BoolishValueParser;
 use meshd::job::{self, JobConfig};
 use meshd::mesh::{Mesh, MeshConfig, stable_hash};
 use meshd::preflight::PreflightInput;
 use meshd::proto::membership::MembershipConfig;
 use meshd::proto::rendezvous::RdzvConfig;
 use meshd::signals::Signals;
+use meshd::supervisor::{OutputSpec, StdStreams};
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -15,34 +18,66 @@ use std::time::Duration;
 pub struct Args {
     #[command(flatten)]
     pub job: JobArgs,
-    /// The command to start on every node, once per local process.
-    #[arg(last = true, required = true, value_name = "CMD")]
+    /// torchrun's -m: run the script as a Python module (`python -u -m MODULE ARGS`).
+    #[arg(short = 'm', long, env = "PET_MODULE", value_parser = BoolishValueParser::new(), default_value_t = false, action = ArgAction::SetTrue)]
+    pub module: bool,
+    /// torchrun's --no-python: run the script directly, not through Python.
+    #[arg(long, alias = "no_python", env = "PET_NO_PYTHON", value_parser = BoolishValueParser::new(), default_value_t = false, action = ArgAction::SetTrue)]
+    pub no_python: bool,
+    /// torchrun's --run-path: run the script as `__main__` in a fresh Python (the same as a script path here).
+    #[arg(long, alias = "run_path", env = "PET_RUN_PATH", value_parser = BoolishValueParser::new(), default_value_t = false, action = ArgAction::SetTrue)]
+    pub run_path: bool,
+    /// The command to start on every node, once per local process: after `--` as given
+    /// (`meshd run -- python train.py`), or torchrun's form without `--`, a Python script
+    /// (a module with -m) and its arguments, run as `PYTHON -u SCRIPT ARGS`: the first of
+    /// them ends meshd's options.
+    #[arg(value_name = "CMD", trailing_var_arg = true, required = true)]
     pub cmd: Vec<String>,
+    /// Whether CMD came after `--` (set from the raw arguments by [`Args::note_dashdash`]).
+    #[arg(skip)]
+    pub dashdash: bool,
 }
 
-/// Options shared by `run` and `doctor`.
+impl Args {
+    /// Notes whether CMD followed `--` in `argv` (the raw command line): CMD is the tail of
+    /// it, so the word before that tail tells.
+    pub fn note_dashdash<S: AsRef<str>>(&mut self, argv: &[S]) {
+        let n = self.cmd.len();
+        self.dashdash = argv.len() > n && argv[argv.len() - n - 1].as_ref() == "--";
+    }
+}
+
+/// Options shared by `run` and `doctor`. Every multi-word flag is also accepted with
+/// underscores (torchrun's spelling), and torchrun's flags also from their `PET_<NAME>`
+/// variables (flag > variable > default), as Kubeflow's PyTorchJob sets them.
 #[derive(clap::Args, Debug)]
 pub struct JobArgs {
-    /// Nodes to wait for: N, or MIN:MAX (start once MIN are present and no newcomer arrived for --settle); default 1 without peers.
-    #[arg(long, env = "SLURM_NNODES")]
+    /// Nodes to wait for: N, or MIN:MAX (start once MIN are present and no newcomer arrived for --settle); default: SLURM_NNODES, else 1 without peers.
+    #[arg(long, env = "PET_NNODES")]
     pub nnodes: Option<String>,
     /// Peers: host[:port],...  @FILE  dns:NAME (default: SLURM_JOB_NODELIST). Any one reachable member is enough.
     #[arg(long)]
     pub peers: Option<String>,
-    /// Processes per node: a number, or auto (visible GPUs, else 1).
-    #[arg(long, default_value = "auto")]
+    /// torchrun's rendezvous endpoint HOST[:PORT]: HOST is one more peer, reached on meshd's --port (the PORT, torchrun's TCP store port, is not used).
+    #[arg(long, alias = "rdzv_endpoint", env = "PET_RDZV_ENDPOINT")]
+    pub rdzv_endpoint: Option<String>,
+    /// Processes per node: a number, auto (visible GPUs, else 1), gpu (visible GPUs) or cpu (CPU count, as torchrun).
+    #[arg(long, alias = "nproc_per_node", env = "PET_NPROC_PER_NODE", default_value = "auto")]
     pub nproc_per_node: String,
+    /// One node only: no peers, no token; an ephemeral UDP port unless --port is given (torchrun's --standalone).
+    #[arg(long, env = "PET_STANDALONE", value_parser = BoolishValueParser::new(), default_value_t = false, action = ArgAction::SetTrue)]
+    pub standalone: bool,
     /// Force the interface instead of choosing by probing.
     #[arg(long)]
     pub iface: Option<String>,
-    /// Separates jobs on the same network (default: from SLURM_JOB_ID; never from the token).
-    #[arg(long)]
+    /// Separates jobs on the same network (default: from SLURM_JOB_ID; never from the token); --rdzv-id is the same.
+    #[arg(long, aliases = ["run_id", "rdzv-id", "rdzv_id"], env = "PET_RDZV_ID")]
     pub run_id: Option<String>,
     /// Re-rendezvous and restart all ranks up to N times after a failure.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, alias = "max_restarts", env = "PET_MAX_RESTARTS", default_value_t = 0)]
     pub max_restarts: u32,
     /// Give up waiting for nodes after this long (300s, 5m, 1h).
-    #[arg(long, default_value = "300s", value_parser = parse_duration)]
+    #[arg(long, alias = "rdzv_timeout", default_value = "300s", value_parser = parse_duration)]
     pub rdzv_timeout: Duration,
     /// With --nnodes MIN:MAX: start after this long without a newcomer.
     #[arg(long, default_value = "3s", value_parser = parse_duration)]
@@ -50,12 +85,54 @@ pub struct JobArgs {
     /// auto | nccl | quic (MESHD_COLLECTIVE given to the ranks).
     #[arg(long, default_value = "auto", value_parser = ["auto", "nccl", "quic"])]
     pub collective: String,
-    /// Also write each rank's stdout/stderr to DIR/rankN.out and DIR/rankN.err.
-    #[arg(long)]
+    /// Also write each rank's stdout/stderr to files under DIR.
+    #[arg(long, alias = "log_dir", env = "PET_LOG_DIR")]
     pub log_dir: Option<std::path::PathBuf>,
+    /// torchrun's --redirects: streams that go only to the log files, not the console: 0 none, 1 stdout, 2 stderr, 3 both; or per local rank (0:1,1:2).
+    #[arg(short = 'r', long, env = "PET_REDIRECTS")]
+    pub redirects: Option<String>,
+    /// torchrun's --tee: streams that go to the console as well as the log files (same values as --redirects).
+    #[arg(short = 't', long, env = "PET_TEE")]
+    pub tee: Option<String>,
+    /// Only these local ranks' output on the console (0,1); log files get every rank's.
+    #[arg(long, alias = "local_ranks_filter", env = "PET_LOCAL_RANKS_FILTER")]
+    pub local_ranks_filter: Option<String>,
     /// Time between SIGTERM and SIGKILL when stopping ranks.
     #[arg(long, default_value = "5s", value_parser = parse_duration)]
     pub grace: Duration,
+    /// Signals that stop the job (torchrun's --signals-to-handle; SIGINT and SIGTERM always do). SIGUSR1/SIGUSR2 not listed are forwarded to every rank on every node.
+    #[arg(long, alias = "signals_to_handle", env = "PET_SIGNALS_TO_HANDLE", default_value = meshd::signals::DEFAULT_STOPS)]
+    pub signals_to_handle: String,
+    /// Stop the job, printing the ranks' Python stacks, when no rank of a node wrote output or called meshd's local service for this long (exit status 124).
+    #[arg(long, alias = "stall_timeout", value_parser = parse_duration)]
+    pub stall_timeout: Option<Duration>,
+    /// The ranks' ROLE_NAME (torchrun's --role).
+    #[arg(long, env = "PET_ROLE", default_value = "default")]
+    pub role: String,
+    /// torchrun's per-node flag: accepted, checked against the node rank meshd agreed on (a difference is a warning).
+    #[arg(long, alias = "node_rank", env = "PET_NODE_RANK")]
+    pub node_rank: Option<u32>,
+    /// torchrun's per-node flag: accepted, checked against the master meshd agreed on (a difference is a warning).
+    #[arg(long, alias = "master_addr", env = "PET_MASTER_ADDR")]
+    pub master_addr: Option<String>,
+    /// MASTER_PORT to use when it is free on the master (else a free one, with a warning naming both).
+    #[arg(long, alias = "master_port", env = "PET_MASTER_PORT")]
+    pub master_port: Option<u16>,
+    /// torchrun's rendezvous backend: accepted and ignored (meshd is the rendezvous).
+    #[arg(long, alias = "rdzv_backend", env = "PET_RDZV_BACKEND", hide = true)]
+    pub rdzv_backend: Option<String>,
+    /// torchrun's rendezvous configuration: accepted and ignored.
+    #[arg(long, alias = "rdzv_conf", env = "PET_RDZV_CONF", hide = true)]
+    pub rdzv_conf: Option<String>,
+    /// torchrun's monitor interval: accepted and ignored (meshd learns of an exit at once).
+    #[arg(long, alias = "monitor_interval", env = "PET_MONITOR_INTERVAL", hide = true)]
+    pub monitor_interval: Option<String>,
+    /// torchrun's start method: accepted and ignored (ranks are always separate processes).
+    #[arg(long, alias = "start_method", env = "PET_START_METHOD", hide = true)]
+    pub start_method: Option<String>,
+    /// torchrun's local address: accepted and ignored (meshd proves which interface connects the nodes).
+    #[arg(long, alias = "local_addr", env = "PET_LOCAL_ADDR", hide = true)]
+    pub local_addr: Option<String>,
     #[command(flatten)]
     pub net: NetArgs,
 }
@@ -121,17 +198,115 @@ pub fn nnodes_or_default(flag: Option<&str>, peers: Option<&str>, slurm_nodelist
     }
 }
 
-/// Processes per node: a number, or (`auto`) the visible `gpus`, else 1.
+/// Processes per node: a number, `auto` (the visible `gpus`, else 1), `gpu` (the visible
+/// GPUs; an error without any) or `cpu` (the CPU count, as torchrun's `os.cpu_count()`).
 pub fn nproc(spec: &str, gpus: u32) -> Result<u32> {
-    if spec != "auto" {
-        let n: u32 = spec
-            .parse()
-            .ok()
-            .filter(|n| *n > 0)
-            .with_context(|| format!("--nproc-per-node {spec:?}: expected a positive number or auto"))?;
-        return Ok(n);
+    match spec {
+        "auto" => return Ok(gpus.max(1)),
+        "gpu" if gpus == 0 => {
+            bail!("--nproc-per-node gpu: no GPU is visible on this node (try auto, cpu or N)")
+        }
+        "gpu" => return Ok(gpus),
+        "cpu" => return Ok(cpu_count()),
+        _ => {}
     }
-    Ok(gpus.max(1))
+    spec.parse()
+        .ok()
+        .filter(|n| *n > 0)
+        .with_context(|| format!("--nproc-per-node {spec:?}: expected a positive number, auto, gpu or cpu"))
+}
+
+/// Logical CPUs online, as Python's `os.cpu_count()`.
+fn cpu_count() -> u32 {
+    // SAFETY: sysconf reads a system constant.
+    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    if n > 0 { n as u32 } else { std::thread::available_parallelism().map(|n| n.get() as u32).unwrap_or(1) }
+}
+
+/// The host of torchrun's `--rdzv-endpoint HOST[:PORT]` (`[V6]:PORT` too) and its port.
+pub fn endpoint_host(ep: &str) -> (String, Option<u16>) {
+    let ep = ep.trim();
+    if let Some(rest) = ep.strip_prefix('[') {
+        if let Some((h, tail)) = rest.split_once(']') {
+            return (h.to_string(), tail.strip_prefix(':').and_then(|p| p.parse().ok()));
+        }
+    }
+    match ep.split_once(':') {
+        Some((h, p)) if !p.contains(':') => (h.to_string(), p.parse().ok()),
+        _ => (ep.to_string(), None),
+    }
+}
+
+/// The peer list from `--peers` and torchrun's `--rdzv-endpoint` (its host, on meshd's port).
+pub fn seed_list(peers: Option<&str>, endpoint: Option<&str>, port: u16) -> Option<String> {
+    let ep = endpoint.filter(|e| !e.trim().is_empty()).map(|e| {
+        let (host, p) = endpoint_host(e);
+        match p {
+            Some(p) if p != port => tracing::info!(
+                "--rdzv-endpoint {e}: joining through {host} on meshd's UDP port {port} (the port {p} is \
+                 torchrun's TCP store port; meshd has no separate one: pass --port {p} to use that)"
+            ),
+            _ => tracing::debug!("--rdzv-endpoint {e}: {host} is a seed peer on port {port}"),
+        }
+        if host.contains(':') { format!("[{host}]") } else { host }
+    });
+    match (peers, ep) {
+        (Some(p), Some(e)) => Some(format!("{p},{e}")),
+        (Some(p), None) => Some(p.to_string()),
+        (None, e) => e,
+    }
+}
+
+/// The Python that runs a script given torchrun's way: `MESHD_PYTHON`, else torchrun's
+/// `PYTHON_EXEC`, else the `python3` (or `python`) beside meshd's own executable (meshd
+/// installed into a virtual environment's `bin/`), else `python3` on PATH.
+pub fn python() -> String {
+    for v in ["MESHD_PYTHON", "PYTHON_EXEC"] {
+        if let Ok(p) = std::env::var(v) {
+            if !p.trim().is_empty() {
+                return p;
+            }
+        }
+    }
+    if let Some(dir) = std::env::current_exe().ok().and_then(|e| e.parent().map(|d| d.to_path_buf())) {
+        for name in ["python3", "python"] {
+            let p = dir.join(name);
+            if p.is_file() {
+                return p.display().to_string();
+            }
+        }
+    }
+    "python3".into()
+}
+
+/// What every rank runs: `-- CMD` as given (with `-m`: `PYTHON -u -m CMD`), or torchrun's
+/// form `SCRIPT ARGS` as `PYTHON -u SCRIPT ARGS` (`-m`: a module; `--no-python`: SCRIPT
+/// itself; `--run-path`: as a script path).
+pub fn command(a: &Args, python: &str) -> Result<Vec<String>> {
+    let py = |m: bool, rest: &[String]| {
+        let mut v = vec![python.to_string(), "-u".to_string()];
+        if m {
+            v.push("-m".into());
+        }
+        v.extend(rest.iter().cloned());
+        v
+    };
+    if a.module && a.no_python {
+        bail!("-m (--module) and --no-python cannot be used together: a module needs Python");
+    }
+    if a.run_path && a.module {
+        bail!("--run-path and -m (--module) cannot be used together: --run-path takes a script path");
+    }
+    if a.cmd.is_empty() {
+        bail!(
+            "no command: give it after `--` (meshd run [OPTS] -- CMD ARGS) or, as with torchrun, a Python \
+             script and its arguments (meshd run [OPTS] train.py --lr 3)"
+        );
+    }
+    if !a.dashdash {
+        return Ok(if a.no_python { a.cmd.clone() } else { py(a.module, &a.cmd) });
+    }
+    Ok(if a.module { py(true, &a.cmd) } else { a.cmd.clone() })
 }
 
 /// Everything `run` and `doctor` need, from the flags.
@@ -158,11 +333,42 @@ pub fn show_cmd(cmd: &[String]) -> String {
 }
 
 pub fn prepare(a: &JobArgs, cmd: &[String]) -> Result<Prepared> {
-    let nnodes = &nnodes_or_default(
-        a.nnodes.as_deref(),
-        a.peers.as_deref(),
-        std::env::var_os("SLURM_JOB_NODELIST").is_some(),
-    )?;
+    for (flag, v, why) in [
+        ("--rdzv-backend", &a.rdzv_backend, "meshd is the rendezvous"),
+        ("--rdzv-conf", &a.rdzv_conf, "meshd's rendezvous takes --rdzv-timeout and --settle"),
+        ("--monitor-interval", &a.monitor_interval, "meshd learns of a rank's exit at once"),
+        ("--start-method", &a.start_method, "ranks are always separate processes"),
+        ("--local-addr", &a.local_addr, "meshd proves which interface connects the nodes"),
+    ] {
+        if let Some(v) = v {
+            tracing::debug!("{flag} {v} accepted and ignored: {why}");
+        }
+    }
+    let slurm_nnodes = std::env::var("SLURM_NNODES").ok().filter(|v| !v.is_empty());
+    let mut port = a.net.port;
+    let (nnodes, peer_text) = if a.standalone {
+        if let Some(n) = a.nnodes.as_deref().filter(|n| parse_nnodes(n).ok() != Some((1, 1))) {
+            bail!("--standalone runs one node: --nnodes {n} contradicts it (drop one of them)");
+        }
+        if a.peers.is_some() || a.rdzv_endpoint.is_some() {
+            tracing::info!("--standalone: one node, the listed peers and --rdzv-endpoint are not contacted");
+        }
+        // As torchrun's standalone rendezvous: any free port, so several such jobs can share a
+        // machine, unless --port says which.
+        if !std::env::args().any(|x| x == "--port" || x.starts_with("--port=")) {
+            port = 0;
+        }
+        ("1".to_string(), None)
+    } else {
+        let peer_text = seed_list(a.peers.as_deref(), a.rdzv_endpoint.as_deref(), port);
+        let nnodes = nnodes_or_default(
+            a.nnodes.as_deref().or(slurm_nnodes.as_deref()),
+            peer_text.as_deref(),
+            std::env::var_os("SLURM_JOB_NODELIST").is_some(),
+        )?;
+        (nnodes, peer_text)
+    };
+    let nnodes = &nnodes;
     let (min, max) = parse_nnodes(nnodes)?;
     // GPUs through the CUDA driver (else /dev/nvidiaN): both `auto` and the preflight use it.
     let (gpus, cuda_driver) = match meshd_nccl::cuda_info() {
@@ -171,10 +377,26 @@ pub fn prepare(a: &JobArgs, cmd: &[String]) -> Result<Prepared> {
     };
     let nproc = nproc(&a.nproc_per_node, gpus)?;
     let token = a.net.token_for(max)?;
-    let (peers, unresolved) = common::peers(a.peers.as_deref(), a.net.port)?;
+    let (peers, unresolved) =
+        if a.standalone { (Vec::new(), Vec::new()) } else { common::peers(peer_text.as_deref(), port)? };
     if peers.is_empty() && unresolved.is_empty() && max > 1 {
-        bail!("--nnodes {nnodes} needs --peers (or SLURM_JOB_NODELIST): at least one other node's address");
+        bail!(
+            "--nnodes {nnodes} needs --peers (or --rdzv-endpoint, or SLURM_JOB_NODELIST): at least one other \
+             node's address"
+        );
     }
+    let output = OutputSpec {
+        redirects: parse_std_opt("--redirects", a.redirects.as_deref())?,
+        tee: parse_std_opt("--tee", a.tee.as_deref())?,
+        console_ranks: match a.local_ranks_filter.as_deref().map(str::trim).filter(|s| !s.is_empty()) {
+            None => None,
+            Some(f) => {
+                Some(f.split(',').map(|r| r.trim().parse::<u32>()).collect::<Result<Vec<u32>, _>>().map_err(
+                    |_| anyhow::anyhow!("--local-ranks-filter {f:?}: expected local ranks like 0,1"),
+                )?)
+            }
+        },
+    };
     let cmd_hash = stable_hash(&cmd.iter().map(|s| s.as_bytes()).collect::<Vec<_>>());
     // The default run id depends on SLURM's job id only: never on the token (it reaches the
     // ranks' TORCHELASTIC_RUN_ID and the socket path; nothing derived from the token may be
@@ -201,7 +423,7 @@ pub fn prepare(a: &JobArgs, cmd: &[String]) -> Result<Prepared> {
 
     let mesh = MeshConfig {
         node: meshd::random_node_id(),
-        port: a.net.port,
+        port,
         token,
         run_id: run_id.clone(),
         peers,
@@ -239,8 +461,22 @@ pub fn prepare(a: &JobArgs, cmd: &[String]) -> Result<Prepared> {
             nccl_note,
         },
         grace: a.grace,
+        role: a.role.clone(),
+        expect_node_rank: a.node_rank,
+        expect_master_addr: a.master_addr.clone(),
+        master_port: a.master_port,
+        output,
+        stall_timeout: a.stall_timeout.filter(|d| !d.is_zero()),
     };
     Ok(Prepared { mesh, job, run_id })
+}
+
+/// `--redirects` / `--tee`, when given.
+fn parse_std_opt(flag: &str, v: Option<&str>) -> Result<StdStreams> {
+    match v {
+        None => Ok(StdStreams::default()),
+        Some(v) => StdStreams::parse(v).map_err(|e| anyhow::anyhow!("{flag} {v:?}: {e}")),
+    }
 }
 
 /// Without libnccl: the one INFO line (what is missing, what is not set because of it, how
@@ -284,7 +520,9 @@ pub fn nproc_gpus() -> u32 {
 }
 
 pub async fn main(a: Args, signals: Signals) -> Result<ExitCode> {
-    let p = prepare(&a.job, &a.cmd)?;
+    let cmd = command(&a, &python())?;
+    tracing::debug!("command of every rank: {}", show_cmd(&cmd));
+    let p = prepare(&a.job, &cmd)?;
     let mut sig = signals.clone();
     let mut mesh = tokio::select! {
         m = Mesh::start(p.mesh) => m?,
@@ -363,5 +601,88 @@ mod tests {
         assert!(nproc("many", 0).is_err());
         assert_eq!(nproc("auto", 8).expect("auto"), 8);
         assert_eq!(nproc("auto", 0).expect("auto"), 1);
+        assert_eq!(nproc("gpu", 4).expect("gpu"), 4);
+        assert!(nproc("gpu", 0).expect_err("no gpu").to_string().contains("no GPU"));
+        assert_eq!(nproc("cpu", 0).expect("cpu"), cpu_count());
+        assert!(cpu_count() >= 1);
+    }
+
+    #[derive(clap::Parser, Debug)]
+    struct T {
+        #[command(subcommand)]
+        c: Sub,
+    }
+
+    #[derive(clap::Subcommand, Debug)]
+    enum Sub {
+        Run(Args),
+    }
+
+    /// A command line as the shell splits it -> the parsed `run` arguments.
+    fn parse(line: &str) -> Result<Args, clap::Error> {
+        use clap::Parser;
+        let argv: Vec<&str> = std::iter::once("meshd").chain(line.split_whitespace()).collect();
+        let Sub::Run(mut a) = T::try_parse_from(&argv)?.c;
+        a.note_dashdash(&argv);
+        Ok(a)
+    }
+
+    fn runs(line: &str) -> Vec<String> {
+        let a = parse(line).unwrap_or_else(|e| panic!("{line}: {e}"));
+        command(&a, "/venv/bin/python3").unwrap_or_else(|e| panic!("{line}: {e}"))
+    }
+
+    #[test]
+    fn a_torchrun_line_runs_unchanged() {
+        let line = "run --nnodes=3 --nproc_per_node=2 --rdzv_id=job7 --rdzv_backend=c10d \
+                    --rdzv_endpoint=head:29400 --max_restarts 2 --monitor_interval=5 --start_method spawn \
+                    --role trainer --log_dir /tmp/l --redirects 3 --tee 0:3 --local_ranks_filter 0 \
+                    train.py --lr 3 --epochs=2";
+        let a = parse(line).expect("parses");
+        assert_eq!(
+            command(&a, "/venv/bin/python3").expect("cmd"),
+            ["/venv/bin/python3", "-u", "train.py", "--lr", "3", "--epochs=2"]
+        );
+        let j = &a.job;
+        assert_eq!(j.nnodes.as_deref(), Some("3"));
+        assert_eq!(j.nproc_per_node, "2");
+        assert_eq!(j.run_id.as_deref(), Some("job7"));
+        assert_eq!(j.max_restarts, 2);
+        assert_eq!(j.role, "trainer");
+        assert_eq!(j.log_dir.as_deref(), Some(std::path::Path::new("/tmp/l")));
+        assert_eq!(j.rdzv_backend.as_deref(), Some("c10d"));
+        assert_eq!(j.local_ranks_filter.as_deref(), Some("0"));
+        // The rendezvous endpoint's host is a seed peer, reached on meshd's own port.
+        assert_eq!(seed_list(j.peers.as_deref(), j.rdzv_endpoint.as_deref(), 29400).as_deref(), Some("head"));
+        assert_eq!(seed_list(Some("a,b"), Some("[fd00::1]:29500"), 29400).as_deref(), Some("a,b,[fd00::1]"));
+        assert_eq!(endpoint_host("head"), ("head".to_string(), None));
+        assert_eq!(endpoint_host("10.0.0.2:1234"), ("10.0.0.2".to_string(), Some(1234)));
+        assert_eq!(endpoint_host("[::1]:29400"), ("::1".to_string(), Some(29400)));
+        // Dashes and underscores alike; per-node flags are accepted.
+        let a = parse("run --nproc-per-node 4 --node_rank 1 --master_addr 10.0.0.2 --master-port 29500 x.py")
+            .expect("parses");
+        assert_eq!(
+            (a.job.node_rank, a.job.master_addr.as_deref(), a.job.master_port),
+            (Some(1), Some("10.0.0.2"), Some(29500))
+        );
+    }
+
+    #[test]
+    fn script_module_no_python_and_dashdash_forms() {
+        let py = "/venv/bin/python3";
+        assert_eq!(runs("run --standalone -- python train.py --lr 3"), ["python", "train.py", "--lr", "3"]);
+        assert_eq!(runs("run train.py"), [py, "-u", "train.py"]);
+        // The first positional ends meshd's options: later flags are the script's.
+        assert_eq!(runs("run train.py --nnodes 9 -- x"), [py, "-u", "train.py", "--nnodes", "9", "--", "x"]);
+        assert_eq!(runs("run -m pkg.train --lr 3"), [py, "-u", "-m", "pkg.train", "--lr", "3"]);
+        assert_eq!(runs("run --module -- pkg.train"), [py, "-u", "-m", "pkg.train"]);
+        assert_eq!(runs("run --no_python ./train.sh a"), ["./train.sh", "a"]);
+        assert_eq!(runs("run --no-python -- ./train.sh"), ["./train.sh"]);
+        assert_eq!(runs("run --run_path /abs/train.py a"), [py, "-u", "/abs/train.py", "a"]);
+        let a = parse("run -m --no-python x").expect("parses");
+        assert!(command(&a, py).is_err());
+        assert!(parse("run --nproc-per-node 2").is_err(), "a command is required");
+        let e = parse("run --nproc-per-nod 2 -- true").expect_err("typo").to_string();
+        assert!(e.contains("--nproc-per-node"), "{e}");
     }
 }

@@ -88,3 +88,39 @@ fn port_in_use_is_said_once_with_its_holder() {
     assert!(err.contains("--port"), "{err}");
     drop(held);
 }
+
+/// torchrun's PET_ variables (as Kubeflow's PyTorchJob sets them) stand in for flags; a flag
+/// wins over its variable; a script path without `--` runs under Python.
+#[test]
+fn pet_variables_stand_in_for_flags_and_a_flag_wins() {
+    let dir = std::env::temp_dir().join(format!("meshd-cli-pet-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let script = dir.join("ws.py");
+    std::fs::write(&script, "import os\nprint('WS', os.environ['WORLD_SIZE'], os.environ['ROLE_NAME'])\n")
+        .expect("w");
+    let run = |extra: &[&str]| {
+        let mut args = vec!["run"];
+        args.extend_from_slice(extra);
+        let s = script.display().to_string();
+        args.push(&s);
+        let o = Command::new(env!("CARGO_BIN_EXE_meshd"))
+            .args(&args)
+            .env_remove("SLURM_NNODES")
+            .env_remove("SLURM_JOB_NODELIST")
+            .env_remove("MESHD_TOKEN")
+            .env("PET_NPROC_PER_NODE", "3")
+            .env("PET_STANDALONE", "1")
+            .env("PET_ROLE", "worker")
+            .env("PET_RDZV_BACKEND", "c10d")
+            .output()
+            .expect("run meshd");
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "{out}\n{err}");
+        out
+    };
+    let out = run(&[]);
+    assert_eq!(out.matches("WS 3 worker").count(), 3, "{out}");
+    let out = run(&["--nproc_per_node", "1"]);
+    assert_eq!(out.matches("WS 1 worker").count(), 1, "{out}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -40,7 +40,7 @@ fn three_hosts_two_procs_get_the_exact_environment() {
         return;
     }
     let mut lab = Lab::new(3);
-    let vars = "RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK NODE_RANK GROUP_WORLD_SIZE ROLE_NAME ROLE_RANK ROLE_WORLD_SIZE MASTER_ADDR MASTER_PORT TORCHELASTIC_RUN_ID TORCHELASTIC_RESTART_COUNT TORCHELASTIC_MAX_RESTARTS TORCH_NCCL_ASYNC_ERROR_HANDLING OMP_NUM_THREADS NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME MESHD_IFACE MESHD_NODE_ADDR MESHD_COLLECTIVE";
+    let vars = "RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK NODE_RANK GROUP_WORLD_SIZE ROLE_NAME ROLE_RANK ROLE_WORLD_SIZE MASTER_ADDR MASTER_PORT TORCHELASTIC_RUN_ID TORCHELASTIC_RESTART_COUNT TORCHELASTIC_MAX_RESTARTS TORCHELASTIC_ERROR_FILE PYTHONUNBUFFERED TORCH_NCCL_ASYNC_ERROR_HANDLING OMP_NUM_THREADS NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME MESHD_IFACE MESHD_NODE_ADDR MESHD_COLLECTIVE";
     let script = format!(
         "printf 'ENV'; for v in {vars}; do eval printf \"' %s=%s'\" $v \\\"\\${{$v}}\\\"; done; echo"
     );
@@ -52,9 +52,10 @@ fn three_hosts_two_procs_get_the_exact_environment() {
         &["sh", "-c", &script],
         Duration::from_secs(60),
     );
-    // --log-dir: each rank's stdout also lands in DIR/rankN.out.
+    // --log-dir: each rank's stdout also lands in DIR/attempt_0/rankN.out (one directory per
+    // restart round; files are never appended to across rounds).
     for r in 0..6 {
-        let f = std::fs::read_to_string(logs.join(format!("rank{r}.out"))).unwrap_or_default();
+        let f = std::fs::read_to_string(logs.join(format!("attempt_0/rank{r}.out"))).unwrap_or_default();
         assert!(f.contains(&format!("ENV RANK={r} ")), "rank{r}.out: {f:?}");
     }
     let _ = std::fs::remove_dir_all(&logs);
@@ -85,6 +86,12 @@ fn three_hosts_two_procs_get_the_exact_environment() {
         assert_eq!(e["MESHD_IFACE"], "eth1");
         assert_eq!(e["OMP_NUM_THREADS"], "1");
         assert_eq!(e["TORCH_NCCL_ASYNC_ERROR_HANDLING"], "1");
+        assert_eq!(e["PYTHONUNBUFFERED"], "1");
+        assert_eq!(
+            e["TORCHELASTIC_ERROR_FILE"],
+            format!("{logs_s}/attempt_0/rank{}.error.json", e["RANK"]),
+            "a per-rank error file in the round's directory"
+        );
         assert_eq!(e["TORCHELASTIC_RESTART_COUNT"], "0");
         assert_eq!(e["TORCHELASTIC_RUN_ID"], all[0]["TORCHELASTIC_RUN_ID"]);
         assert_eq!(e["GROUP_RANK"], e["NODE_RANK"]);
@@ -118,7 +125,7 @@ fn one_failing_rank_stops_the_job_on_every_node() {
     );
     let took = t.elapsed();
     for (i, (code, _, err)) in res.iter().enumerate() {
-        assert_eq!(*code, Some(1), "host {i} must exit 1:\n{err}");
+        assert_eq!(*code, Some(7), "host {i} must exit with the failed rank's status 7:\n{err}");
         assert!(
             err.contains("rank 4 (local rank 0)") && err.contains("exited with status 7"),
             "host {i} must name the rank:\n{err}"
@@ -323,4 +330,260 @@ fn a_dead_node_replaced_by_a_new_one_restarts_the_job_with_max_restarts() {
     for (i, out) in outs.iter().enumerate() {
         assert!(out.contains("REPLACED count=1"), "node {i} must run restart round 1:\n{out}");
     }
+}
+
+/// A torchrun launch line, unchanged but for `torchrun` -> `meshd run`: underscores, the
+/// rendezvous endpoint of a head node (not the master), a script path without `--`, and
+/// torchrun's per-node flags (here deliberately not what meshd decides: each node is told its
+/// host index as node rank, so every node warns, naming both values).
+#[test]
+fn a_torchrun_launch_line_runs_on_three_hosts() {
+    if !lab::available() {
+        return;
+    }
+    let mut lab = Lab::new(3);
+    let dir = std::env::temp_dir().join(format!("meshd-torchrun-line-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let script = dir.join("print_env.py");
+    std::fs::write(
+        &script,
+        "import os, sys\n\
+         keys = 'RANK LOCAL_RANK WORLD_SIZE NODE_RANK MASTER_ADDR TORCHELASTIC_RUN_ID TORCHELASTIC_MAX_RESTARTS'.split()\n\
+         print('ENV ' + ' '.join(f'{k}={os.environ[k]}' for k in keys) + ' ARGS=' + ','.join(sys.argv[1:]) \
+         + ' U=' + str('-u' in sys.orig_argv))\n",
+    )
+    .expect("script");
+    let script_s = script.display().to_string();
+    let head = format!("{}:29400", lab.hosts[0].eth1);
+    let ks: Vec<usize> = (0..3)
+        .map(|i| {
+            let node_rank = format!("--node_rank={i}");
+            let args = [
+                meshd(),
+                "run",
+                "--nnodes=3",
+                "--nproc_per_node=2",
+                "--max_restarts=0",
+                "--rdzv_id=torchrun-line",
+                "--rdzv_backend=c10d",
+                "--rdzv_endpoint",
+                &head,
+                &node_rank,
+                &script_s,
+                "--lr",
+                "3",
+                "--epochs=2",
+            ];
+            lab.spawn(i, &args, &[("MESHD_TOKEN", "lab-secret")])
+        })
+        .collect();
+    // Node ranks follow eth1 addresses: host 0 (.30) is node 2, host 1 (.7) node 0, host 2 (.19) node 1.
+    let agreed = [2, 0, 1];
+    let mut ranks = Vec::new();
+    for (i, k) in ks.into_iter().enumerate() {
+        let (code, out, err) = lab.wait(k, Duration::from_secs(60));
+        assert_eq!(code, Some(0), "host {i}:\n{out}\n{err}");
+        let envs = env_lines(&out);
+        assert_eq!(envs.len(), 2, "host {i}:\n{out}\n{err}");
+        for e in &envs {
+            assert_eq!(e["WORLD_SIZE"], "6");
+            assert_eq!(e["TORCHELASTIC_RUN_ID"], "torchrun-line");
+            assert_eq!(e["TORCHELASTIC_MAX_RESTARTS"], "0");
+            assert_eq!(e["NODE_RANK"], agreed[i].to_string(), "host {i}");
+            assert_eq!(e["ARGS"], "--lr,3,--epochs=2", "the script's own arguments");
+            assert_eq!(e["U"], "True", "run as python -u");
+            ranks.push(e["RANK"].parse::<u32>().expect("rank"));
+        }
+        let want = format!("--node-rank {i} disagrees with the node rank the nodes agreed on, {}", agreed[i]);
+        assert!(err.contains(&want), "host {i} must warn ({want}):\n{err}");
+    }
+    ranks.sort();
+    assert_eq!(ranks, [0, 1, 2, 3, 4, 5]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A rank's Python exception, recorded by torch's `@record` in its TORCHELASTIC_ERROR_FILE,
+/// is the root cause every node prints; every meshd exits with the rank's status, and
+/// `--log-dir` gets error.json.
+#[test]
+fn a_rank_exception_is_the_root_cause_on_every_node() {
+    if !lab::available() {
+        return;
+    }
+    let mut lab = Lab::new(3);
+    let dir = std::env::temp_dir().join(format!("meshd-root-cause-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("dir");
+    let script = dir.join("fail.py");
+    std::fs::write(
+        &script,
+        "import os, time\n\
+         from torch.distributed.elastic.multiprocessing.errors import record\n\
+         def deepest_frame_xq():\n    raise ValueError('boom-7d1f3 on rank ' + os.environ['RANK'])\n\
+         @record\n\
+         def main():\n    if os.environ['RANK'] == '2':\n        time.sleep(1)\n        deepest_frame_xq()\n    time.sleep(60)\n\
+         if __name__ == '__main__':\n    main()\n",
+    )
+    .expect("script");
+    let logs = dir.join("logs");
+    let (script_s, logs_s) = (script.display().to_string(), logs.display().to_string());
+    let peers = lab.peers();
+    let args = [
+        meshd(),
+        "run",
+        "--nnodes",
+        "3",
+        "--peers",
+        &peers,
+        "--rdzv-timeout",
+        "60s",
+        "--nproc-per-node",
+        "1",
+        "--grace",
+        "2s",
+        "--log-dir",
+        &logs_s,
+        &script_s,
+    ];
+    let res = lab.run_on_all(
+        &args,
+        &[("MESHD_TOKEN", "lab-secret"), ("MESHD_PYTHON", "/usr/bin/python3")],
+        Duration::from_secs(120),
+    );
+    for (i, (code, _, err)) in res.iter().enumerate() {
+        assert_eq!(*code, Some(1), "host {i} must exit with the rank's status 1:\n{err}");
+        let block = err
+            .split("meshd: root cause: ")
+            .nth(1)
+            .unwrap_or_else(|| panic!("host {i}: no root cause:\n{err}"));
+        assert!(block.starts_with("rank 2 (local rank 0, node rank"), "host {i}:\n{block}");
+        assert!(block.contains("ValueError: boom-7d1f3 on rank 2"), "host {i}:\n{block}");
+        assert!(block.contains("in deepest_frame_xq"), "the traceback's last frame, host {i}:\n{block}");
+        assert!(block.contains("TORCHELASTIC_ERROR_FILE"), "host {i}:\n{block}");
+    }
+    let json = std::fs::read_to_string(logs.join("error.json")).expect("error.json");
+    let v: serde_json::Value = serde_json::from_str(&json).expect("json");
+    assert_eq!(v["rank"], 2, "{json}");
+    assert_eq!(v["exit_status"], 1, "{json}");
+    assert_eq!(v["message"]["message"], "ValueError: boom-7d1f3 on rank 2", "{json}");
+    assert!(
+        v["message"]["extraInfo"]["py_callstack"].as_str().unwrap_or("").contains("deepest_frame_xq"),
+        "{json}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A rank killed by a signal: every meshd exits 128 + N, naming the signal and the rank's last
+/// stderr lines.
+#[test]
+fn a_rank_killed_by_a_signal_gives_128_plus_n_on_every_node() {
+    if !lab::available() {
+        return;
+    }
+    let mut lab = Lab::new(3);
+    let script = "if [ \"$RANK\" = 2 ]; then echo last-words-5e2 >&2; sleep 1; kill -9 $$; fi; sleep 60";
+    let res = run_everywhere(&mut lab, &["--grace", "1s"], &["sh", "-c", script], Duration::from_secs(45));
+    for (i, (code, _, err)) in res.iter().enumerate() {
+        assert_eq!(*code, Some(137), "host {i} must exit 128+9:\n{err}");
+        assert!(err.contains("killed by signal 9 (SIGKILL)"), "host {i}:\n{err}");
+        let block = err.split("meshd: root cause: ").nth(1).unwrap_or_else(|| panic!("host {i}:\n{err}"));
+        assert!(block.contains("last-words-5e2"), "the rank's stderr tail, host {i}:\n{block}");
+    }
+}
+
+/// SIGUSR1 (and SIGUSR2) sent to one meshd reaches every rank on every node; meshd goes on,
+/// and SIGHUP (in torchrun's default --signals-to-handle) stops the job with 128+1.
+#[test]
+fn sigusr1_to_one_meshd_reaches_every_rank_on_every_node() {
+    if !lab::available() {
+        return;
+    }
+    let mut lab = Lab::new(2);
+    let peers = lab.peers();
+    let script = "trap 'echo GOT-USR1 rank=$RANK; exit 0' USR1; echo STARTED rank=$RANK; \
+                  i=0; while [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done; exit 5";
+    let args = [
+        meshd(),
+        "run",
+        "--nnodes",
+        "2",
+        "--peers",
+        &peers,
+        "--nproc-per-node",
+        "2",
+        "--grace",
+        "1s",
+        "--",
+        "sh",
+        "-c",
+        script,
+    ];
+    let ks: Vec<usize> = (0..2).map(|i| lab.spawn(i, &args, &[("MESHD_TOKEN", "sig")])).collect();
+    std::thread::sleep(Duration::from_secs(6)); // the job runs by now
+    lab.signal(ks[1], libc::SIGUSR1);
+    for (i, k) in ks.into_iter().enumerate() {
+        let (code, out, err) = lab.wait(k, Duration::from_secs(40));
+        assert_eq!(code, Some(0), "host {i}: the ranks trapped it and exited 0:\n{out}\n{err}");
+        assert_eq!(out.matches("GOT-USR1").count(), 2, "host {i}: both ranks got it:\n{out}\n{err}");
+    }
+    // SIGHUP is one of the signals that stop the job: exit 128+1 there, the others fail too.
+    let ks: Vec<usize> = (0..2).map(|i| lab.spawn(i, &args, &[("MESHD_TOKEN", "sig")])).collect();
+    std::thread::sleep(Duration::from_secs(6));
+    lab.signal(ks[0], libc::SIGHUP);
+    let (code, _, err) = lab.wait(ks[0], Duration::from_secs(30));
+    assert_eq!(code, Some(129), "SIGHUP stops meshd with 129:\n{err}");
+    let (code, _, err) = lab.wait(ks[1], Duration::from_secs(30));
+    assert_ne!(code, Some(0), "the other node stops too:\n{err}");
+}
+
+/// Ranks that neither write nor call meshd for --stall-timeout: the job ends on every node
+/// with the stall named and the Python stacks (PYTHONFAULTHANDLER + SIGABRT) in the output.
+#[test]
+fn a_stalled_job_ends_everywhere_with_python_stacks() {
+    if !lab::available() {
+        return;
+    }
+    let mut lab = Lab::new(2);
+    let dir = std::env::temp_dir().join(format!("meshd-stall-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let script = dir.join("stall.py");
+    std::fs::write(
+        &script,
+        "import os, time\n\
+         def wait_forever_zq():\n    while True:\n        time.sleep(1000)\n\
+         print('started', os.environ['RANK'])\n\
+         wait_forever_zq()\n",
+    )
+    .expect("script");
+    let script_s = script.display().to_string();
+    let peers = lab.peers();
+    let args = [
+        meshd(),
+        "run",
+        "--nnodes",
+        "2",
+        "--peers",
+        &peers,
+        "--nproc-per-node",
+        "1",
+        "--grace",
+        "1s",
+        "--stall-timeout",
+        "3s",
+        &script_s,
+    ];
+    let t = std::time::Instant::now();
+    let res = lab.run_on_all(
+        &args,
+        &[("MESHD_TOKEN", "stall"), ("MESHD_PYTHON", "/usr/bin/python3")],
+        Duration::from_secs(60),
+    );
+    for (i, (code, out, err)) in res.iter().enumerate() {
+        assert_eq!(*code, Some(124), "host {i}:\n{out}\n{err}");
+        let block = err.split("meshd: root cause: ").nth(1).unwrap_or_else(|| panic!("host {i}:\n{err}"));
+        assert!(block.contains("stalled: no output or meshd call for 3s"), "host {i}:\n{block}");
+        assert!(block.contains("in wait_forever_zq"), "a Python stack, host {i}:\n{block}");
+    }
+    assert!(t.elapsed() < Duration::from_secs(40), "took {:?}", t.elapsed());
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -108,7 +108,7 @@ fn progress_bar_updates_reach_the_console_as_the_rank_writes_them() {
         "{all:?}"
     );
     // The log file gets what the rank wrote, as it wrote it.
-    let file = std::fs::read(logs.join("rank0.out")).unwrap_or_default();
+    let file = std::fs::read(logs.join("attempt_0/rank0.out")).unwrap_or_default();
     let _ = std::fs::remove_dir_all(&logs);
     assert_eq!(String::from_utf8_lossy(&file), "step 1\rstep 2\rstep 3\rstep 4\rstep 5\r\ndone\n");
 }

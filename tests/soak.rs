@@ -940,7 +940,7 @@ fn a_node_leaving_on_an_abort_is_not_blamed_for_it() {
     let errs: Vec<String> = procs.iter().map(|p| p.stderr()).collect();
     let _ = std::fs::remove_dir_all(&dir);
     for (i, p) in procs.iter().enumerate() {
-        assert_eq!(p.code(), Some(1), "host {i}:\n{}", errs[i]);
+        assert_eq!(p.code(), Some(3), "host {i}:\n{}", errs[i]);
         assert!(
             errs[i].contains("rank 4 (local rank 0)") && errs[i].contains("exited with status 3"),
             "host {i} must name the failed rank:\n{}",

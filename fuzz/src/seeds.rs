@@ -133,7 +133,16 @@ pub fn frames() -> Vec<Frame> {
             hostname: "gpu-2".into(),
             rank: Some(11),
             reason: "rank 11 exited with status 1".into(),
+            cause: Some(Box::new(meshd_proto::rendezvous::RankFailure {
+                host: "gpu-2".into(),
+                rank: 11,
+                status: 1,
+                message: "ValueError: boom".into(),
+                traceback: "Traceback (most recent call last):\n".into(),
+                ..Default::default()
+            })),
         }),
+        Frame::Rdzv(Rm::Signal { restart: 1, signal: 10, hostname: "gpu-1".into() }),
         Frame::Rdzv(Rm::Done { restart: 1 }),
         Frame::Rdzv(Rm::PreflightHello { restart: 1, tcp_port: 41234, nccl_id: Some(vec![2; 128]) }),
         Frame::Rdzv(Rm::PreflightHello { restart: 1, tcp_port: 41235, nccl_id: None }),

@@ -113,6 +113,9 @@ pub enum Message {
         rank: Option<u32>,
         /// What happened, in words.
         reason: String,
+        /// The failed rank's details (exception, traceback, exit status), when a rank failed
+        /// (boxed: it is large, and every other message is small).
+        cause: Option<Box<RankFailure>>,
     },
     /// Any -> all: all my ranks exited 0.
     Done {
@@ -135,6 +138,43 @@ pub enum Message {
         /// The findings.
         report: crate::preflight::NodeReport,
     },
+    /// Any -> all: a signal a meshd received (SIGUSR1, SIGUSR2) for every rank; the job goes on.
+    Signal {
+        /// Restart round.
+        restart: u32,
+        /// The signal number.
+        signal: i32,
+        /// Host name of the node that received it.
+        hostname: String,
+    },
+}
+
+/// Why a rank failed, as the node that ran it saw it; travels in [`Message::Abort`] so that
+/// every node prints the same root cause and exits with the same status.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankFailure {
+    /// Host name of the rank's node.
+    pub host: String,
+    /// The node's address on the chosen interface.
+    pub addr: String,
+    /// The node's rank.
+    pub node_rank: u32,
+    /// Global rank.
+    pub rank: u32,
+    /// Local rank.
+    pub local_rank: u32,
+    /// How it ended, in words ("exited with status 1", "killed by signal 9 (SIGKILL)").
+    pub exit: String,
+    /// meshd's exit status for it: the rank's exit code, 128 + signal when killed.
+    pub status: u8,
+    /// When it failed (seconds since the Unix epoch; the error file's time when it has one).
+    pub time: u64,
+    /// The exception ("ValueError: ...") from the rank's error file, or what meshd knows.
+    pub message: String,
+    /// The traceback from the error file, else the rank's last stderr lines (bounded).
+    pub traceback: String,
+    /// Where `traceback` came from: "error file", "stderr", "stall".
+    pub source: String,
 }
 
 /// A candidate for the roster, as the membership layer sees it.

@@ -20,7 +20,7 @@ use crate::preflight::{self, PreflightInput};
 use crate::signals::{Signals, Stop};
 use crate::supervisor::{self, RankSpec, Supervisor};
 use meshd_proto::membership::MemberEvent;
-use meshd_proto::rendezvous::{Message, RdzvConfig, Roster};
+use meshd_proto::rendezvous::{Message, RankFailure, RdzvConfig, Roster};
 use meshd_proto::{NodeId, NodeState};
 use std::collections::BTreeSet;
 use std::net::{IpAddr, SocketAddr, TcpListener};
@@ -47,6 +47,19 @@ pub struct JobConfig {
     pub preflight: PreflightInput,
     /// SIGTERM to SIGKILL.
     pub grace: Duration,
+    /// ROLE_NAME of every rank (torchrun's `--role`).
+    pub role: String,
+    /// `--node-rank` of an old torchrun line: checked against the agreed node rank.
+    pub expect_node_rank: Option<u32>,
+    /// `--master-addr` of an old torchrun line: checked against the agreed master.
+    pub expect_master_addr: Option<String>,
+    /// MASTER_PORT to use when it is free on the master (`--master-port`).
+    pub master_port: Option<u16>,
+    /// Console routing of the ranks' output (`--redirects`, `--tee`, `--local-ranks-filter`).
+    pub output: supervisor::OutputSpec,
+    /// Stop the job, with the ranks' Python stacks, when no rank of this node wrote output
+    /// or called the local service for this long (`--stall-timeout`).
+    pub stall_timeout: Option<Duration>,
 }
 
 /// How a job ended on this node.
@@ -115,13 +128,67 @@ pub fn rank_env(
     env
 }
 
+/// Sets `k` in `env`, replacing an earlier value.
+fn set_env(env: &mut Vec<(String, String)>, k: &str, v: String) {
+    match env.iter_mut().find(|(a, _)| a == k) {
+        Some(e) => e.1 = v,
+        None => env.push((k.to_string(), v)),
+    }
+}
+
+/// Warnings for an old torchrun line's per-node flags that disagree with what the nodes
+/// agreed on (`--node-rank`, `--master-addr`, `--master-port`): each names both values.
+pub fn cross_check(
+    flag_node_rank: Option<u32>,
+    flag_master_addr: Option<&str>,
+    flag_master_port: Option<u16>,
+    roster: &Roster,
+    node_rank: usize,
+) -> Vec<String> {
+    let mut w = Vec::new();
+    if let Some(n) = flag_node_rank {
+        if n as usize != node_rank {
+            w.push(format!(
+                "--node-rank {n} disagrees with the node rank the nodes agreed on, {node_rank} (node ranks follow \
+                 the nodes' addresses; meshd needs no --node-rank: drop it)"
+            ));
+        }
+    }
+    let master = &roster.members[0];
+    if let Some(a) = flag_master_addr.filter(|a| !a.trim().is_empty()) {
+        let host = a.trim().trim_start_matches('[').trim_end_matches(']');
+        let ip = master.addr.ip();
+        let same = host.parse::<IpAddr>().map(|h| h == ip).unwrap_or_else(|_| {
+            use std::net::ToSocketAddrs;
+            (host, 0).to_socket_addrs().map(|mut it| it.any(|s| s.ip() == ip)).unwrap_or(false)
+                || (!master.hostname.is_empty() && host.eq_ignore_ascii_case(&master.hostname))
+        });
+        if !same {
+            w.push(format!(
+                "--master-addr {a} disagrees with the master the nodes agreed on, {ip} ({}): MASTER_ADDR is {ip} \
+                 (meshd needs no --master-addr: drop it)",
+                if master.hostname.is_empty() { "?" } else { &master.hostname }
+            ));
+        }
+    }
+    if let Some(p) = flag_master_port {
+        if p != roster.master_port {
+            w.push(format!(
+                "--master-port {p} was not free on the master: MASTER_PORT is {} instead",
+                roster.master_port
+            ));
+        }
+    }
+    w
+}
+
 /// How long a roster member's graceful leave (without `Done`) waits for the `Abort` that
 /// usually explains it before the member itself is blamed.
 pub const LEFT_GRACE: Duration = Duration::from_secs(2);
 
 enum Failure {
-    /// A failure that may be restarted.
-    Job(String),
+    /// A failure that may be restarted (with the failed rank's details when a rank failed).
+    Job(String, Option<Box<RankFailure>>),
     /// A signal: stop, never restart.
     Signal(String, u8),
 }
@@ -147,8 +214,28 @@ pub async fn run(
             .take_data_streams()
             .ok_or_else(|| MeshError::Iface("data streams already taken".into()))?,
     ));
+    // Per-round files: error files always, output files with --log-dir (or --redirects).
+    let redirected = cfg.output.redirects_any() && cfg.log_dir.is_none();
+    let dirs = match cause::LogDirs::new(cfg.log_dir.as_deref(), redirected) {
+        Ok(d) => {
+            if redirected {
+                info!("output kept off the console by --redirects goes to {}", d.base().display());
+            }
+            Some(d)
+        }
+        Err(e) => {
+            warn!(
+                "cannot create a directory for the ranks' error files: {e}; TORCHELASTIC_ERROR_FILE is not set"
+            );
+            None
+        }
+    };
     loop {
-        let master_port = free_tcp_port(mesh.addr().ip()).unwrap_or(29500);
+        let master_port = cfg
+            .master_port
+            .filter(|p| TcpListener::bind(SocketAddr::new(mesh.addr().ip(), *p)).is_ok())
+            .or_else(|| free_tcp_port(mesh.addr().ip()).ok())
+            .unwrap_or(29500);
         let roster = tokio::select! {
             r = mesh.rendezvous(restart, cfg.rdzv.clone(), master_port, cfg.rdzv_timeout) => r?,
             s = sig.recv() => {
@@ -170,12 +257,16 @@ pub async fn run(
             master.hostname,
             if restart > 0 { format!(", restart {restart}") } else { String::new() }
         );
+        let flags = (cfg.expect_node_rank, cfg.expect_master_addr.as_deref(), cfg.master_port);
+        for w in cross_check(flags.0, flags.1, flags.2, &roster, node_rank) {
+            warn!("{w}");
+        }
         let preflight = tokio::select! {
             r = preflight_round(mesh, &roster, &cfg.preflight) => r,
             s = sig.recv() => {
                 // Tell the others, so that none of them launches without this node.
                 let reason = format!("{} on {} during the preflight", s.describe(), describe_member(&roster, mesh.node()));
-                abort(mesh, &roster, None, &reason);
+                abort(mesh, &roster, None, &reason, None);
                 let linger = Instant::now() + Duration::from_millis(300);
                 while mesh.next(Some(linger)).await.is_some_and(|i| !matches!(i, MeshInput::Tick)) {}
                 return Ok(JobOutcome { code: s.exit_code(), message: reason });
@@ -186,7 +277,7 @@ pub async fn run(
             Err(MeshError::Aborted(reason)) => {
                 // Tell the others, so that none of them launches without this node, and keep
                 // answering a moment so the message gets out.
-                abort(mesh, &roster, None, &reason);
+                abort(mesh, &roster, None, &reason, None);
                 let linger = Instant::now() + Duration::from_millis(400);
                 while mesh.next(Some(linger)).await.is_some_and(|i| !matches!(i, MeshInput::Tick)) {}
                 return Ok(JobOutcome { code: 1, message: format!("job stopped before launch: {reason}") });
@@ -236,6 +327,7 @@ pub async fn run(
         } else {
             info!("preflight passed; collective: {}", verdict.collective_line());
         }
+        let activity = std::sync::Arc::new(supervisor::output::Activity::default());
         let svc_cfg = ServiceConfig {
             path: service::default_path(run_id, mesh.addr().port()),
             local_world: roster.members[node_rank].nproc,
@@ -243,6 +335,7 @@ pub async fn run(
             world: roster.world_size(),
             restart,
             others: addrs.iter().copied().filter(|a| *a != mesh.addr()).collect(),
+            activity: Some(activity.clone()),
         };
         let svc = match Service::start(svc_cfg.clone(), ring, mesh.transport().clone()) {
             Ok(s) => Some(s),
@@ -254,6 +347,9 @@ pub async fn run(
                 None
             }
         };
+        let first = roster.first_global_rank(node_rank);
+        let globals: Vec<u32> = (0..roster.members[node_rank].nproc).map(|l| first + l).collect();
+        let round_dir = dirs.as_ref().map(|d| d.round(restart, &globals));
         let ranks: Vec<RankSpec> = (0..roster.members[node_rank].nproc)
             .map(|l| {
                 let mut env = rank_env(
@@ -267,6 +363,33 @@ pub async fn run(
                     &verdict.collective,
                     &user_has,
                 );
+                if cfg.role != "default" {
+                    set_env(&mut env, "ROLE_NAME", cfg.role.clone());
+                }
+                // As torchrun: each rank's own error file, for torch's @record.
+                if let Some(d) = &round_dir {
+                    set_env(
+                        &mut env,
+                        "TORCHELASTIC_ERROR_FILE",
+                        cause::error_file(d, first + l).display().to_string(),
+                    );
+                }
+                // Python dumps every thread's stack on SIGABRT (what --stall-timeout sends) and
+                // on a crash; under --log-dir, PyTorch's NCCL flight recorder dumps there on a
+                // collective timeout.
+                let mut defaults =
+                    vec![("PYTHONUNBUFFERED", "1".to_string()), ("PYTHONFAULTHANDLER", "1".to_string())];
+                if let Some(d) = round_dir.as_ref().filter(|_| dirs.as_ref().is_some_and(|d| d.user)) {
+                    defaults.push(("TORCH_NCCL_DUMP_ON_TIMEOUT", "1".into()));
+                    defaults.push(("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000".into()));
+                    defaults
+                        .push(("TORCH_FR_DUMP_TEMP_FILE", d.join("nccl_trace_rank_").display().to_string()));
+                }
+                for (k, v) in defaults {
+                    if !user_has(k) {
+                        env.push((k.into(), v));
+                    }
+                }
                 if let Some(s) = &svc {
                     env.push(("MESHD_SOCKET".into(), s.path().display().to_string()));
                 }
@@ -279,15 +402,25 @@ pub async fn run(
                 RankSpec { global: roster.first_global_rank(node_rank) + l, local: l, env }
             })
             .collect();
-        if let Some(d) = &cfg.log_dir {
-            if let Err(e) = std::fs::create_dir_all(d) {
-                warn!("cannot create --log-dir {}: {e}; logging to the console only", d.display());
-            }
-        }
-        let failure = match Supervisor::spawn(&cfg.cmd, &ranks, cfg.log_dir.as_deref()).await {
+        let files = dirs.as_ref().is_some_and(|d| d.user) || redirected;
+        let round_out = supervisor::RoundOutput {
+            dir: round_dir.clone().filter(|_| files),
+            spec: cfg.output.clone(),
+            activity: Some(activity.clone()),
+        };
+        let failure = match Supervisor::spawn(&cfg.cmd, &ranks, &round_out).await {
             Ok(mut sup) => {
                 mesh.set_state(NodeState::Running, restart);
-                let f = supervise(mesh, &roster, &mut sup, svc.as_ref(), &mut sig).await;
+                let f = supervise(
+                    mesh,
+                    &roster,
+                    &mut sup,
+                    svc.as_ref(),
+                    &mut sig,
+                    round_dir.as_deref(),
+                    cfg.stall_timeout,
+                )
+                .await;
                 sup.stop(cfg.grace).await;
                 drop(svc);
                 drop(nccl_root);
@@ -296,10 +429,25 @@ pub async fn run(
             Err(e) => {
                 let reason =
                     format!("node {} ({}): {e}", roster.members[node_rank].hostname, mesh.addr().ip());
-                abort(mesh, &roster, None, &reason);
-                Some(Failure::Job(reason))
+                abort(mesh, &roster, None, &reason, None);
+                Some(Failure::Job(reason, None))
             }
         };
+        if let Some(Failure::Job(_, Some(c))) = &failure {
+            // Every node says why, once the ranks' last output is out.
+            supervisor::output::flush().await;
+            eprint!("{}", cause::block(c));
+            if let Some(d) = dirs.as_ref().filter(|d| d.user) {
+                // Written whole then renamed: nodes sharing the directory write the same file.
+                let p = d.base().join("error.json");
+                let tmp = d.base().join(format!(".error.json.{}", std::process::id()));
+                if let Err(e) =
+                    std::fs::write(&tmp, cause::error_json(c)).and_then(|_| std::fs::rename(&tmp, &p))
+                {
+                    warn!("cannot write {}: {e}", p.display());
+                }
+            }
+        }
         match failure {
             None => {
                 return Ok(JobOutcome {
@@ -311,7 +459,7 @@ pub async fn run(
                 });
             }
             Some(Failure::Signal(m, code)) => return Ok(JobOutcome { code, message: m }),
-            Some(Failure::Job(m)) if restart < cfg.max_restarts => {
+            Some(Failure::Job(m, _)) if restart < cfg.max_restarts => {
                 restart += 1;
                 let left = cfg.max_restarts - restart;
                 warn!(
@@ -322,9 +470,10 @@ pub async fn run(
                 mesh.set_state(NodeState::Waiting, restart);
                 mesh.set_master(None);
             }
-            Some(Failure::Job(m)) => {
+            Some(Failure::Job(m, c)) => {
                 mesh.set_state(NodeState::Failed, restart);
-                return Ok(JobOutcome { code: 1, message: format!("job failed: {m}") });
+                let code = c.map_or(1, |c| c.status);
+                return Ok(JobOutcome { code, message: format!("job failed: {m}") });
             }
         }
     }
@@ -391,13 +540,100 @@ pub async fn finish_together(mesh: &mut Mesh, roster: &Roster, limit: Duration) 
     while mesh.next(Some(linger)).await.is_some_and(|i| !matches!(i, MeshInput::Tick)) {}
 }
 
-fn abort(mesh: &mut Mesh, roster: &Roster, rank: Option<u32>, reason: &str) {
+fn abort(mesh: &mut Mesh, roster: &Roster, rank: Option<u32>, reason: &str, cause: Option<Box<RankFailure>>) {
     let me = mesh.node();
     let hostname = roster.members.iter().find(|m| m.id == me).map(|m| m.hostname.clone()).unwrap_or_default();
-    let msg =
-        Message::Abort { restart: roster.restart, node: me, hostname, rank, reason: reason.to_string() };
+    let msg = Message::Abort {
+        restart: roster.restart,
+        node: me,
+        hostname,
+        rank,
+        reason: reason.to_string(),
+        cause,
+    };
     mesh.broadcast(roster, msg);
     mesh.set_state(NodeState::Failed, roster.restart);
+}
+
+/// The details of a local rank that failed: where it ran, how it ended, and why (its error
+/// file, else its last stderr lines).
+fn rank_failure(
+    mesh: &Mesh,
+    roster: &Roster,
+    e: &supervisor::RankExit,
+    tail: &[String],
+    round_dir: Option<&std::path::Path>,
+) -> RankFailure {
+    let me = mesh.node();
+    let node_rank = roster.node_rank(me).unwrap_or(0);
+    let mut f = RankFailure {
+        host: roster.members.get(node_rank).map(|m| m.hostname.clone()).unwrap_or_default(),
+        addr: mesh.addr().ip().to_string(),
+        node_rank: node_rank as u32,
+        rank: e.global,
+        local_rank: e.local,
+        exit: supervisor::describe(&e.status),
+        status: cause::exit_status(&e.status),
+        time: cause::now_unix(),
+        ..Default::default()
+    };
+    let file = round_dir.map(|d| cause::error_file(d, e.global)).unwrap_or_default();
+    cause::explain(&mut f, &file, tail);
+    f
+}
+
+/// This node's ranks stalled: each gets SIGABRT (with PYTHONFAULTHANDLER=1, Python prints
+/// every thread's stack to stderr, then dies), and their last stderr lines become the root
+/// cause. Exit status 124, as `timeout`'s.
+async fn stalled(
+    mesh: &Mesh,
+    roster: &Roster,
+    sup: &mut Supervisor,
+    t: Duration,
+    round_dir: Option<&std::path::Path>,
+) -> RankFailure {
+    let ranks: Vec<(u32, u32, i32)> = sup.ranks().to_vec();
+    warn!(
+        "no rank wrote output or called meshd for {t:?} (--stall-timeout): sending SIGABRT to {} for their Python stacks",
+        crate::plural(ranks.len() as u64, "rank")
+    );
+    sup.signal_all(libc::SIGABRT);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
+    while sup.running() > 0 {
+        match tokio::time::timeout_at(deadline, sup.next_exit()).await {
+            Ok(Some(_)) => {}
+            _ => break,
+        }
+    }
+    let me = mesh.node();
+    let node_rank = roster.node_rank(me).unwrap_or(0);
+    let mut stacks = String::new();
+    for (g, _, _) in &ranks {
+        stacks.push_str(&format!("rank {g}:\n"));
+        for l in sup.tail(*g) {
+            stacks.push_str("  ");
+            stacks.push_str(&l);
+            stacks.push('\n');
+        }
+    }
+    let (g, l) = ranks.first().map(|r| (r.0, r.1)).unwrap_or_default();
+    let _ = round_dir;
+    RankFailure {
+        host: roster.members.get(node_rank).map(|m| m.hostname.clone()).unwrap_or_default(),
+        addr: mesh.addr().ip().to_string(),
+        node_rank: node_rank as u32,
+        rank: g,
+        local_rank: l,
+        exit: format!("stalled: no output or meshd call for {t:?}"),
+        status: 124,
+        time: cause::now_unix(),
+        message: format!(
+            "job stalled on {}",
+            roster.members.get(node_rank).map(|m| m.hostname.as_str()).unwrap_or("?")
+        ),
+        traceback: cause::keep_end(stacks.trim_end(), cause::MAX_TRACEBACK),
+        source: "stall".into(),
+    }
 }
 
 fn describe_member(roster: &Roster, id: NodeId) -> String {
@@ -415,8 +651,12 @@ async fn supervise(
     sup: &mut Supervisor,
     svc: Option<&Service>,
     sig: &mut Signals,
+    round_dir: Option<&std::path::Path>,
+    stall_timeout: Option<Duration>,
 ) -> Option<Failure> {
     let me = mesh.node();
+    let mut forwarded = sig.forwarded();
+    let activity = sup.activity();
     let here = describe_member(roster, me);
     let mut done: BTreeSet<NodeId> = BTreeSet::new();
     let mut local_done = false;
@@ -431,8 +671,8 @@ async fn supervise(
             } else if Instant::now() >= at {
                 let reason = format!("{} left the mesh before the job finished", describe_member(roster, id));
                 error!("{reason}; stopping the job on every node");
-                abort(mesh, roster, None, &reason);
-                return Some(Failure::Job(reason));
+                abort(mesh, roster, None, &reason, None);
+                return Some(Failure::Job(reason, None));
             }
         }
         if local_done && done == everyone {
@@ -453,7 +693,27 @@ async fn supervise(
         if let Some((_, at)) = left {
             tick = tick.min(at);
         }
+        let stall_at = stall_timeout.map(|t| activity.last() + t);
         tokio::select! {
+            _ = tokio::time::sleep_until(stall_at.unwrap_or_else(Instant::now).into()), if stall_at.is_some() && !local_done => {
+                let t = stall_timeout.unwrap_or_default();
+                if activity.last().elapsed() < t {
+                    continue;
+                }
+                let c = Box::new(stalled(mesh, roster, sup, t, round_dir).await);
+                let reason = format!("{}: no rank on {here} wrote output or called meshd for {t:?} (--stall-timeout)", c.message);
+                error!("{reason}; stopping the job on every node");
+                abort(mesh, roster, Some(c.rank), &reason, Some(c.clone()));
+                return Some(Failure::Job(reason, Some(c)));
+            }
+            n = async { match forwarded.as_mut() { Some(f) => f.recv().await.ok(), None => std::future::pending().await } } => {
+                if let Some(n) = n {
+                    info!("{} received: forwarding it to every rank on every node", crate::signals::signal_name(n));
+                    sup.signal_all(n);
+                    let hostname = roster.members.iter().find(|m| m.id == me).map(|m| m.hostname.clone()).unwrap_or_default();
+                    mesh.broadcast(roster, Message::Signal { restart: roster.restart, signal: n, hostname });
+                }
+            }
             exit = sup.next_exit(), if !local_done => {
                 match exit {
                     Some(e) if e.status.success() && sup.running() == 0 => {
@@ -467,25 +727,41 @@ async fn supervise(
                     Some(e) => {
                         let reason = format!("rank {} (local rank {}) on {here} {}", e.global, e.local, supervisor::describe(&e.status));
                         error!("{reason}; stopping the job on every node");
-                        abort(mesh, roster, Some(e.global), &reason);
-                        return Some(Failure::Job(reason));
+                        let c = Box::new(rank_failure(mesh, roster, &e, &sup.tail(e.global), round_dir));
+                        abort(mesh, roster, Some(e.global), &reason, Some(c.clone()));
+                        return Some(Failure::Job(reason, Some(c)));
                     }
                     None => {}
                 }
             }
             input = mesh.next(Some(tick)) => {
                 match input {
-                    None => return Some(Failure::Job("the mesh transport stopped".into())),
+                    None => return Some(Failure::Job("the mesh transport stopped".into(), None)),
                     // Lifecycle messages count only from this round's roster: a straggler of an
                     // earlier job with the same run id (an earlier srun step) neither stops
                     // this one nor, with its Done, keeps it from finishing.
-                    Some(MeshInput::Rdzv(from, Message::Abort { restart, reason, .. })) if restart == roster.restart && everyone.contains(&from) => {
+                    Some(MeshInput::Rdzv(from, Message::Abort { restart, reason, cause, .. })) if restart == roster.restart && everyone.contains(&from) => {
                         error!("job stopped by {}: {reason}", describe_member(roster, from));
                         mesh.set_state(NodeState::Failed, roster.restart);
-                        return Some(Failure::Job(reason));
+                        return Some(Failure::Job(reason, cause));
                     }
                     Some(MeshInput::Rdzv(from, Message::Done { restart })) if restart == roster.restart && everyone.contains(&from) => {
                         done.insert(from);
+                    }
+                    // Only the signals meshd forwards: a peer cannot make ranks die this way.
+                    Some(MeshInput::Rdzv(from, Message::Signal { restart, signal, .. }))
+                        if restart == roster.restart
+                            && everyone.contains(&from)
+                            && [libc::SIGUSR1, libc::SIGUSR2].contains(&signal) =>
+                    {
+                        info!(
+                            "{} from {}: forwarding it to this node's ranks",
+                            crate::signals::signal_name(signal),
+                            describe_member(roster, from)
+                        );
+                        if !local_done {
+                            sup.signal_all(signal);
+                        }
                     }
                     Some(MeshInput::Rdzv(from, m @ Message::Propose(_))) => mesh.defer(from, m),
                     Some(MeshInput::Store(_, m)) => {
@@ -505,8 +781,8 @@ async fn supervise(
                     Some(MeshInput::Member(MemberEvent::Down(id))) if everyone.contains(&id) && !done.contains(&id) => {
                         let reason = format!("{} stopped answering (declared dead by the mesh)", describe_member(roster, id));
                         error!("{reason}; stopping the job on every node");
-                        abort(mesh, roster, None, &reason);
-                        return Some(Failure::Job(reason));
+                        abort(mesh, roster, None, &reason, None);
+                        return Some(Failure::Job(reason, None));
                     }
                     Some(MeshInput::Tick) if local_done => {
                         mesh.broadcast(roster, Message::Done { restart: roster.restart });
@@ -517,12 +793,14 @@ async fn supervise(
             }
             s = sig.recv() => {
                 let reason = format!("{} on {here}", s.describe());
-                abort(mesh, roster, None, &reason);
+                abort(mesh, roster, None, &reason, None);
                 return Some(Failure::Signal(reason, s.exit_code()));
             }
         }
     }
 }
+
+pub mod cause;
 
 #[cfg(test)]
 mod tests;

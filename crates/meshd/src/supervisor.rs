@@ -11,9 +11,10 @@
 pub mod orphans;
 pub mod output;
 
-use output::pump;
-use std::path::Path;
+use output::{Activity, Sink, Tail, pump};
+use std::path::PathBuf;
 use std::process::{ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::mpsc;
 
@@ -26,6 +27,82 @@ pub struct RankSpec {
     pub local: u32,
     /// Environment variables set for it.
     pub env: Vec<(String, String)>,
+}
+
+/// Which of a rank's streams a torchrun-style `--redirects` / `--tee` names: bit 1 stdout,
+/// bit 2 stderr (0 none, 3 both), for every local rank or per local rank (`0:1,1:2`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StdStreams {
+    /// For local ranks not listed.
+    pub all: u8,
+    /// (local rank, streams) given one by one.
+    pub per_rank: Vec<(u32, u8)>,
+}
+
+impl StdStreams {
+    /// Parses `0`..`3` or `LOCAL:0..3,...`.
+    pub fn parse(s: &str) -> Result<StdStreams, String> {
+        let bits = |v: &str| match v.trim() {
+            "0" => Ok(0u8),
+            "1" => Ok(1),
+            "2" => Ok(2),
+            "3" => Ok(3),
+            other => Err(format!("{other:?}: expected 0 (none), 1 (stdout), 2 (stderr) or 3 (both)")),
+        };
+        let s = s.trim();
+        if !s.contains(':') {
+            return Ok(StdStreams { all: bits(s)?, per_rank: Vec::new() });
+        }
+        let mut per_rank = Vec::new();
+        for part in s.split(',').filter(|p| !p.trim().is_empty()) {
+            let (r, v) = part.split_once(':').ok_or_else(|| format!("{part:?}: expected LOCAL_RANK:0..3"))?;
+            let r = r.trim().parse::<u32>().map_err(|_| format!("{part:?}: {r:?} is not a local rank"))?;
+            per_rank.push((r, bits(v)?));
+        }
+        Ok(StdStreams { all: 0, per_rank })
+    }
+
+    /// Whether it names `local`'s stderr (`err`) or stdout.
+    pub fn has(&self, local: u32, err: bool) -> bool {
+        let v = self.per_rank.iter().find(|(r, _)| *r == local).map_or(self.all, |(_, v)| *v);
+        v & if err { 2 } else { 1 } != 0
+    }
+}
+
+/// Where the ranks' output goes besides the log files (torchrun's `--redirects`, `--tee`,
+/// `--local-ranks-filter`).
+#[derive(Clone, Debug, Default)]
+pub struct OutputSpec {
+    /// Streams that go to the log files only.
+    pub redirects: StdStreams,
+    /// Streams that go to the console as well (overrides `redirects`).
+    pub tee: StdStreams,
+    /// Only these local ranks on the console (None: all).
+    pub console_ranks: Option<Vec<u32>>,
+}
+
+impl OutputSpec {
+    /// Whether `local`'s stream goes to meshd's console.
+    pub fn console(&self, local: u32, err: bool) -> bool {
+        let shown = self.console_ranks.as_ref().is_none_or(|r| r.contains(&local));
+        shown && (!self.redirects.has(local, err) || self.tee.has(local, err))
+    }
+
+    /// Whether any stream is kept off the console for the log files.
+    pub fn redirects_any(&self) -> bool {
+        self.redirects.all != 0 || self.redirects.per_rank.iter().any(|(_, v)| *v != 0)
+    }
+}
+
+/// Where one round's output goes: the log files' directory (if any) and the routing.
+#[derive(Clone, Debug, Default)]
+pub struct RoundOutput {
+    /// `rankN.out` / `rankN.err` go here.
+    pub dir: Option<PathBuf>,
+    /// Console routing.
+    pub spec: OutputSpec,
+    /// Marked whenever a rank writes output (shared with the local service).
+    pub activity: Option<Arc<Activity>>,
 }
 
 /// A rank that ended.
@@ -84,6 +161,10 @@ pub struct Supervisor {
     /// Every rank's process group, kept after the leader exits: what it left is swept.
     groups: std::collections::BTreeSet<i32>,
     exits: mpsc::Receiver<RankExit>,
+    /// Each rank's last stderr lines.
+    tails: Vec<(u32, Arc<Mutex<Tail>>)>,
+    /// When any rank last wrote output.
+    activity: Arc<Activity>,
 }
 
 impl Supervisor {
@@ -91,13 +172,23 @@ impl Supervisor {
     pub async fn spawn(
         cmd: &[String],
         ranks: &[RankSpec],
-        log_dir: Option<&Path>,
+        out: &RoundOutput,
     ) -> Result<Supervisor, SpawnError> {
         let (tx, rx) = mpsc::channel(ranks.len().max(1));
         orphans::become_subreaper();
-        let mut sup = Supervisor { running: Vec::new(), groups: Default::default(), exits: rx };
+        let activity = out.activity.clone().unwrap_or_default();
+        activity.touch();
+        let mut sup = Supervisor {
+            running: Vec::new(),
+            groups: Default::default(),
+            exits: rx,
+            tails: Vec::new(),
+            activity,
+        };
         for r in ranks {
-            match start(cmd, r, log_dir, tx.clone()) {
+            let tail = Arc::new(Mutex::new(Tail::default()));
+            sup.tails.push((r.global, tail.clone()));
+            match start(cmd, r, out, tail, sup.activity.clone(), tx.clone()) {
                 Ok(pid) => {
                     sup.running.push((r.global, r.local, pid));
                     sup.groups.insert(pid);
@@ -114,6 +205,34 @@ impl Supervisor {
     /// Number of ranks still running.
     pub fn running(&self) -> usize {
         self.running.len()
+    }
+
+    /// The last lines rank `global` wrote to stderr (oldest first).
+    pub fn tail(&self, global: u32) -> Vec<String> {
+        self.tails
+            .iter()
+            .find(|(g, _)| *g == global)
+            .map(|(_, t)| t.lock().unwrap_or_else(|e| e.into_inner()).lines())
+            .unwrap_or_default()
+    }
+
+    /// When any rank last wrote output (or the ranks started), as the pumps saw it.
+    pub fn activity(&self) -> Arc<Activity> {
+        self.activity.clone()
+    }
+
+    /// (global, local, pid) of the ranks still running.
+    pub fn ranks(&self) -> &[(u32, u32, i32)] {
+        &self.running
+    }
+
+    /// Sends `sig` to every running rank's process (the rank itself, not its group: a
+    /// shell's children keep their own handling, as under torchrun).
+    pub fn signal_all(&self, sig: i32) {
+        for (_, _, pid) in &self.running {
+            // SAFETY: plain syscall on a child we started and have not reaped.
+            unsafe { libc::kill(*pid, sig) };
+        }
     }
 
     /// The next rank to end (None when none are left).
@@ -170,7 +289,9 @@ impl Supervisor {
 fn start(
     cmd: &[String],
     r: &RankSpec,
-    log_dir: Option<&Path>,
+    out: &RoundOutput,
+    tail: Arc<Mutex<Tail>>,
+    activity: Arc<Activity>,
     tx: mpsc::Sender<RankExit>,
 ) -> std::io::Result<i32> {
     let (prog, args) = cmd.split_first().ok_or_else(|| std::io::Error::other("empty command"))?;
@@ -202,16 +323,18 @@ fn start(
     let pid = child.id().map(|p| p as i32).ok_or_else(|| std::io::Error::other("child has no pid"))?;
     // The rank leads its own process group (process_group(0)): pgid = pid.
     reaper::register(pid);
-    let files =
-        log_dir.map(|d| (d.join(format!("rank{}.out", r.global)), d.join(format!("rank{}.err", r.global))));
-    let out = child
-        .stdout
-        .take()
-        .map(|o| tokio::spawn(pump(o, r.global, false, files.as_ref().map(|f| f.0.clone()))));
-    let err = child
-        .stderr
-        .take()
-        .map(|e| tokio::spawn(pump(e, r.global, true, files.as_ref().map(|f| f.1.clone()))));
+    let sink = |err: bool| Sink {
+        console: out.spec.console(r.local, err),
+        file: out
+            .dir
+            .as_ref()
+            .map(|d| d.join(format!("rank{}.{}", r.global, if err { "err" } else { "out" }))),
+        tail: err.then(|| tail.clone()),
+        activity: activity.clone(),
+    };
+    let (out_sink, err_sink) = (sink(false), sink(true));
+    let out = child.stdout.take().map(|o| tokio::spawn(pump(o, r.global, false, out_sink)));
+    let err = child.stderr.take().map(|e| tokio::spawn(pump(e, r.global, true, err_sink)));
     let (global, local) = (r.global, r.local);
     tokio::spawn(async move {
         let status = child.wait().await;
@@ -377,5 +500,32 @@ pub mod reaper {
             }
             libc::_exit(0)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redirects_tee_and_the_rank_filter_route_like_torchrun() {
+        let none = OutputSpec::default();
+        assert!(none.console(0, false) && none.console(3, true));
+        let r = |s: &str| StdStreams::parse(s).expect(s);
+        // --redirects 3: files only; --tee 1 brings stdout back.
+        let spec = OutputSpec { redirects: r("3"), tee: r("1"), console_ranks: None };
+        assert!(spec.console(0, false) && !spec.console(0, true));
+        assert!(spec.redirects_any());
+        // Per local rank: 0:2 redirects rank 0's stderr only.
+        let spec = OutputSpec { redirects: r("0:2,1:1"), tee: StdStreams::default(), console_ranks: None };
+        assert!(spec.console(0, false) && !spec.console(0, true));
+        assert!(!spec.console(1, false) && spec.console(1, true));
+        assert!(spec.console(2, false) && spec.console(2, true));
+        // --local-ranks-filter 0: only local rank 0 on the console.
+        let spec = OutputSpec { console_ranks: Some(vec![0]), ..Default::default() };
+        assert!(spec.console(0, true) && !spec.console(1, false));
+        assert!(StdStreams::parse("4").is_err());
+        assert!(StdStreams::parse("0:x").is_err());
+        assert!(StdStreams::parse("a:1").is_err());
     }
 }

@@ -44,6 +44,8 @@ pub struct ServiceConfig {
     pub restart: u32,
     /// Every other node (store replication).
     pub others: Vec<SocketAddr>,
+    /// Marked at every request and answer (a rank calling the service is not stalled).
+    pub activity: Option<std::sync::Arc<crate::supervisor::output::Activity>>,
 }
 
 /// A running service; dropping it stops the tasks and removes the socket.
@@ -327,6 +329,9 @@ async fn client(
     let mut in_place = false;
     let mut spare = Vec::new();
     while let Some((req, payload)) = read_msg(&mut r, std::mem::take(&mut spare)).await? {
+        if let Some(a) = &cfg.activity {
+            a.touch();
+        }
         let fail = |e: String| json!({"ok": false, "error": e});
         let (head, body): (Value, Vec<u8>) = match request::parse_request(&req, payload.len(), cfg.world) {
             Request::Hello { rank } => {
@@ -400,6 +405,9 @@ async fn client(
             Request::Unknown(other) => (fail(format!("unknown request {other:?}")), vec![]),
         };
         write_msg(&mut s, head, &body).await?;
+        if let Some(a) = &cfg.activity {
+            a.touch();
+        }
         spare = body;
     }
     Ok(())

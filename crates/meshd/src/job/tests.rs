@@ -82,3 +82,16 @@ fn global_ranks_form_a_permutation() {
     seen.sort();
     assert_eq!(seen, (0..6).collect::<Vec<_>>());
 }
+
+#[test]
+fn torchrun_per_node_flags_are_cross_checked_naming_both_values() {
+    let r = roster();
+    // Agreeing flags: no warning (the master by address or by host name).
+    assert!(cross_check(Some(1), Some("198.19.0.7"), Some(29511), &r, 1).is_empty());
+    assert!(cross_check(None, Some("h5"), None, &r, 1).is_empty());
+    let w = cross_check(Some(0), Some("10.9.9.9"), Some(29500), &r, 2);
+    assert_eq!(w.len(), 3, "{w:?}");
+    assert!(w[0].contains("--node-rank 0") && w[0].contains(", 2 "), "{}", w[0]);
+    assert!(w[1].contains("--master-addr 10.9.9.9") && w[1].contains("198.19.0.7"), "{}", w[1]);
+    assert!(w[2].contains("--master-port 29500") && w[2].contains("29511"), "{}", w[2]);
+}

@@ -385,11 +385,93 @@ async fn send(m: Msg) {
     }
 }
 
+/// The last lines a rank wrote to stderr, for the root cause of a failure when the rank
+/// wrote no error file: at most [`TAIL_LINES`] lines of at most [`TAIL_LINE`] bytes each.
+#[derive(Debug, Default)]
+pub struct Tail {
+    lines: std::collections::VecDeque<Vec<u8>>,
+    /// The current, unfinished line.
+    open: Vec<u8>,
+}
+
+/// Lines a [`Tail`] keeps.
+pub const TAIL_LINES: usize = 20;
+/// Bytes of one line a [`Tail`] keeps (the rest of a longer line is dropped).
+pub const TAIL_LINE: usize = 512;
+
+impl Tail {
+    /// Takes bytes the rank wrote (`\r` starts the line over, as a terminal shows it).
+    pub fn feed(&mut self, data: &[u8]) {
+        for &b in data {
+            match b {
+                b'\n' => {
+                    let l = std::mem::take(&mut self.open);
+                    if self.lines.len() == TAIL_LINES {
+                        self.lines.pop_front();
+                    }
+                    self.lines.push_back(l);
+                }
+                b'\r' => self.open.clear(),
+                _ if self.open.len() < TAIL_LINE => self.open.push(b),
+                _ => {}
+            }
+        }
+    }
+
+    /// The kept lines, oldest first, with the unfinished one last.
+    pub fn lines(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.lines.iter().map(|l| String::from_utf8_lossy(l).into_owned()).collect();
+        if !self.open.is_empty() {
+            v.push(String::from_utf8_lossy(&self.open).into_owned());
+        }
+        let skip = v.len().saturating_sub(TAIL_LINES);
+        v.split_off(skip)
+    }
+}
+
+/// When any rank of the node last wrote output (milliseconds since meshd started), for
+/// `--stall-timeout`.
+#[derive(Debug, Default)]
+pub struct Activity(std::sync::atomic::AtomicU64);
+
+fn epoch() -> Instant {
+    static START: OnceLock<Instant> = OnceLock::new();
+    *START.get_or_init(Instant::now)
+}
+
+impl Activity {
+    /// Something happened now.
+    pub fn touch(&self) {
+        let ms = epoch().elapsed().as_millis() as u64;
+        self.0.fetch_max(ms, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// When something last happened.
+    pub fn last(&self) -> Instant {
+        epoch() + Duration::from_millis(self.0.load(std::sync::atomic::Ordering::Relaxed))
+    }
+}
+
+/// Where one rank stream goes.
+#[derive(Debug, Clone)]
+pub(super) struct Sink {
+    /// To meshd's console, prefixed.
+    pub console: bool,
+    /// To this file, as it is (created, never appended to).
+    pub file: Option<PathBuf>,
+    /// Into this ring of last lines.
+    pub tail: Option<Arc<std::sync::Mutex<Tail>>>,
+    /// Marks the node's ranks as active.
+    pub activity: Arc<Activity>,
+}
+
 /// Forwards one rank stream (stdout or stderr) to meshd's console, prefixed, and as it is
-/// to `file` (appended) if given; returns once all of it has been written.
-pub(super) async fn pump(mut src: impl AsyncRead + Unpin, rank: u32, is_err: bool, file: Option<PathBuf>) {
-    let file =
-        file.and_then(|p| std::fs::OpenOptions::new().create(true).append(true).open(p).ok()).map(Arc::new);
+/// to the sink's file if given; returns once all of it has been written.
+pub(super) async fn pump(mut src: impl AsyncRead + Unpin, rank: u32, is_err: bool, sink: Sink) {
+    let file = sink
+        .file
+        .and_then(|p| std::fs::OpenOptions::new().create(true).write(true).truncate(true).open(p).ok())
+        .map(Arc::new);
     let mut split = LineSplitter::new(prefix(rank));
     let mut buf = vec![0u8; READ_CHUNK];
     // Whether the file's last byte is a line end (nothing written counts as one).
@@ -409,14 +491,18 @@ pub(super) async fn pump(mut src: impl AsyncRead + Unpin, rank: u32, is_err: boo
             }
             Some(Ok(n)) => {
                 let data = &buf[..n];
+                sink.activity.touch();
+                if let Some(t) = &sink.tail {
+                    t.lock().unwrap_or_else(|e| e.into_inner()).feed(data);
+                }
                 if let Some(f) = &file {
                     file_at_line_start = data.ends_with(b"\n");
                     send(Msg::File(f.clone(), data.to_vec())).await;
                 }
-                split.feed(data, Instant::now())
+                if sink.console { split.feed(data, Instant::now()) } else { Vec::new() }
             }
         };
-        if !bytes.is_empty() {
+        if !bytes.is_empty() && sink.console {
             let ends_open = split.line_open();
             send(Msg::Console(is_err, Piece { rank, starts_in_text, ends_open, bytes })).await;
         }
@@ -426,6 +512,11 @@ pub(super) async fn pump(mut src: impl AsyncRead + Unpin, rank: u32, is_err: boo
             send(Msg::File(f.clone(), b"\n".to_vec())).await;
         }
     }
+    flush().await;
+}
+
+/// Returns once every write queued so far (console and files) is done.
+pub async fn flush() {
     if let Some(tx) = writer() {
         let (done, written) = oneshot::channel();
         if tx.send(Msg::Sync(done)).await.is_ok() {
@@ -577,6 +668,24 @@ mod tests {
         assert_eq!(f(&mut st, piece(1, true, false, "!\n")), "\n[rank 1] !\n");
         assert_eq!(f(&mut st, piece(0, false, false, "\n")), "");
         assert_eq!(f(&mut st, piece(1, false, false, "[rank 1] end\n")), "[rank 1] end\n");
+    }
+
+    #[test]
+    fn the_tail_keeps_the_last_lines_bounded() {
+        let mut t = Tail::default();
+        for i in 0..30 {
+            t.feed(format!("line {i}\n").as_bytes());
+        }
+        t.feed(b"progress 1\rprogress 2");
+        let l = t.lines();
+        assert_eq!(l.len(), TAIL_LINES);
+        assert_eq!(l[0], "line 11");
+        assert_eq!(l[TAIL_LINES - 2], "line 29");
+        assert_eq!(l[TAIL_LINES - 1], "progress 2");
+        let mut t = Tail::default();
+        t.feed(&vec![b'x'; 10 * TAIL_LINE]);
+        t.feed(b"\n");
+        assert_eq!(t.lines()[0].len(), TAIL_LINE);
     }
 
     #[test]
