@@ -408,16 +408,26 @@ pub fn prepare(a: &JobArgs, cmd: &[String]) -> Result<Prepared> {
         Ok(job) if !job.is_empty() => format!("meshd-slurm-{:012x}", stable_hash(&[job.as_bytes()]) >> 16),
         _ => "meshd-default".to_string(),
     });
-    let (nccl_version, nccl_note) = match meshd_nccl::NcclLib::load() {
-        Ok(lib) => {
-            tracing::debug!("NCCL {} from {}", lib.version_string(), lib.path().display());
-            (lib.version(), String::new())
-        }
-        Err(e) => {
-            let (line, note) = nccl_missing(&e);
-            tracing::info!("{line}");
-            tracing::debug!("NCCL search: {e}");
-            (0, note)
+    // NCCL only where it can be used: GPUs visible, NCCL asked for, or a library named.
+    // Elsewhere nothing is searched or loaded (libnccl is large; its search is not free).
+    let wants_nccl = gpus > 0
+        || a.collective == "nccl"
+        || std::env::var_os("MESHD_NCCL_LIB").is_some_and(|v| !v.is_empty());
+    let (nccl_version, nccl_note) = if !wants_nccl {
+        tracing::debug!("no GPU visible: NCCL not looked for (MESHD_NCCL_UNIQUE_ID will not be set)");
+        (0, "no GPU visible on the master: NCCL not loaded".to_string())
+    } else {
+        match meshd_nccl::NcclLib::load() {
+            Ok(lib) => {
+                tracing::debug!("NCCL {} from {}", lib.version_string(), lib.path().display());
+                (lib.version(), String::new())
+            }
+            Err(e) => {
+                let (line, note) = nccl_missing(&e);
+                tracing::info!("{line}");
+                tracing::debug!("NCCL search: {e}");
+                (0, note)
+            }
         }
     };
 

@@ -124,3 +124,38 @@ fn pet_variables_stand_in_for_flags_and_a_flag_wins() {
     assert_eq!(out.matches("WS 1 worker").count(), 1, "{out}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Issue 24: nothing slow on the start path. No interpreter is started (a `python3` on
+/// PATH that records being run is never run, also while looking for libnccl), and the line
+/// that says the ranks started gives this node's phases and meshd's CPU time.
+#[test]
+fn the_start_path_runs_no_interpreter_and_says_where_the_time_went() {
+    let dir = std::env::temp_dir().join(format!("meshd-nopython-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let marker = dir.join("python-was-run");
+    let py = dir.join("python3");
+    std::fs::write(&py, format!("#!/bin/sh\ntouch {}\nexec /usr/bin/python3 \"$@\"\n", marker.display()))
+        .expect("py");
+    std::fs::set_permissions(&py, std::os::unix::fs::PermissionsExt::from_mode(0o755)).expect("chmod");
+    let port = free_udp_port().to_string();
+    let path = format!("{}:/usr/bin:/bin", dir.display());
+    let o = Command::new(env!("CARGO_BIN_EXE_meshd"))
+        .args(["run", "--nnodes", "1", "--nproc-per-node", "2", "--port", &port, "--", "true"])
+        .env("PATH", &path)
+        .env_remove("MESHD_NCCL_LIB")
+        .env_remove("MESHD_TOKEN")
+        .output()
+        .expect("run meshd");
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert!(!marker.exists(), "meshd started python3 on its start path:\n{err}");
+    let line = err
+        .lines()
+        .find(|l| l.contains("started 2 ranks"))
+        .unwrap_or_else(|| panic!("no launch line:\n{err}"));
+    for phase in ["after meshd started", "interface", "join and roster", "preflight", "spawn", "meshd CPU"] {
+        assert!(line.contains(phase), "{phase:?} missing: {line}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -58,6 +58,7 @@ fn a_straggler_of_an_earlier_job_neither_aborts_nor_finishes_the_new_one() {
                             hostname: "straggler".into(),
                             rank: Some(0),
                             reason: "STRAGGLER of an earlier job stops everything".into(),
+                            cause: None,
                         };
                         mesh.send(*a, abort);
                         mesh.send(*a, Message::Done { restart: 0 });

@@ -131,8 +131,8 @@ impl Verdict {
                 format!("nccl ({tcp}; MESHD_NCCL_UNIQUE_ID from the master's libnccl)")
             }
             "nccl" => format!(
-                "nccl ({tcp}; no libnccl on the master, so no MESHD_NCCL_UNIQUE_ID: ranks use their own \
-                 NCCL, e.g. PyTorch's)"
+                "nccl ({tcp}; no MESHD_NCCL_UNIQUE_ID: no GPU or no libnccl on the master; PyTorch's own \
+                 NCCL or Gloo work as usual)"
             ),
             "quic" if self.tcp_blocked.is_empty() => "quic (forced by --collective)".into(),
             "quic" => "quic (TCP between nodes is blocked: only meshd's UDP port works)".into(),
@@ -449,7 +449,11 @@ mod tests {
         // The collective is still nccl (TCP works), but the line says no id comes from meshd.
         assert_eq!(v.collective, "nccl");
         assert!(!v.nccl_id);
-        assert!(v.collective_line().contains("no libnccl on the master"), "{}", v.collective_line());
+        assert!(
+            v.collective_line().contains("no GPU or no libnccl on the master"),
+            "{}",
+            v.collective_line()
+        );
         assert!(evaluate(&roster(3), &all(3), None).collective_line().contains("MESHD_NCCL_UNIQUE_ID from"));
         assert!(v.checks.iter().any(|c| c.name == "nccl id" && c.detail.contains("libnccl not found")));
     }

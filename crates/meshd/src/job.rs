@@ -193,6 +193,58 @@ enum Failure {
     Signal(String, u8),
 }
 
+/// When each launch phase of a round began and ended on this node.
+struct Phases {
+    /// Round 0 only: when the mesh started and when it had its interface and port.
+    mesh: Option<(Instant, Instant)>,
+    round_began: Instant,
+    roster_at: Instant,
+    preflight_began: Instant,
+    spawn_began: Instant,
+    spawned_at: Instant,
+}
+
+impl Phases {
+    /// "started 2 ranks 0.14 s after meshd started: interface 0.002 s, join and roster
+    /// 0.120 s, preflight 0.010 s, spawn 0.003 s; meshd CPU 0.031 s": which phase is slow.
+    fn line(&self, ranks: usize, restart: u32) -> String {
+        let s = |a: Instant, b: Instant| format!("{:.3} s", b.saturating_duration_since(a).as_secs_f64());
+        let mut parts = Vec::new();
+        let (from, what) = match self.mesh {
+            Some((started, bound)) => {
+                parts.push(format!("interface {}", s(started, bound)));
+                parts.push(format!("join and roster {}", s(bound, self.roster_at)));
+                (started, "meshd started".to_string())
+            }
+            None => {
+                parts.push(format!("roster {}", s(self.round_began, self.roster_at)));
+                (self.round_began, format!("restart round {restart} began"))
+            }
+        };
+        parts.push(format!("preflight {}", s(self.preflight_began, self.spawn_began)));
+        parts.push(format!("spawn {}", s(self.spawn_began, self.spawned_at)));
+        format!(
+            "started {} {} after {what}: {}; meshd CPU {:.3} s",
+            crate::plural(ranks as u64, "rank"),
+            s(from, self.spawned_at),
+            parts.join(", "),
+            cpu_seconds()
+        )
+    }
+}
+
+/// CPU time (user + system) this process used so far.
+fn cpu_seconds() -> f64 {
+    // SAFETY: getrusage fills the struct it is given; RUSAGE_SELF is always valid.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) } != 0 {
+        return 0.0;
+    }
+    let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 / 1e6;
+    t(u.ru_utime) + t(u.ru_stime)
+}
+
 /// The outcome of a stop request that came while no rank ran.
 fn stopped(s: Stop, when: &str) -> JobOutcome {
     JobOutcome { code: s.exit_code(), message: format!("{} {when}", s.describe()) }
@@ -236,6 +288,7 @@ pub async fn run(
             .filter(|p| TcpListener::bind(SocketAddr::new(mesh.addr().ip(), *p)).is_ok())
             .or_else(|| free_tcp_port(mesh.addr().ip()).ok())
             .unwrap_or(29500);
+        let round_began = Instant::now();
         let roster = tokio::select! {
             r = mesh.rendezvous(restart, cfg.rdzv.clone(), master_port, cfg.rdzv_timeout) => r?,
             s = sig.recv() => {
@@ -244,6 +297,7 @@ pub async fn run(
             }
         };
         restart = roster.restart;
+        let roster_at = Instant::now();
         mesh.set_master(roster.master().map(|m| m.id));
         let Some(node_rank) = roster.node_rank(mesh.node()) else {
             return Ok(JobOutcome { code: 1, message: "not part of the agreed roster".into() });
@@ -261,6 +315,7 @@ pub async fn run(
         for w in cross_check(flags.0, flags.1, flags.2, &roster, node_rank) {
             warn!("{w}");
         }
+        let preflight_began = Instant::now();
         let preflight = tokio::select! {
             r = preflight_round(mesh, &roster, &cfg.preflight) => r,
             s = sig.recv() => {
@@ -408,9 +463,19 @@ pub async fn run(
             spec: cfg.output.clone(),
             activity: Some(activity.clone()),
         };
+        let spawn_began = Instant::now();
         let failure = match Supervisor::spawn(&cfg.cmd, &ranks, &round_out).await {
             Ok(mut sup) => {
                 mesh.set_state(NodeState::Running, restart);
+                let phases = Phases {
+                    mesh: (restart == 0).then(|| mesh.started()),
+                    round_began,
+                    roster_at,
+                    preflight_began,
+                    spawn_began,
+                    spawned_at: Instant::now(),
+                };
+                info!("{}", phases.line(ranks.len(), restart));
                 let f = supervise(
                     mesh,
                     &roster,

@@ -130,6 +130,9 @@ pub struct Mesh {
     /// a core that keeps asking for a deadline in the past cannot make the loop spin.
     fired: Option<Instant>,
     member_fired: Option<Instant>,
+    /// When [`Mesh::start`] began, and when the interface was chosen and the port bound.
+    started: Instant,
+    bound: Instant,
     /// Nodes of this run started with another `--nnodes`, with the words that named them
     /// (kept for the timeout message after such a node gave up and left).
     nnodes_named: BTreeMap<NodeId, String>,
@@ -161,6 +164,7 @@ fn hostname() -> String {
 impl Mesh {
     /// Chooses the interface, binds the port and starts joining through the listed peers.
     pub async fn start(mut cfg: MeshConfig) -> Result<Mesh, MeshError> {
+        let started = Instant::now();
         let ifs = interfaces::list().map_err(|e| MeshError::Iface(e.to_string()))?;
         let single_node = cfg.max_nodes <= 1;
         if !single_node {
@@ -239,6 +243,8 @@ impl Mesh {
             early: Vec::new(),
             master: None,
             status_at: Instant::now(),
+            started,
+            bound: Instant::now(),
             requeue: Vec::new(),
             ifs,
             resolved,
@@ -312,6 +318,12 @@ impl Mesh {
     /// The chosen interface and why.
     pub fn choice(&self) -> &Choice {
         &self.choice
+    }
+
+    /// When [`Mesh::start`] began, and when it had chosen the interface and bound the port
+    /// (the first phases of the launch line).
+    pub fn started(&self) -> (Instant, Instant) {
+        (self.started, self.bound)
     }
 
     /// This node's address (chosen interface, meshd port).
