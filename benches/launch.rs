@@ -1,7 +1,9 @@
 //! Launch benchmark on the network lab: meshd vs torchrun (c10d rendezvous), side by side.
 //!
 //! For 3 and 8 hosts x 2 processes: time from the last launcher's start until every rank
-//! is running, and time from a rank's failure until every launcher has exited.
+//! is running, the CPU time each meshd had used by then (from its launch line), and time
+//! from a rank's failure until every launcher has exited. Then the one-node overhead:
+//! `meshd run --nnodes 1 -- true` against `true` alone.
 //! Run as root: `cargo bench --bench launch` (add `-- --reps 5` for more repetitions).
 //! Prints a table; asserts nothing about speed (the machine is shared and noisy).
 
@@ -29,6 +31,13 @@ fn rank_script(fail_after: Option<u32>) -> String {
 struct Outcome {
     launch: Option<f64>,
     teardown: Option<f64>,
+    /// The most CPU any meshd had used when its ranks started (seconds).
+    cpu: Option<f64>,
+}
+
+/// The CPU time in a meshd's launch line ("... meshd CPU 0.031 s").
+fn parse_cpu(err: &str) -> Option<f64> {
+    err.lines().find_map(|l| l.split("meshd CPU ").nth(1)?.split_whitespace().next()?.parse().ok())
 }
 
 fn parse_times(out: &str, tag: &str) -> Vec<f64> {
@@ -97,18 +106,21 @@ fn run_once(n: usize, torchrun: bool, fail: bool, limit: Duration) -> Outcome {
             ]
         };
         last_start = now_s();
-        ks.push(lab.spawn(i, &args, &[("MESHD_LOG", "warn"), ("LOGLEVEL", "WARNING")]));
+        // meshd at info: its launch line carries its CPU time.
+        ks.push(lab.spawn(i, &args, &[("MESHD_LOG", "info"), ("LOGLEVEL", "WARNING")]));
     }
     let t0 = Instant::now();
     let mut starts = Vec::new();
     let mut fail_at = Vec::new();
     let mut exits = Vec::new();
+    let mut cpus = Vec::new();
     for k in ks {
         let (code, out, err) = lab.wait(k, limit.saturating_sub(t0.elapsed()));
         starts.extend(parse_times(&out, "START"));
         starts.extend(parse_times(&err, "START"));
         fail_at.extend(parse_times(&out, "FAILAT"));
         fail_at.extend(parse_times(&err, "FAILAT"));
+        cpus.push(parse_cpu(&err));
         exits.push(code.map(|_| now_s()));
         if code.is_none() && std::env::var("BENCH_VERBOSE").is_ok() {
             eprintln!("launcher timed out:\n{out}\n{err}");
@@ -125,7 +137,9 @@ fn run_once(n: usize, torchrun: bool, fail: bool, limit: Duration) -> Outcome {
     } else {
         None
     };
-    Outcome { launch, teardown }
+    let cpu = (!torchrun && cpus.iter().all(Option::is_some))
+        .then(|| cpus.iter().flatten().cloned().fold(0.0, f64::max));
+    Outcome { launch, teardown, cpu }
 }
 
 fn fmt(v: &[Option<f64>], limit: Duration) -> String {
@@ -155,7 +169,7 @@ fn main() {
         .is_ok_and(|s| s.success());
     println!("launch benchmark: {reps} repetitions, 2 processes per host (median)");
     println!(
-        "{:<6} {:<9} {:<34} {:<34}",
+        "{:<6} {:<9} {:<34} {:<34} meshd CPU at launch (max of hosts)",
         "hosts", "launcher", "last start -> all ranks running", "rank failure -> all launchers exited"
     );
     for n in [3usize, 8] {
@@ -165,17 +179,71 @@ fn main() {
                 continue;
             }
             let limit = Duration::from_secs(if torchrun { 90 } else { 60 });
-            let launch: Vec<Option<f64>> =
-                (0..reps).map(|_| run_once(n, torchrun, false, limit).launch).collect();
+            let runs: Vec<Outcome> = (0..reps).map(|_| run_once(n, torchrun, false, limit)).collect();
+            let launch: Vec<Option<f64>> = runs.iter().map(|o| o.launch).collect();
+            let cpu: Vec<Option<f64>> = runs.iter().map(|o| o.cpu).collect();
             let tear_limit = Duration::from_secs(45);
             let tear: Vec<Option<f64>> =
                 (0..reps).map(|_| run_once(n, torchrun, true, tear_limit).teardown).collect();
             println!(
-                "{n:<6} {:<9} {:<34} {:<34}",
+                "{n:<6} {:<9} {:<34} {:<34} {}",
                 if torchrun { "torchrun" } else { "meshd" },
                 fmt(&launch, limit),
-                fmt(&tear, tear_limit)
+                fmt(&tear, tear_limit),
+                if torchrun { "-".to_string() } else { fmt(&cpu, limit) }
             );
         }
+    }
+    one_node_overhead(reps.max(3) * 5);
+}
+
+/// `meshd run --nnodes 1 --nproc-per-node 1 -- true` against `true` alone, on this machine
+/// (loopback, no lab), `n` times each, alternating: medians and their difference.
+fn one_node_overhead(n: usize) {
+    let time = |args: &[&str]| {
+        let t = Instant::now();
+        let ok = std::process::Command::new(args[0])
+            .args(&args[1..])
+            .env_remove("MESHD_TOKEN")
+            .env("MESHD_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        ok.then(|| t.elapsed().as_secs_f64())
+    };
+    let port = std::net::UdpSocket::bind("127.0.0.1:0")
+        .and_then(|s| s.local_addr())
+        .map(|a| a.port().to_string())
+        .unwrap_or_else(|_| "29466".into());
+    let (mut m, mut t) = (Vec::new(), Vec::new());
+    for _ in 0..n {
+        m.push(time(&[
+            meshd(),
+            "run",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "1",
+            "--port",
+            &port,
+            "--",
+            "true",
+        ]));
+        t.push(time(&["true"]));
+    }
+    let med = |v: &[Option<f64>]| {
+        let mut s: Vec<f64> = v.iter().flatten().cloned().collect();
+        s.sort_by(|a, b| a.total_cmp(b));
+        s.get(s.len() / 2).cloned()
+    };
+    match (med(&m), med(&t)) {
+        (Some(a), Some(b)) => println!(
+            "one node: `meshd run --nnodes 1 -- true` {:.1} ms, `true` {:.1} ms: overhead {:.1} ms (median of {n})",
+            a * 1e3,
+            b * 1e3,
+            (a - b) * 1e3
+        ),
+        _ => println!("one node: a run failed (meshd or true did not exit 0)"),
     }
 }
