@@ -5,10 +5,13 @@
 # (no cargo): `import meshd`, README's first command, and a 2-host job on the network lab
 # (tests/lab_wheel.rs, given the venv's meshd in MESHD_WHEEL_BIN).
 #
-#   scripts/wheel-check.sh             dev profile (what CI runs: minutes cheaper)
-#   scripts/wheel-check.sh --release   the release wheel users get
-#   MESHD_WHEEL_ZIG=1 ...              link with zig (PyPI's ziglang) for manylinux2014
-#                                      (glibc 2.17) instead of this machine's glibc
+#   scripts/wheel-check.sh             dev profile, this machine's glibc (seconds over a test build)
+#   scripts/wheel-check.sh --release   the wheel users get (what CI runs): release profile,
+#                                      linked by zig (PyPI's ziglang) against glibc 2.17:
+#                                      tag manylinux2014 / manylinux_2_17, installs on RHEL 8
+#                                      and other older clusters; MESHD_WHEEL_ZIG=0 links
+#                                      against this machine's glibc instead (Debian 12:
+#                                      manylinux_2_34); MESHD_WHEEL_ZIG=1 uses zig for --dev
 #
 # Needs root for the lab step (like scripts/test.sh). Maturin (and ziglang) come from PyPI
 # into a tools venv under ~/.cache/meshd; the wheel and the test venv go to a temporary
@@ -25,14 +28,15 @@ case "${1:-}" in
 esac
 
 python=${PYTHON:-python3}
+zig=${MESHD_WHEEL_ZIG:-$([ "$profile" = release ] && echo 1 || echo 0)}
 scripts/setup.sh  # python3-venv among the rest
 
 tools="${XDG_CACHE_HOME:-$HOME/.cache}/meshd/wheel-tools"
-if [ ! -x "$tools/bin/maturin" ] || { [ "${MESHD_WHEEL_ZIG:-}" = 1 ] && ! "$tools/bin/python" -c 'import ziglang' 2>/dev/null; }; then
+if [ ! -x "$tools/bin/maturin" ] || { [ "$zig" = 1 ] && ! "$tools/bin/python" -c 'import ziglang' 2>/dev/null; }; then
   echo "== maturin from PyPI into $tools"
   "$python" -m venv "$tools"
   pkgs=('maturin>=1.5,<2')
-  [ "${MESHD_WHEEL_ZIG:-}" = 1 ] && pkgs+=(ziglang)
+  [ "$zig" = 1 ] && pkgs+=(ziglang)
   "$tools/bin/pip" install -q "${pkgs[@]}"
 fi
 
@@ -43,9 +47,9 @@ if [ "${MESHD_WHEEL_KEEP:-}" != 1 ] && [ -z "${MESHD_WHEEL_DIR:-}" ]; then
 fi
 rm -rf "$work/dist" "$work/venv"
 
-echo "== maturin build --profile $profile"
+echo "== maturin build --profile $profile$([ "$zig" = 1 ] && echo ' --zig --compatibility manylinux2014')"
 build=("$tools/bin/maturin" build --profile "$profile" --out "$work/dist")
-if [ "${MESHD_WHEEL_ZIG:-}" = 1 ]; then
+if [ "$zig" = 1 ]; then
   build+=(--zig --compatibility manylinux2014)
   export PATH="$tools/bin:$PATH"  # python -m ziglang
 fi
