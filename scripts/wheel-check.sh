@@ -13,6 +13,10 @@
 #                                      against this machine's glibc instead (Debian 12:
 #                                      manylinux_2_34); MESHD_WHEEL_ZIG=1 uses zig for --dev
 #
+# aarch64 (not run here: no arm machine): rustup target add aarch64-unknown-linux-gnu, then
+#   maturin build --release --target aarch64-unknown-linux-gnu --zig --compatibility manylinux2014
+# builds meshd-*-manylinux2014_aarch64 wheel (README's first command ran under qemu-aarch64).
+#
 # Needs root for the lab step (like scripts/test.sh). Maturin (and ziglang) come from PyPI
 # into a tools venv under ~/.cache/meshd; the wheel and the test venv go to a temporary
 # directory (MESHD_WHEEL_DIR keeps them somewhere else), removed unless MESHD_WHEEL_KEEP=1.
