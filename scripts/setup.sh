@@ -5,6 +5,8 @@
 #   iproute2 (ip), nftables (nft): the network lab's namespaces and firewalls
 #   iperf3: the fairness check of the benchmarks
 #   python3-torch, python3-numpy: the real PyTorch (CPU, Gloo) and the Python client's tests
+#   python3-venv: scripts/wheel-check.sh installs the wheel into a fresh venv
+#   dnsmasq-base (dnsmasq): a real DNS server in the lab (tests/lab_dns.rs: dns: peers)
 # Needs root to install (the lab suites need root anyway); as another user it says what
 # is missing and goes on.
 set -euo pipefail
@@ -15,6 +17,8 @@ command -v nft >/dev/null || need+=(nftables)
 command -v iperf3 >/dev/null || need+=(iperf3)
 /usr/bin/python3 -c 'import torch' 2>/dev/null || need+=(python3-torch)
 /usr/bin/python3 -c 'import numpy' 2>/dev/null || need+=(python3-numpy)
+/usr/bin/python3 -c 'import ensurepip' 2>/dev/null || need+=(python3-venv)
+command -v dnsmasq >/dev/null || [ -x /usr/sbin/dnsmasq ] || need+=(dnsmasq-base)
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
 fi

@@ -80,15 +80,16 @@ fn check_private(path: &str) -> Result<()> {
 /// Resolved peer entries: (label as listed, address).
 pub type Listed = Vec<(String, SocketAddr)>;
 
-/// `--peers` from the flag or SLURM_JOB_NODELIST, parsed and resolved: the addresses, and
+/// `--peers` from the flag or SLURM_STEP_NODELIST / SLURM_JOB_NODELIST, parsed and resolved: the addresses, and
 /// the entries that did not resolve yet (the mesh keeps trying them: DNS may lag behind a
 /// node's start) or must be re-resolved (`dns:` names).
 pub fn peers(flag: Option<&str>, port: u16) -> Result<(Listed, Vec<PeerSpec>)> {
     let text = match flag {
         Some(p) => p.to_string(),
-        None => match std::env::var("SLURM_JOB_NODELIST") {
-            Ok(list) => meshd::peers::expand_hostlist(&list)?.join(","),
-            Err(_) => return Ok((Vec::new(), Vec::new())),
+        // Inside a step, the step's nodes (SLURM_STEP_NODELIST), not the allocation's.
+        None => match meshd::peers::slurm_nodelist(meshd::peers::env_var) {
+            Some((_, list)) => meshd::peers::expand_hostlist(&list)?.join(","),
+            None => return Ok((Vec::new(), Vec::new())),
         },
     };
     let specs = meshd::peers::parse(&text)?;

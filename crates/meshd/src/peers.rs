@@ -1,5 +1,6 @@
 //! The `--peers` syntax: `host[:port],...`, `@FILE` (one host a line), `dns:NAME` (every
-//! A/AAAA record, re-resolved on each call), and SLURM's `SLURM_JOB_NODELIST` hostlists.
+//! A/AAAA record, re-resolved on each call), and SLURM's hostlists (`SLURM_STEP_NODELIST`,
+//! else `SLURM_JOB_NODELIST`: [`slurm_nodelist`]).
 
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 
@@ -127,6 +128,31 @@ pub fn resolve(specs: &[PeerSpec], default_port: u16) -> (Vec<(String, SocketAdd
     (addrs, errors)
 }
 
+/// The nodes of this SLURM step, for `--peers`' default: `SLURM_STEP_NODELIST` inside a step
+/// (`srun`), else `SLURM_JOB_NODELIST` (the batch script itself, `salloc`). A step may use
+/// only part of the allocation (`srun -N2` in a 4-node job), and srun leaves
+/// `SLURM_JOB_NODELIST` at the allocation's nodes: meshd must not wait for, or join, nodes
+/// that run no task of its step. Returns (variable name, value) of the first one set.
+pub fn slurm_nodelist(get: impl Fn(&str) -> Option<String>) -> Option<(&'static str, String)> {
+    ["SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"]
+        .into_iter()
+        .find_map(|k| get(k).filter(|v| !v.trim().is_empty()).map(|v| (k, v)))
+}
+
+/// The node count of this SLURM step, for `--nnodes`' default: `SLURM_STEP_NUM_NODES`
+/// inside a step, else `SLURM_NNODES` (which `srun --preserve-env` leaves at the
+/// allocation's count), else `SLURM_JOB_NUM_NODES`. Returns (variable name, value).
+pub fn slurm_nnodes(get: impl Fn(&str) -> Option<String>) -> Option<(&'static str, String)> {
+    ["SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES"]
+        .into_iter()
+        .find_map(|k| get(k).filter(|v| !v.trim().is_empty()).map(|v| (k, v)))
+}
+
+/// The process environment, for [`slurm_nodelist`] and [`slurm_nnodes`].
+pub fn env_var(k: &str) -> Option<String> {
+    std::env::var(k).ok()
+}
+
 /// Expands a SLURM hostlist (`gpu[01-03,07],login1`) into host names.
 pub fn expand_hostlist(list: &str) -> Result<Vec<String>, PeersError> {
     let err = |m: &str| PeersError::Hostlist(list.to_string(), m.to_string());
@@ -237,5 +263,36 @@ mod tests {
         assert!(expand_hostlist("gpu[1-").is_err());
         assert!(expand_hostlist("gpu[5-1]").is_err());
         assert!(expand_hostlist("gpu[a-b]").is_err());
+    }
+
+    #[test]
+    fn slurm_step_variables_win_over_the_allocation() {
+        // srun -N3 in a 4-node allocation: the task environment srun sets.
+        let step = |k: &str| {
+            match k {
+                "SLURM_JOB_NODELIST" => Some("gpu[01-02,07,09]"),
+                "SLURM_STEP_NODELIST" => Some("gpu[01-02,07]"),
+                "SLURM_JOB_NUM_NODES" => Some("4"),
+                "SLURM_NNODES" => Some("4"), // as srun --preserve-env leaves it
+                "SLURM_STEP_NUM_NODES" => Some("3"),
+                _ => None,
+            }
+            .map(String::from)
+        };
+        assert_eq!(slurm_nodelist(step), Some(("SLURM_STEP_NODELIST", "gpu[01-02,07]".into())));
+        assert_eq!(slurm_nnodes(step), Some(("SLURM_STEP_NUM_NODES", "3".into())));
+        // The batch script itself (no step): the allocation.
+        let batch = |k: &str| {
+            match k {
+                "SLURM_JOB_NODELIST" => Some("gpu[01-02,07,09]"),
+                "SLURM_NNODES" => Some("4"),
+                _ => None,
+            }
+            .map(String::from)
+        };
+        assert_eq!(slurm_nodelist(batch), Some(("SLURM_JOB_NODELIST", "gpu[01-02,07,09]".into())));
+        assert_eq!(slurm_nnodes(batch), Some(("SLURM_NNODES", "4".into())));
+        assert_eq!(slurm_nodelist(|_: &str| None), None);
+        assert_eq!(slurm_nnodes(|_: &str| Some(" ".into())), None);
     }
 }
