@@ -52,10 +52,10 @@ impl Args {
 /// variables (flag > variable > default), as Kubeflow's PyTorchJob sets them.
 #[derive(clap::Args, Debug)]
 pub struct JobArgs {
-    /// Nodes to wait for: N, or MIN:MAX (start once MIN are present and no newcomer arrived for --settle); default: SLURM_NNODES, else 1 without peers.
+    /// Nodes to wait for: N, or MIN:MAX (start once MIN are present and no newcomer arrived for --settle); default: under SLURM the step's node count (SLURM_STEP_NUM_NODES, else SLURM_NNODES), else 1 without peers.
     #[arg(long, env = "PET_NNODES")]
     pub nnodes: Option<String>,
-    /// Peers: host[:port],...  @FILE  dns:NAME (default: SLURM_JOB_NODELIST). Any one reachable member is enough.
+    /// Peers: host[:port],...  @FILE  dns:NAME (default: SLURM_STEP_NODELIST, else SLURM_JOB_NODELIST). Any one reachable member is enough.
     #[arg(long)]
     pub peers: Option<String>,
     /// torchrun's rendezvous endpoint HOST[:PORT]: HOST is one more peer, reached on meshd's --port (the PORT, torchrun's TCP store port, is not used).
@@ -177,8 +177,8 @@ pub fn nnodes_or_default(flag: Option<&str>, peers: Option<&str>, slurm_nodelist
     match peers {
         None if !slurm_nodelist => Ok("1".into()),
         None => bail!(
-            "--nnodes is required with SLURM_JOB_NODELIST (SLURM_NNODES is not set): pass --nnodes N, the \
-             number of nodes of the job, or MIN:MAX"
+            "--nnodes is required with SLURM's node list (neither SLURM_STEP_NUM_NODES nor SLURM_NNODES is \
+             set): pass --nnodes N, the number of nodes of the job, or MIN:MAX"
         ),
         Some(p) => {
             let listed = if p.contains('@') || p.contains("dns:") {
@@ -344,7 +344,9 @@ pub fn prepare(a: &JobArgs, cmd: &[String]) -> Result<Prepared> {
             tracing::debug!("{flag} {v} accepted and ignored: {why}");
         }
     }
-    let slurm_nnodes = std::env::var("SLURM_NNODES").ok().filter(|v| !v.is_empty());
+    // Under SLURM, the step's node count and node list (srun -N2 in a 4-node allocation
+    // runs on 2 nodes; srun --preserve-env leaves SLURM_NNODES at the allocation's).
+    let slurm_nnodes = meshd::peers::slurm_nnodes(meshd::peers::env_var).map(|(_, n)| n);
     let mut port = a.net.port;
     let (nnodes, peer_text) = if a.standalone {
         if let Some(n) = a.nnodes.as_deref().filter(|n| parse_nnodes(n).ok() != Some((1, 1))) {
@@ -364,7 +366,7 @@ pub fn prepare(a: &JobArgs, cmd: &[String]) -> Result<Prepared> {
         let nnodes = nnodes_or_default(
             a.nnodes.as_deref().or(slurm_nnodes.as_deref()),
             peer_text.as_deref(),
-            std::env::var_os("SLURM_JOB_NODELIST").is_some(),
+            meshd::peers::slurm_nodelist(meshd::peers::env_var).is_some(),
         )?;
         (nnodes, peer_text)
     };
@@ -381,7 +383,7 @@ pub fn prepare(a: &JobArgs, cmd: &[String]) -> Result<Prepared> {
         if a.standalone { (Vec::new(), Vec::new()) } else { common::peers(peer_text.as_deref(), port)? };
     if peers.is_empty() && unresolved.is_empty() && max > 1 {
         bail!(
-            "--nnodes {nnodes} needs --peers (or --rdzv-endpoint, or SLURM_JOB_NODELIST): at least one other \
+            "--nnodes {nnodes} needs --peers (or --rdzv-endpoint, or SLURM's node list): at least one other \
              node's address"
         );
     }

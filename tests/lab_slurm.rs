@@ -142,7 +142,6 @@ fn an_srun_step_forms_the_job_from_its_hostlist_names() {
 /// a script passes it, e.g. for auto-requeue) reads as its ranks. meshd rewrites them to
 /// describe its ranks as if srun had started one task per rank.
 #[test]
-#[ignore = "needs the SLURM rewrite in crates/meshd/src/job.rs rank_env (issue 18.5, branch wheel's report)"]
 fn ranks_see_slurm_task_variables_that_match_their_ranks() {
     if !lab::available() {
         return;
@@ -174,7 +173,6 @@ fn ranks_see_slurm_task_variables_that_match_their_ranks() {
 /// `srun --preserve-env` leaves SLURM_NNODES at the allocation's 4: `--nnodes` must come
 /// from SLURM_STEP_NUM_NODES (3), or meshd waits for a fourth node until --rdzv-timeout.
 #[test]
-#[ignore = "needs --nnodes from SLURM_STEP_NUM_NODES in src/run.rs (issue 18.5, branch wheel's report)"]
 fn an_srun_preserve_env_step_waits_for_the_step_nodes_only() {
     if !lab::available() {
         return;

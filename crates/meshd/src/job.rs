@@ -125,6 +125,12 @@ pub fn rank_env(
             env.push((k.into(), v));
         }
     }
+    // Under SLURM, srun started ONE task per node (meshd): its ranks would inherit that
+    // task's SLURM_PROCID, SLURM_NTASKS, ... and tools that trust SLURM take those for
+    // their ranks. Rewritten to describe meshd's ranks (slurm_rank_env).
+    if user_has("SLURM_JOB_ID") || user_has("SLURM_PROCID") {
+        env.extend(slurm_rank_env(roster, node_rank, local_rank));
+    }
     env
 }
 
@@ -180,6 +186,64 @@ pub fn cross_check(
         }
     }
     w
+}
+
+/// SLURM's task variables for one rank, as if srun had started one task per rank (issue
+/// 18.5). Under `srun --ntasks-per-node=1 meshd run`, ranks inherit meshd's task variables:
+/// SLURM_PROCID = the node's task (0..nodes), SLURM_NTASKS = nodes, SLURM_LOCALID = 0 on
+/// every rank, SLURM_NTASKS_PER_NODE = 1. Lightning's SLURMEnvironment (which scripts pass
+/// explicitly for auto-requeue, bypassing the TorchElastic detection) reads its ranks and
+/// world size from them, submitit and many scripts read SLURM_PROCID: every rank of a node
+/// would claim the same global rank. Rewritten, not removed: removed, those readers fail
+/// (KeyError, Lightning's "--ntasks not supported") instead of working. SLURM_NODEID
+/// indexes SLURM_(STEP_)NODELIST, which becomes the node addresses in node-rank order: the
+/// master first, where Lightning's SLURMEnvironment takes MASTER_ADDR from (it does not
+/// read MASTER_ADDR). Job-level variables (SLURM_JOB_ID, SLURM_JOB_NODELIST, ...) stay.
+pub fn slurm_rank_env(roster: &Roster, node_rank: usize, local_rank: u32) -> Vec<(String, String)> {
+    let me = &roster.members[node_rank];
+    let first = roster.first_global_rank(node_rank);
+    let global = (first + local_rank).to_string();
+    let world = roster.world_size().to_string();
+    let nodes = roster.members.len().to_string();
+    let node = node_rank.to_string();
+    let local = local_rank.to_string();
+    // SLURM's compressed counts: `2(x3)`, `1,2(x2)`.
+    let mut runs: Vec<(u32, usize)> = Vec::new();
+    for m in &roster.members {
+        match runs.last_mut() {
+            Some((n, k)) if *n == m.nproc => *k += 1,
+            _ => runs.push((m.nproc, 1)),
+        }
+    }
+    let per_node = runs
+        .iter()
+        .map(|(n, k)| if *k == 1 { n.to_string() } else { format!("{n}(x{k})") })
+        .collect::<Vec<_>>()
+        .join(",");
+    let nodelist = roster.members.iter().map(|m| m.addr.ip().to_string()).collect::<Vec<_>>().join(",");
+    let gtids = (first..first + me.nproc).map(|r| r.to_string()).collect::<Vec<_>>().join(",");
+    [
+        ("SLURM_PROCID", global.clone()),
+        ("SLURM_STEP_PROCID", global),
+        ("SLURM_LOCALID", local.clone()),
+        ("SLURM_STEP_LOCALID", local),
+        ("SLURM_NODEID", node.clone()),
+        ("SLURM_STEP_NODEID", node),
+        ("SLURM_NTASKS", world.clone()),
+        ("SLURM_NPROCS", world.clone()),
+        ("SLURM_STEP_NUM_TASKS", world),
+        ("SLURM_NTASKS_PER_NODE", me.nproc.to_string()),
+        ("SLURM_TASKS_PER_NODE", per_node.clone()),
+        ("SLURM_STEP_TASKS_PER_NODE", per_node),
+        ("SLURM_NNODES", nodes.clone()),
+        ("SLURM_STEP_NUM_NODES", nodes),
+        ("SLURM_NODELIST", nodelist.clone()),
+        ("SLURM_STEP_NODELIST", nodelist),
+        ("SLURM_GTIDS", gtids),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect()
 }
 
 /// How long a roster member's graceful leave (without `Done`) waits for the `Abort` that

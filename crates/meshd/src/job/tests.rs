@@ -95,3 +95,31 @@ fn torchrun_per_node_flags_are_cross_checked_naming_both_values() {
     assert!(w[1].contains("--master-addr 10.9.9.9") && w[1].contains("198.19.0.7"), "{}", w[1]);
     assert!(w[2].contains("--master-port 29500") && w[2].contains("29511"), "{}", w[2]);
 }
+
+#[test]
+fn under_slurm_ranks_get_task_variables_of_their_own() {
+    let mut r = roster();
+    r.members[0].nproc = 1;
+    let slurm = |k: &str| k == "SLURM_JOB_ID";
+    let env = rank_env(&r, 1, 1, "eth1", "198.19.0.19".parse().expect("ip"), "r", 0, "nccl", &slurm);
+    let want = [
+        ("SLURM_PROCID", "2"),
+        ("SLURM_LOCALID", "1"),
+        ("SLURM_NODEID", "1"),
+        ("SLURM_NTASKS", "5"),
+        ("SLURM_NPROCS", "5"),
+        ("SLURM_STEP_NUM_TASKS", "5"),
+        ("SLURM_NTASKS_PER_NODE", "2"),
+        ("SLURM_TASKS_PER_NODE", "1,2(x2)"),
+        ("SLURM_NNODES", "3"),
+        ("SLURM_NODELIST", "198.19.0.7,198.19.0.19,198.19.0.30"),
+        ("SLURM_GTIDS", "1,2"),
+    ];
+    for (k, v) in want {
+        assert_eq!(get(&env, k), Some(v), "{k}");
+    }
+    assert_eq!(get(&env, "SLURM_PROCID"), get(&env, "RANK"));
+    // Outside SLURM nothing SLURM-like appears (Lightning would detect a SLURM job).
+    let env = rank_env(&r, 1, 1, "eth1", "198.19.0.19".parse().expect("ip"), "r", 0, "nccl", &|_| false);
+    assert!(env.iter().all(|(k, _)| !k.starts_with("SLURM_")), "{env:?}");
+}
