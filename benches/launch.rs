@@ -4,7 +4,8 @@
 //! is running, the CPU time each meshd had used by then (from its launch line), and time
 //! from a rank's failure until every launcher has exited. Then the one-node overhead:
 //! `meshd run --nnodes 1 -- true` against `true` alone.
-//! Run as root: `cargo bench --bench launch` (add `-- --reps 5` for more repetitions).
+//! Run as root: `cargo bench --bench launch` (add `-- --reps 5` for more repetitions;
+//! `-- --one-node-only` measures only the one-node overhead).
 //! Prints a table; asserts nothing about speed (the machine is shared and noisy).
 
 #[path = "../tests/lab/mod.rs"]
@@ -163,6 +164,10 @@ fn main() {
         return;
     }
     let reps: usize = lab::bench_opt("--reps", 3);
+    if std::env::args().any(|a| a == "--one-node-only") {
+        one_node_overhead(reps.max(3) * 5);
+        return;
+    }
     let has_torch = std::process::Command::new(TORCH)
         .args(["-c", "import torch.distributed.run"])
         .status()

@@ -690,7 +690,11 @@ impl Mesh {
     pub async fn shutdown(mut self) {
         self.membership.leave(Instant::now());
         self.flush();
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        // A moment for the leave to reach the others; alone (a single-node job) there is
+        // nobody to tell, and meshd's exit is the job's.
+        if !self.transport.connected().is_empty() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         self.transport.shutdown().await;
     }
 }
