@@ -685,6 +685,11 @@ impl Membership {
             me.incarnation = me.incarnation.saturating_add(1);
         }
         self.announce_self(now);
+        // Our own state changes are what a rendezvous or a restart round waits for (a node
+        // moving to round r+1, or to Running): say it now rather than at the next gossip
+        // tick, so forming a roster costs round trips, not gossip intervals.
+        self.gossip_round(now);
+        self.next_gossip = now + self.config.gossip_interval;
     }
 
     /// Our advertised address changed: adopt it and disseminate it under a new incarnation.
