@@ -199,3 +199,29 @@ fn ifaces_on_the_head_names_the_seed_interface() {
     let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"));
     assert_eq!(v["chosen"]["name"], "eth1", "{v}");
 }
+
+/// 16 hosts from one identical command, all pointed at one head: one job, every rank, the
+/// master the lowest address. Prints how long formation took on each node (its launch line).
+#[test]
+fn sixteen_hosts_form_one_job_through_the_head() {
+    if !lab::available() {
+        return;
+    }
+    let mut lab = Lab::new(16);
+    let head = lab.hosts[HEAD].eth1.clone();
+    let t = Instant::now();
+    let res = lab.run_on_all(&run_args("16", &head, &[]), &[TOKEN], Duration::from_secs(120));
+    let took = t.elapsed();
+    check_job(&lab, &res);
+    let roster: Vec<f64> = res
+        .iter()
+        .filter_map(|(_, _, err)| {
+            let l = err.lines().find(|l| l.contains("join and roster"))?;
+            l.split("join and roster ").nth(1)?.split_whitespace().next()?.parse().ok()
+        })
+        .collect();
+    let max = roster.iter().cloned().fold(0.0, f64::max);
+    eprintln!(
+        "FIGURE 16 hosts through the head: every node's join and roster <= {max:.3} s; all exited in {took:?}"
+    );
+}

@@ -16,7 +16,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 /// eth1 host byte of host i: not in host order, so host 0 is not the master.
-pub const ETH1_OCTETS: [u8; 10] = [30, 7, 19, 44, 12, 25, 3, 50, 41, 9];
+pub const ETH1_OCTETS: [u8; 20] =
+    [30, 7, 19, 44, 12, 25, 3, 50, 41, 9, 61, 17, 38, 55, 22, 71, 14, 66, 33, 80];
 pub const ETH0_ADDR: &str = "198.18.0.4";
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
