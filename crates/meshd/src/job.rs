@@ -147,6 +147,9 @@ pub async fn run(
             .take_data_streams()
             .ok_or_else(|| MeshError::Iface("data streams already taken".into()))?,
     ));
+    // Tunnel mode: peers' tunnel streams, and the counters, shared by every round.
+    let tunnel_in = crate::tunnel::incoming(mesh.transport());
+    let tunnel_stats = std::sync::Arc::new(crate::tunnel::TunnelStats::default());
     loop {
         let master_port = free_tcp_port(mesh.addr().ip()).unwrap_or(29500);
         let roster = tokio::select! {
@@ -254,6 +257,18 @@ pub async fn run(
                 None
             }
         };
+        let mut tunnel = (verdict.collective == "tunnel")
+            .then(|| {
+                crate::tunnel::start_for_round(
+                    &roster,
+                    node_rank,
+                    svc.as_ref().map(|s| s.path()),
+                    mesh.transport(),
+                    tunnel_in.as_ref(),
+                    &tunnel_stats,
+                )
+            })
+            .flatten();
         let ranks: Vec<RankSpec> = (0..roster.members[node_rank].nproc)
             .map(|l| {
                 let mut env = rank_env(
@@ -269,6 +284,9 @@ pub async fn run(
                 );
                 if let Some(s) = &svc {
                     env.push(("MESHD_SOCKET".into(), s.path().display().to_string()));
+                }
+                if let Some(t) = &tunnel {
+                    env.extend(t.env(std::env::var("LD_PRELOAD").ok().as_deref()));
                 }
                 if let Some(id) = &outcome.nccl_id {
                     env.push((
@@ -289,6 +307,9 @@ pub async fn run(
                 mesh.set_state(NodeState::Running, restart);
                 let f = supervise(mesh, &roster, &mut sup, svc.as_ref(), &mut sig).await;
                 sup.stop(cfg.grace).await;
+                if let Some(t) = tunnel.take() {
+                    crate::tunnel::report(t.stats());
+                }
                 drop(svc);
                 drop(nccl_root);
                 f
