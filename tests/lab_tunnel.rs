@@ -1,0 +1,90 @@
+//! Lab: tunnel mode. Behind the one-port firewall on every host (all TCP and all UDP but
+//! meshd's port dropped on the real network), unmodified PyTorch jobs and plain sockets
+//! reach the other nodes: meshd carries the ranks' TCP connections over its QUIC
+//! connections (LD_PRELOAD interposer, docs/PROTOCOL.md "The TCP tunnel").
+
+mod lab;
+use lab::{Lab, python_job};
+use std::time::Duration;
+
+const PY: &str = "/usr/bin/python3";
+
+fn needs_torch() {
+    let ok = std::process::Command::new(PY).args(["-c", "import torch"]).status().is_ok_and(|s| s.success());
+    assert!(ok, "Debian's python3-torch is required (apt-get install python3-torch; .ci/run installs it)");
+}
+
+fn firewalled_lab(n: usize) -> Lab {
+    let lab = Lab::new(n);
+    for i in 0..n {
+        lab.firewall_only_udp(i, 29400);
+    }
+    lab
+}
+
+fn run(lab: &mut Lab, args: &[String]) -> Vec<(Option<i32>, String, String)> {
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    lab.run_on_all(&args, &[("MESHD_TOKEN", "tunnel")], Duration::from_secs(240))
+}
+
+/// The preflight chose the tunnel by itself, said so, and the tunnel carried connections.
+fn check_tunnel_lines(i: usize, err: &str) {
+    assert!(
+        err.contains("collective: tunnel (TCP between nodes is blocked"),
+        "host {i}: the preflight must choose the tunnel:\n{err}"
+    );
+    let line = err.lines().find(|l| l.contains("tunnel: ") && l.contains("opened by this node's ranks"));
+    let line = line.unwrap_or_else(|| panic!("host {i}: no tunnel counters line:\n{err}"));
+    // "tunnel: N tunnelled connections opened by this node's ranks (F failed), S served for other nodes"
+    let num = |after: &str| -> u64 {
+        line.split(after)
+            .nth(1)
+            .and_then(|s| s.split_whitespace().next())
+            .and_then(|n| n.trim_start_matches('(').parse().ok())
+            .unwrap_or(0)
+    };
+    let (opened, served) = (num("tunnel: "), num("failed), "));
+    assert!(opened + served > 0, "host {i}: no connection went through the tunnel: {line}");
+}
+
+#[test]
+fn unmodified_ddp_over_gloo_trains_to_identical_parameters_behind_a_one_port_firewall() {
+    if !lab::available() {
+        return;
+    }
+    needs_torch();
+    let mut lab = firewalled_lab(3);
+    let args = python_job(&lab.peers(), 3, 2, "auto", "ddp_gloo.py", &["--steps", "15"]);
+    let mut digests = Vec::new();
+    for (i, (code, out, err)) in run(&mut lab, &args).iter().enumerate() {
+        assert_eq!(*code, Some(0), "host {i}:\n{out}\n{err}");
+        check_tunnel_lines(i, err);
+        for l in out.lines().filter(|l| l.contains("DDP rank=")) {
+            assert!(l.contains("world=6"), "{l}");
+            let d =
+                l.split("params_sha256=").nth(1).and_then(|s| s.split_whitespace().next()).expect("digest");
+            digests.push(d.to_string());
+        }
+    }
+    assert_eq!(digests.len(), 6, "every rank reports");
+    assert!(digests.iter().all(|d| *d == digests[0]), "parameters differ across ranks: {digests:?}");
+}
+
+#[test]
+fn store_objects_user_sockets_and_refusals_go_through_the_tunnel() {
+    if !lab::available() {
+        return;
+    }
+    needs_torch();
+    let mut lab = firewalled_lab(3);
+    let args = python_job(&lab.peers(), 3, 2, "auto", "tunnel_check.py", &[]);
+    for (i, (code, out, err)) in run(&mut lab, &args).iter().enumerate() {
+        assert_eq!(*code, Some(0), "host {i}:\n{out}\n{err}");
+        check_tunnel_lines(i, err);
+        let ok: Vec<&str> = out.lines().filter(|l| l.contains("TUNNEL OK")).collect();
+        assert_eq!(ok.len(), 2, "host {i}: both ranks pass:\n{out}\n{err}");
+        for l in ok {
+            assert!(l.contains("world=6") && l.contains("collective=tunnel") && l.contains("nodes=3"), "{l}");
+        }
+    }
+}
