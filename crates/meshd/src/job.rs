@@ -230,7 +230,8 @@ pub async fn run(
         if let Some(w) = verdict.tcp_warning(&iface) {
             warn!("{w}");
         }
-        if verdict.collective == "quic" {
+        // The QUIC ring serves meshd's client in tunnel mode too (MESHD_SOCKET stays set).
+        if verdict.collective == "quic" || verdict.collective == "tunnel" {
             info!(
                 "preflight passed; collective: {}; ring over {} to the next node (MESHD_LANES)",
                 verdict.collective_line(),
