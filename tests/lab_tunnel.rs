@@ -88,3 +88,35 @@ fn store_objects_user_sockets_and_refusals_go_through_the_tunnel() {
         }
     }
 }
+
+/// A node that dies while ranks stream through the tunnel to it: the others' tunnelled
+/// sockets fail (the QUIC connection is lost) and the job is torn down as it is without
+/// the tunnel: every surviving meshd exits non-zero, saying why, and leaves no rank.
+#[test]
+fn a_node_killed_mid_transfer_tears_the_job_down() {
+    if !lab::available() {
+        return;
+    }
+    needs_torch();
+    let mut lab = firewalled_lab(3);
+    let args = python_job(&lab.peers(), 3, 2, "auto", "ddp_gloo.py", &["--steps", "1000000"]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let ks: Vec<usize> = (0..3).map(|i| lab.spawn(i, &args, &[("MESHD_TOKEN", "tunnel")])).collect();
+    std::thread::sleep(Duration::from_secs(12));
+    assert!(!lab.exited(ks[0]) && !lab.exited(ks[1]), "the job must still be training");
+    let t = std::time::Instant::now();
+    lab.crash(2);
+    for i in [0, 1] {
+        let (code, out, err) = lab.wait(ks[i], Duration::from_secs(60));
+        assert!(code.is_some_and(|c| c != 0), "host {i} must stop with an error:\n{out}\n{err}");
+        assert!(
+            err.contains("stopped answering")
+                || err.contains("job stopped by")
+                || err.contains("left the mesh"),
+            "host {i} must say why:\n{err}"
+        );
+        assert!(err.contains("collective: tunnel"), "host {i}:\n{err}");
+        assert!(lab.pids(i).is_empty(), "host {i}: processes left: {:?}", lab.pids(i));
+    }
+    eprintln!("FIGURE tunnel: a node killed mid-transfer: the job stopped everywhere in {:?}", t.elapsed());
+}
