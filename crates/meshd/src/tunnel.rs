@@ -110,6 +110,19 @@ pub struct TunnelStats {
 }
 
 impl TunnelStats {
+    /// The counters as `meshd status` gets them.
+    pub fn reply(&self) -> meshd_proto::wire::TunnelReply {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        meshd_proto::wire::TunnelReply {
+            opened: g(&self.opened),
+            failed: g(&self.failed),
+            served: g(&self.served),
+            active: g(&self.active),
+            bytes_out: g(&self.bytes_out),
+            bytes_in: g(&self.bytes_in),
+        }
+    }
+
     /// One line: connections and bytes.
     pub fn line(&self) -> String {
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -493,6 +506,7 @@ pub fn start_for_round(
     };
     match Tunnel::start(cfg, transport.clone(), incoming.clone(), stats.clone()) {
         Ok(t) => {
+            transport.set_tunnel_stats(Some(stats.clone()));
             info!(
                 "tunnel: the ranks' TCP connections to {} go through meshd (LD_PRELOAD {})",
                 t.peers,

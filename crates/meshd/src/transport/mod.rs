@@ -15,7 +15,9 @@ mod tls;
 use auth::{Refusal, Role, Token};
 use bytes::Bytes;
 use meshd_proto::NodeId;
-use meshd_proto::wire::{self, AuthHello, Frame, MAX_LANES, PROTOCOL_VERSION, Query, StatusReply};
+use meshd_proto::wire::{
+    self, AuthHello, Frame, MAX_LANES, PROTOCOL_VERSION, Query, StatusReply, TunnelReply,
+};
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
@@ -237,6 +239,8 @@ struct Inner {
     data_rx: Mutex<Option<mpsc::Receiver<DataStream>>>,
     tunnel_tx: mpsc::Sender<TunnelStream>,
     tunnel_rx: Mutex<Option<mpsc::Receiver<TunnelStream>>>,
+    /// The running tunnel's counters, answered to `meshd status` ([`Query::Tunnel`]).
+    tunnel_stats: Mutex<Option<Arc<crate::tunnel::TunnelStats>>>,
     /// Lane connections, opened by either end: (peer, lane 1..) -> connection.
     lanes: Mutex<HashMap<(SocketAddr, u8), quinn::Connection>>,
     /// Held while a lane is being connected, so that two operations do not open it twice.
@@ -427,6 +431,7 @@ impl Transport {
             data_rx: Mutex::new(Some(data_rx)),
             tunnel_tx,
             tunnel_rx: Mutex::new(Some(tunnel_rx)),
+            tunnel_stats: Mutex::new(None),
             lanes: Mutex::new(HashMap::new()),
             lane_connect: tokio::sync::Mutex::new(()),
         });
@@ -542,6 +547,31 @@ impl Transport {
             }
         };
         open_data_on(&conn, to, op).await
+    }
+
+    /// Sets the tunnel counters `meshd status` probes are told.
+    pub fn set_tunnel_stats(&self, stats: Option<Arc<crate::tunnel::TunnelStats>>) {
+        *lock(&self.inner.tunnel_stats) = stats;
+    }
+
+    /// Asks the meshd at `to` for its tunnel counters (`None`: not in tunnel mode).
+    pub async fn query_tunnel(&self, to: SocketAddr) -> Result<Option<TunnelReply>, TransportError> {
+        let to = canonical(to);
+        let conn = match existing(&self.inner, to) {
+            Some(c) => c,
+            None => connect(&self.inner, to, 0).await?.0,
+        };
+        let err = |reason: String| TransportError::Peer { addr: to, reason };
+        let fut = async {
+            let (mut send, mut recv) = conn.open_bi().await.map_err(|e| err(e.to_string()))?;
+            send.write_all(&wire::encode(&Query::Tunnel)).await.map_err(|e| err(e.to_string()))?;
+            let _ = send.finish();
+            let body = recv.read_to_end(1024).await.map_err(|e| err(e.to_string()))?;
+            wire::decode::<Option<TunnelReply>>(&body).map_err(|e| err(format!("bad tunnel reply: {e}")))
+        };
+        tokio::time::timeout(self.inner.cfg.connect_timeout, fut)
+            .await
+            .map_err(|_| err("no tunnel answer in time".into()))?
     }
 
     /// Sets what `meshd status` probes are told.
@@ -1192,6 +1222,11 @@ async fn serve_queries(inner: &Inner, conn: quinn::Connection) {
             Ok(Query::Status) => {
                 let reply = lock(&inner.status).clone();
                 let _ = send.write_all(&reply).await;
+                let _ = send.finish();
+            }
+            Ok(Query::Tunnel) => {
+                let reply = lock(&inner.tunnel_stats).as_ref().map(|s| s.reply());
+                let _ = send.write_all(&wire::encode(&reply)).await;
                 let _ = send.finish();
             }
             Err(_) => {
