@@ -129,3 +129,91 @@ fn a_node_killed_mid_transfer_tears_the_job_down() {
     }
     eprintln!("FIGURE tunnel: a node killed mid-transfer: the job stopped everywhere in {:?}", t.elapsed());
 }
+
+/// With libnccl (the PyPI wheel's, no GPU needed): behind the one-port firewall every rank
+/// reaches the root of the NCCL unique id meshd hands out (on the master's eth1) through
+/// the tunnel, as ncclCommInitRank's bootstrap must.
+#[test]
+fn the_nccl_unique_ids_root_is_reachable_through_the_tunnel_from_every_node() {
+    if !lab::available() {
+        return;
+    }
+    let libpath = match std::env::var("MESHD_NCCL_LIB") {
+        Ok(p) if std::path::Path::new(&p).exists() => p,
+        _ if std::env::var("MESHD_REQUIRE_NCCL").is_ok() => {
+            panic!("MESHD_REQUIRE_NCCL is set but MESHD_NCCL_LIB does not name libnccl.so.2")
+        }
+        _ => {
+            eprintln!(
+                "*** NCCL TUNNEL LAB TEST SKIPPED: MESHD_NCCL_LIB not set (run scripts/fetch-nccl.sh) ***"
+            );
+            return;
+        }
+    };
+    let mut lab = firewalled_lab(3);
+    let peers = lab.peers();
+    // The id's sockaddr: family (LE u16) at byte 8, port (BE) at 10, IPv4 at 12. Eight bytes
+    // that are not NCCL's magic, then close (what the preflight sends: safe on every version).
+    let script = r#"
+import os, socket
+b = bytes.fromhex(os.environ["MESHD_NCCL_UNIQUE_ID"])
+assert int.from_bytes(b[8:10], "little") == 2
+port, ip = int.from_bytes(b[10:12], "big"), ".".join(str(x) for x in b[12:16])
+s = socket.create_connection((ip, port), timeout=20)
+s.sendall(b"\0" * 8)
+s.close()
+print(f"NCCLROOT OK {ip}:{port} from {os.environ['MESHD_NODE_ADDR']}", flush=True)
+"#;
+    let args = [
+        lab::meshd(),
+        "run",
+        "--nnodes",
+        "3",
+        "--peers",
+        &peers,
+        "--nproc-per-node",
+        "2",
+        "--",
+        PY,
+        "-c",
+        script,
+    ];
+    let res = lab.run_on_all(
+        &args,
+        &[("MESHD_NCCL_LIB", &libpath), ("MESHD_TOKEN", "nccl-tunnel")],
+        Duration::from_secs(120),
+    );
+    for (i, (code, out, err)) in res.iter().enumerate() {
+        assert_eq!(*code, Some(0), "host {i}:\n{out}\n{err}");
+        assert!(err.contains("collective: tunnel"), "host {i}:\n{err}");
+        let ok: Vec<&str> = out.lines().filter(|l| l.contains("NCCLROOT OK 198.19.0.7:")).collect();
+        assert_eq!(ok.len(), 2, "host {i}: both ranks reach the root:\n{out}\n{err}");
+    }
+}
+
+/// A quick figure (not a check; `cargo bench --bench allreduce` has the side-by-side one):
+/// Gloo's allreduce of `MESHD_TUNNEL_FIGURE_SIZE` bytes (64 MiB) through the tunnel,
+/// 3 hosts x 1 rank, MTU `MESHD_TUNNEL_FIGURE_MTU` (1500).
+#[test]
+#[ignore]
+fn figure_gloo_allreduce_through_the_tunnel() {
+    if !lab::available() {
+        return;
+    }
+    let size = std::env::var("MESHD_TUNNEL_FIGURE_SIZE").unwrap_or_else(|_| (64 << 20).to_string());
+    let mtu: u32 = std::env::var("MESHD_TUNNEL_FIGURE_MTU").ok().and_then(|m| m.parse().ok()).unwrap_or(1500);
+    let mut lab = firewalled_lab(3);
+    if mtu != 1500 {
+        lab.set_mtu(mtu);
+    }
+    let args = python_job(&lab.peers(), 3, 1, "auto", "gloo_allreduce_bench.py", &["--size", &size]);
+    for (i, (code, out, err)) in run(&mut lab, &args).iter().enumerate() {
+        assert_eq!(*code, Some(0), "host {i}:\n{out}\n{err}");
+        for l in out.lines().filter(|l| l.contains("GLOO ")) {
+            eprintln!("FIGURE tunnel mtu {mtu} host {i}: {l}");
+        }
+        for l in err.lines().filter(|l| l.contains("tunnel: ") && l.contains("MiB")) {
+            eprintln!("FIGURE tunnel mtu {mtu} host {i}: {l}");
+        }
+    }
+}
