@@ -12,9 +12,11 @@
 //! reached as `EHOSTUNREACH`, no answer as `ETIMEDOUT`; never a hang (a deadline bounds
 //! every step). Everything else goes to the real `connect` untouched.
 //!
-//! On a tunnelled fd, `getpeername` answers the destination, `getsockname` this node's
-//! address (`MESHD_NODE_ADDR`), and `setsockopt`/`getsockopt` at the `IPPROTO_TCP` level
-//! (`TCP_NODELAY`, keep-alive tuning) succeed without effect: a Unix socket has no Nagle.
+//! On a tunnelled fd, `getpeername` answers the destination (the application's own
+//! sockaddr), `getsockname` this node's address (`MESHD_NODE_ADDR`, in the socket's
+//! family), `SO_DOMAIN` the socket's family before the swap, and `setsockopt`/`getsockopt`
+//! at the `IPPROTO_TCP` level (`TCP_NODELAY`, keep-alive tuning) succeed without effect: a
+//! Unix socket has no Nagle.
 //!
 //! No dependencies but the C library, which this file declares itself: meshd's build
 //! script compiles it with `rustc` alone (`panic=abort`). Nothing here panics on input;
@@ -211,42 +213,47 @@ fn config() -> &'static Config {
     })
 }
 
-/// Tunnelled fds: (fd, socket cookie, destination). The cookie tells a closed and reused
-/// fd number from the socket that was put there.
-static TUNNELLED: Mutex<Vec<(c_int, u64, SocketAddr)>> = Mutex::new(Vec::new());
+/// A tunnelled fd: the socket cookie (tells a closed and reused fd number from the socket
+/// that was put there), the socket's domain before the swap, and the address the
+/// application passed to `connect`, byte for byte (what `getpeername` answers).
+#[derive(Clone, Copy, Debug)]
+struct Tunnelled {
+    fd: c_int,
+    cookie: u64,
+    domain: c_int,
+    peer: [u8; 28],
+    peer_len: usize,
+}
+
+static TUNNELLED: Mutex<Vec<Tunnelled>> = Mutex::new(Vec::new());
 static ANY_TUNNELLED: AtomicUsize = AtomicUsize::new(0);
 
-fn tunnelled() -> std::sync::MutexGuard<'static, Vec<(c_int, u64, SocketAddr)>> {
+fn tunnelled() -> std::sync::MutexGuard<'static, Vec<Tunnelled>> {
     TUNNELLED.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn remember(fd: c_int, cookie: u64, dest: SocketAddr) {
-    let mut t = tunnelled();
-    t.retain(|(f, _, _)| *f != fd);
-    t.push((fd, cookie, dest));
-    ANY_TUNNELLED.store(t.len(), Ordering::Release);
+fn remember(t: Tunnelled) {
+    let mut all = tunnelled();
+    all.retain(|x| x.fd != t.fd);
+    all.push(t);
+    ANY_TUNNELLED.store(all.len(), Ordering::Release);
 }
 
 fn forget(fd: c_int) {
-    if ANY_TUNNELLED.load(Ordering::Acquire) == 0 {
-        return;
-    }
-    let mut t = tunnelled();
-    t.retain(|(f, _, _)| *f != fd);
-    ANY_TUNNELLED.store(t.len(), Ordering::Release);
+    let mut all = tunnelled();
+    all.retain(|x| x.fd != fd);
+    ANY_TUNNELLED.store(all.len(), Ordering::Release);
 }
 
-/// The destination `fd` was tunnelled to, if it still holds that socket.
-fn tunnel_of(fd: c_int) -> Option<SocketAddr> {
+/// What `fd` was tunnelled as, if it still holds that socket. Lock-free while no fd was
+/// ever tunnelled (a forked child never waits on a lock held at the fork for that).
+fn tunnel_of(fd: c_int) -> Option<Tunnelled> {
     if ANY_TUNNELLED.load(Ordering::Acquire) == 0 {
         return None;
     }
-    let (cookie, dest) = {
-        let t = tunnelled();
-        t.iter().find(|(f, _, _)| *f == fd).map(|(_, c, d)| (*c, *d))?
-    };
-    if socket_cookie(fd) == Some(cookie) {
-        Some(dest)
+    let t = tunnelled().iter().find(|x| x.fd == fd).copied()?;
+    if socket_cookie(fd) == Some(t.cookie) {
+        Some(t)
     } else {
         forget(fd);
         None
@@ -396,8 +403,9 @@ fn write_full(fd: c_int, buf: &[u8], deadline: Instant) -> Result<(), c_int> {
     Ok(())
 }
 
-/// Asks meshd for a stream to `dest` and puts it in place of `fd`. `Err(errno)` on failure.
-fn tunnel(fd: c_int, dest: SocketAddr, cfg: &Config) -> Result<(), c_int> {
+/// Asks meshd for a stream to `dest` and puts it in place of `fd`; `peer` is the address
+/// as the application gave it. `Err(errno)` on failure.
+fn tunnel(fd: c_int, dest: SocketAddr, peer: &[u8], cfg: &Config) -> Result<(), c_int> {
     static SAID: AtomicBool = AtomicBool::new(false);
     let Some((path, path_len)) = &cfg.path else {
         if !SAID.swap(true, Ordering::Relaxed) {
@@ -454,6 +462,7 @@ fn tunnel(fd: c_int, dest: SocketAddr, cfg: &Config) -> Result<(), c_int> {
     let cloexec = unsafe { fcntl(fd, F_GETFD) };
     let flags = if cloexec >= 0 && cloexec & FD_CLOEXEC != 0 { O_CLOEXEC } else { 0 };
     let cookie = socket_cookie(s);
+    let domain = get_int_opt(fd, SOL_SOCKET, SO_DOMAIN).unwrap_or(AF_INET);
     // SAFETY: replaces the application's unconnected socket by ours at the same number.
     if unsafe { dup3(s, fd, flags) } < 0 {
         let e = errno();
@@ -461,8 +470,10 @@ fn tunnel(fd: c_int, dest: SocketAddr, cfg: &Config) -> Result<(), c_int> {
     }
     // SAFETY: `s` is ours; `fd` now holds the socket.
     unsafe { close(s) };
-    if let Some(c) = cookie {
-        remember(fd, c, dest);
+    if let Some(cookie) = cookie {
+        let mut t = Tunnelled { fd, cookie, domain, peer: [0; 28], peer_len: peer.len().min(28) };
+        t.peer[..t.peer_len].copy_from_slice(&peer[..t.peer_len]);
+        remember(t);
     }
     Ok(())
 }
@@ -488,7 +499,10 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const c_void, len: socklen_t)
             if cfg.debug {
                 say(&format!("connect {dest} through meshd"));
             }
-            return match tunnel(fd, dest, cfg) {
+            // SAFETY: the caller's contract: `addr` is valid for `len` bytes (at least the
+            // sockaddr ip_destination read).
+            let peer = unsafe { std::slice::from_raw_parts(addr.cast::<u8>(), (len as usize).min(28)) };
+            return match tunnel(fd, dest, peer, cfg) {
                 Ok(()) => 0,
                 Err(e) => {
                     if cfg.debug {
@@ -500,7 +514,8 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const c_void, len: socklen_t)
             };
         }
     }
-    forget(fd);
+    // A reused fd number is told apart by its socket cookie: nothing to forget here (and
+    // no lock on the path of every other connect).
     match real!("connect", ConnectFn) {
         // SAFETY: forwarding the caller's arguments.
         Some(f) => unsafe { f(fd, addr, len) },
@@ -517,10 +532,6 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const c_void, len: socklen_t)
 /// # Safety
 /// `addr` valid for `*len` bytes, `len` valid.
 unsafe fn write_name(a: SocketAddr, addr: *mut c_void, len: *mut socklen_t) -> c_int {
-    if len.is_null() {
-        set_errno(14); // EFAULT
-        return -1;
-    }
     let mut buf = [0u8; 28];
     let full = match a {
         SocketAddr::V4(v4) => {
@@ -547,13 +558,26 @@ unsafe fn write_name(a: SocketAddr, addr: *mut c_void, len: *mut socklen_t) -> c
             std::mem::size_of::<sockaddr_in6>()
         }
     };
+    // SAFETY: the caller's contract.
+    unsafe { write_raw(&buf[..full], addr, len) }
+}
+
+/// Copies `bytes` to a caller's (`addr`, `len`) pair as the kernel would.
+///
+/// # Safety
+/// `addr` valid for `*len` bytes, `len` valid.
+unsafe fn write_raw(bytes: &[u8], addr: *mut c_void, len: *mut socklen_t) -> c_int {
+    if len.is_null() {
+        set_errno(14); // EFAULT
+        return -1;
+    }
     // SAFETY: the caller's contract: `len` valid, `addr` valid for `*len` bytes.
     unsafe {
-        let room = (*len as usize).min(full);
+        let room = (*len as usize).min(bytes.len());
         if !addr.is_null() {
-            std::ptr::copy_nonoverlapping(buf.as_ptr(), addr.cast::<u8>(), room);
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), addr.cast::<u8>(), room);
         }
-        *len = full as socklen_t;
+        *len = bytes.len() as socklen_t;
     }
     0
 }
@@ -564,9 +588,9 @@ unsafe fn write_name(a: SocketAddr, addr: *mut c_void, len: *mut socklen_t) -> c
 /// The caller's contract with `getpeername`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn getpeername(fd: c_int, addr: *mut c_void, len: *mut socklen_t) -> c_int {
-    if let Some(dest) = tunnel_of(fd) {
+    if let Some(t) = tunnel_of(fd) {
         // SAFETY: the caller's contract.
-        return unsafe { write_name(dest, addr, len) };
+        return unsafe { write_raw(&t.peer[..t.peer_len], addr, len) };
     }
     match real!("getpeername", NameFn) {
         // SAFETY: forwarding the caller's arguments.
@@ -582,11 +606,13 @@ pub unsafe extern "C" fn getpeername(fd: c_int, addr: *mut c_void, len: *mut soc
 /// The caller's contract with `getsockname`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn getsockname(fd: c_int, addr: *mut c_void, len: *mut socklen_t) -> c_int {
-    if let Some(dest) = tunnel_of(fd) {
-        let ip = match (config().node, dest) {
+    if let Some(t) = tunnel_of(fd) {
+        // In the socket's own family (an AF_INET6 socket gets an IPv4-mapped address).
+        let ip = match (config().node, t.domain) {
+            (Some(IpAddr::V4(v4)), AF_INET6) => IpAddr::V6(v4.to_ipv6_mapped()),
             (Some(ip), _) => ip,
-            (None, SocketAddr::V4(_)) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
-            (None, SocketAddr::V6(_)) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+            (None, AF_INET6) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+            (None, _) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
         };
         // SAFETY: the caller's contract.
         return unsafe { write_name(SocketAddr::new(ip, 0), addr, len) };
@@ -634,15 +660,7 @@ pub unsafe extern "C" fn getsockopt(
     len: *mut socklen_t,
 ) -> c_int {
     let fake = if level == IPPROTO_TCP || (level == SOL_SOCKET && name == SO_DOMAIN) {
-        tunnel_of(fd).map(|d| {
-            if level == IPPROTO_TCP {
-                0
-            } else if d.is_ipv4() {
-                AF_INET
-            } else {
-                AF_INET6
-            }
-        })
+        tunnel_of(fd).map(|t| if level == IPPROTO_TCP { 0 } else { t.domain })
     } else {
         None
     };

@@ -157,6 +157,12 @@ async fn the_preload_library_hands_connects_to_the_tunnel() {
         let l = std::net::TcpListener::bind("127.0.0.2:0").expect("bind");
         l.local_addr().expect("addr")
     };
+    // A second listener for the IPv6 socket's connection (accepted and dropped).
+    let listener6 = TcpListener::bind("127.0.0.2:0").await.expect("listen");
+    let dest6 = listener6.local_addr().expect("addr");
+    let server6 = tokio::spawn(async move {
+        let _ = listener6.accept().await;
+    });
     let server = tokio::spawn(async move {
         let (mut s, _) = listener.accept().await.expect("accept");
         let mut got = Vec::new();
@@ -178,6 +184,14 @@ while True:
         break
     got += b
 assert got == (b"abc" * 1000)[::-1], len(got)
+# A dual-stack socket to the IPv4-mapped address: tunnelled too, and its names stay IPv6.
+s6 = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+s6.settimeout(10)
+s6.connect(("::ffff:127.0.0.2", {port6}))
+assert s6.getpeername()[:2] == ("::ffff:127.0.0.2", {port6}), s6.getpeername()
+assert s6.getsockname()[0] == "::ffff:127.0.0.1", s6.getsockname()
+assert s6.getsockopt(socket.SOL_SOCKET, socket.SO_DOMAIN) == socket.AF_INET6
+s6.close()
 t = time.time()
 try:
     socket.create_connection(("127.0.0.2", {closed}), timeout=10)
@@ -187,6 +201,7 @@ except ConnectionRefusedError as e:
 print("PRELOAD OK", round(time.time() - t, 3))
 "#,
         port = dest.port(),
+        port6 = dest6.port(),
         closed = closed.port()
     );
     let env = p.a.env(None);
@@ -199,7 +214,8 @@ print("PRELOAD OK", round(time.time() - t, 3))
     let (o, e) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success() && o.contains("PRELOAD OK"), "{o}\n{e}");
     server.await.expect("server");
+    server6.await.expect("server6");
     let a = p.a.stats();
-    assert_eq!(a.opened.load(Ordering::Relaxed), 1, "{}", a.line());
+    assert_eq!(a.opened.load(Ordering::Relaxed), 2, "{}", a.line());
     assert_eq!(a.failed.load(Ordering::Relaxed), 1, "{}", a.line());
 }
