@@ -33,6 +33,11 @@ fn check_tunnel_lines(i: usize, err: &str) {
         err.contains("collective: tunnel (TCP between nodes is blocked"),
         "host {i}: the preflight must choose the tunnel:\n{err}"
     );
+    check_counters(i, err);
+}
+
+/// The end-of-round counters say connections went through the tunnel.
+fn check_counters(i: usize, err: &str) {
     let line = err.lines().find(|l| l.contains("tunnel: ") && l.contains("opened by this node's ranks"));
     let line = line.unwrap_or_else(|| panic!("host {i}: no tunnel counters line:\n{err}"));
     // "tunnel: N tunnelled connections opened by this node's ranks (F failed), S served for other nodes"
@@ -215,5 +220,24 @@ fn figure_gloo_allreduce_through_the_tunnel() {
         for l in err.lines().filter(|l| l.contains("tunnel: ") && l.contains("MiB")) {
             eprintln!("FIGURE tunnel mtu {mtu} host {i}: {l}");
         }
+    }
+}
+
+/// `--collective tunnel` on an open network: the ranks' connections to other nodes go
+/// through meshd although TCP works, and the launch line says it was forced.
+#[test]
+fn collective_tunnel_can_be_forced_on_an_open_network() {
+    if !lab::available() {
+        return;
+    }
+    needs_torch();
+    let mut lab = Lab::new(3);
+    let args = python_job(&lab.peers(), 3, 2, "tunnel", "tunnel_check.py", &[]);
+    for (i, (code, out, err)) in run(&mut lab, &args).iter().enumerate() {
+        assert_eq!(*code, Some(0), "host {i}:\n{out}\n{err}");
+        assert!(err.contains("collective: tunnel (forced by --collective"), "host {i}:\n{err}");
+        assert!(!err.contains("TCP between nodes is blocked"), "host {i}:\n{err}");
+        assert_eq!(out.matches("TUNNEL OK").count(), 2, "host {i}:\n{out}\n{err}");
+        check_counters(i, err);
     }
 }
