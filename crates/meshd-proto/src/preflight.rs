@@ -226,7 +226,7 @@ fn blocked_pairs(roster: &Roster, blocked: &std::collections::BTreeSet<(NodeId, 
         .collect()
 }
 
-/// Turns every node's report into the verdict. `forced` is `--collective nccl|quic`.
+/// Turns every node's report into the verdict. `forced` is `--collective nccl|quic|tunnel`.
 pub fn evaluate(roster: &Roster, reports: &BTreeMap<NodeId, NodeReport>, forced: Option<&str>) -> Verdict {
     let mut checks = Vec::new();
     let missing: Vec<String> =
