@@ -1,6 +1,7 @@
 //! Allreduce benchmark on the 3-host lab, side by side in one run:
 //! meshd's QUIC ring (`meshd bench allreduce`), PyTorch Gloo's allreduce (launched by
-//! meshd run), and one TCP stream (iperf3) between two of the hosts.
+//! meshd run) directly over TCP, one TCP stream (iperf3) between two of the hosts, and last
+//! the same Gloo job behind the one-port firewall on every host, through meshd's tunnel.
 //! Run as root: `cargo bench --bench allreduce` (`-- --size BYTES` to change 64 MiB,
 //! `-- --mtu 9000` for jumbo frames on the lab's eth1).
 
@@ -124,6 +125,28 @@ fn main() {
         .and_then(|v| v["end"]["sum_received"]["bits_per_second"].as_f64())
         .map(|b| b / 8e9);
 
+    // 5. Gloo again, behind the one-port firewall on every host: the preflight picks tunnel
+    //    mode and Gloo's TCP connections travel through meshd's QUIC connections.
+    for i in 0..3 {
+        lab.firewall_only_udp(i, 29400);
+    }
+    let (mut tun_bus, mut tun_lat, mut tun_time) = (Vec::new(), Vec::new(), Vec::new());
+    for (code, out, err) in lab.run_on_all(&gloo, &[("MESHD_LOG", "info")], Duration::from_secs(300)) {
+        if code != Some(0) || !err.contains("collective: tunnel") {
+            println!("Gloo through the tunnel failed ({code:?}): {err}");
+        }
+        for l in out.lines().filter(|l| l.contains("GLOO ")) {
+            match field(l, "bytes=") {
+                Some(b) if b <= 8.0 => tun_lat.extend(field(l, "time_s=")),
+                Some(_) => {
+                    tun_bus.extend(field(l, "busbw_gbs="));
+                    tun_time.extend(field(l, "time_s="));
+                }
+                None => {}
+            }
+        }
+    }
+
     let mean = |v: &[f64]| if v.is_empty() { None } else { Some(v.iter().sum::<f64>() / v.len() as f64) };
     let show = |x: Option<f64>| x.map(|x| format!("{x:.3}")).unwrap_or_else(|| "n/a".into());
     println!("{:<34} {:>12} {:>16}", "", "busbw GB/s", "8-byte time (us)");
@@ -139,6 +162,12 @@ fn main() {
         "PyTorch Gloo (TCP)",
         show(mean(&gloo_bus)),
         show(mean(&gloo_lat).map(|t| t * 1e6))
+    );
+    println!(
+        "{:<34} {:>12} {:>16}",
+        "PyTorch Gloo through the tunnel",
+        show(mean(&tun_bus)),
+        show(mean(&tun_lat).map(|t| t * 1e6))
     );
     println!("{:<34} {:>12} {:>16}", "one TCP stream, iperf3 (GB/s)", show(tcp), "");
     let ms = |v: &[f64]| mean(v).map(|t| format!("{:.1} ms", t * 1e3)).unwrap_or_else(|| "n/a".into());
@@ -169,5 +198,13 @@ fn main() {
     }
     if let (Some(m), Some(g)) = (mean(&meshd_bus), mean(&gloo_bus)) {
         println!("meshd / Gloo busbw ratio: {:.2}", m / g);
+    }
+    if let (Some(t), Some(m), Some(g)) = (mean(&tun_bus), mean(&meshd_bus), mean(&gloo_bus)) {
+        println!(
+            "Gloo through the tunnel: {:.2}x meshd's ring, {:.2}x Gloo direct ({} per allreduce)",
+            t / m,
+            t / g,
+            ms(&tun_time)
+        );
     }
 }

@@ -82,8 +82,8 @@ pub struct JobArgs {
     /// With --nnodes MIN:MAX: start after this long without a newcomer.
     #[arg(long, default_value = "3s", value_parser = parse_duration)]
     pub settle: Duration,
-    /// auto | nccl | quic (MESHD_COLLECTIVE given to the ranks).
-    #[arg(long, default_value = "auto", value_parser = ["auto", "nccl", "quic"])]
+    /// auto | nccl | quic | tunnel (MESHD_COLLECTIVE given to the ranks; tunnel: their TCP connections to other nodes go through meshd's UDP port).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "nccl", "quic", "tunnel"])]
     pub collective: String,
     /// Also write each rank's stdout/stderr to files under DIR.
     #[arg(long, alias = "log_dir", env = "PET_LOG_DIR")]

@@ -39,6 +39,11 @@ pub async fn main(a: Args) -> Result<ExitCode> {
             Err(e) => errors.push(format!("{label}: {e}")),
         }
     }
+    // Tunnel counters, when the node runs in tunnel mode (an older meshd does not answer).
+    let tunnel = match &reply {
+        Some((addr, _)) => t.query_tunnel(**addr).await.ok().flatten(),
+        None => None,
+    };
     t.shutdown().await;
     let Some((from, mut r)) = reply else {
         bail!("no running meshd answered: {}", errors.join("; "));
@@ -57,10 +62,27 @@ pub async fn main(a: Args) -> Result<ExitCode> {
                 })
             })
             .collect();
-        println!("{}", json!({ "from": from.to_string(), "members": members }));
+        let tunnel = tunnel.map(|u| {
+            json!({
+                "opened": u.opened, "failed": u.failed, "served": u.served, "active": u.active,
+                "bytes_out": u.bytes_out, "bytes_in": u.bytes_in,
+            })
+        });
+        println!("{}", json!({ "from": from.to_string(), "members": members, "tunnel": tunnel }));
     } else {
         println!("members of the mesh as seen by {from}, in node-rank order:");
         print!("{}", table(&r.members, a.net.port));
+        if let Some(u) = tunnel {
+            println!(
+                "tunnel (on {from}): {} opened by its ranks ({} failed), {} served for other nodes, {} open; {:.1} MiB sent, {:.1} MiB received",
+                meshd::plural(u.opened, "connection"),
+                u.failed,
+                u.served,
+                u.active,
+                u.bytes_out as f64 / (1 << 20) as f64,
+                u.bytes_in as f64 / (1 << 20) as f64
+            );
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

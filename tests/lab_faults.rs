@@ -472,7 +472,7 @@ fn random_packet_loss_job_still_forms_and_completes() {
             assert!(launches.len() <= 3, "{percent}% loss: at most one launch: {launches:?}");
         }
         let collective =
-            if res.iter().all(|(_, _, e)| e.contains("collective: nccl")) { "nccl" } else { "quic" };
+            if res.iter().all(|(_, _, e)| e.contains("collective: nccl")) { "nccl" } else { "tunnel" };
         // Slowest node's join -> roster agreed, and join -> preflight passed.
         let span = |to: &str| {
             res.iter().filter_map(|(_, _, e)| log_span(e, "joining:", to)).max().unwrap_or_default()
@@ -528,7 +528,7 @@ fn master_killed_during_job_stops_everyone_naming_it() {
 /// block the mesh actor, so a node that was still dialling answered no membership probe and
 /// the others declared it dead, stopped before launch, and left it launching alone. Here
 /// hosts 1 and 2 drop host 0's TCP SYNs: host 0 dials for 2 s while the others are done; the
-/// job must still run everywhere (on the QUIC collective, with the failed pairs named).
+/// job must still run everywhere (in tunnel mode, with the failed pairs named).
 #[test]
 fn slow_preflight_connects_do_not_get_a_node_declared_dead() {
     if !lab::available() {
@@ -550,7 +550,7 @@ fn slow_preflight_connects_do_not_get_a_node_declared_dead() {
     for (i, k) in ks.into_iter().enumerate() {
         let (code, out, err) = lab.wait(k, Duration::from_secs(60));
         assert_eq!(code, Some(0), "host {i}:\n{out}\n{err}");
-        assert!(err.contains("collective: quic"), "host {i} must fall back to QUIC:\n{err}");
+        assert!(err.contains("collective: tunnel"), "host {i} must fall back to the tunnel:\n{err}");
         assert!(err.contains("198.19.0.30 -> "), "host {i} must name the failed pairs:\n{err}");
     }
     assert_one_launch(&marks.launches(), 3, 0);

@@ -35,7 +35,7 @@ fn doctor_reports_nccl_on_an_open_network() {
 }
 
 #[test]
-fn doctor_reports_quic_behind_a_one_port_firewall_and_names_the_path() {
+fn doctor_reports_the_tunnel_behind_a_one_port_firewall_and_names_the_path() {
     if !lab::available() {
         return;
     }
@@ -43,8 +43,8 @@ fn doctor_reports_quic_behind_a_one_port_firewall_and_names_the_path() {
     // Host 2 (198.19.0.19) drops all TCP and all UDP but meshd's port.
     lab.firewall_only_udp(2, 29400);
     for v in doctor_everywhere(&mut lab) {
-        assert_eq!(v["ok"], true, "a job still works, over QUIC: {v}");
-        assert_eq!(v["collective"], "quic", "{v}");
+        assert_eq!(v["ok"], true, "a job still works, through the tunnel: {v}");
+        assert_eq!(v["collective"], "tunnel", "{v}");
         let tcp =
             v["checks"].as_array().expect("checks").iter().find(|c| c["name"] == "tcp").expect("tcp check");
         assert_eq!(tcp["ok"], false);
@@ -53,18 +53,18 @@ fn doctor_reports_quic_behind_a_one_port_firewall_and_names_the_path() {
         assert!(d.contains("open TCP"), "says what to open: {d}");
         // The verdict says what will and will not work, not just "a job would work".
         let verdict = v["verdict"].as_str().expect("verdict");
-        assert!(verdict.contains("meshd's client and DDP hook will work"), "{verdict}");
         assert!(
-            verdict
-                .contains("jobs that use Gloo/NCCL sockets directly will not: TCP between nodes is blocked"),
+            verdict.contains("the ranks' TCP connections to other nodes (Gloo, NCCL's sockets, the TCPStore"),
             "{verdict}"
         );
+        assert!(verdict.contains("go through meshd's UDP port (tunnel mode)"), "{verdict}");
+        assert!(verdict.contains("meshd's client and DDP hook work"), "{verdict}");
         assert!(verdict.contains("(198.19.0.7 <-> 198.19.0.19, 198.19.0.19 <-> 198.19.0.30)"), "{verdict}");
     }
 }
 
 #[test]
-fn run_behind_a_one_port_firewall_warns_once_on_every_node_with_the_ways_out() {
+fn run_behind_a_one_port_firewall_warns_once_on_every_node_and_tunnels() {
     if !lab::available() {
         return;
     }
@@ -86,10 +86,14 @@ fn run_behind_a_one_port_firewall_warns_once_on_every_node_with_the_ways_out() {
             "host {i} names the blocked pairs: {w}"
         );
         assert!(w.contains("init_process_group"), "host {i}: {w}");
-        assert!(w.contains("meshd.torch.allreduce_hook"), "host {i}: way out 1: {w}");
-        assert!(w.contains("open TCP 1024-65535 between the nodes on eth1"), "host {i}: way out 2: {w}");
+        assert!(w.contains("go through meshd's UDP port instead (MESHD_COLLECTIVE=tunnel)"), "host {i}: {w}");
+        assert!(w.contains("static binaries"), "host {i}: what it cannot carry: {w}");
+        assert!(
+            w.contains("open TCP 1024-65535 between the nodes on eth1"),
+            "host {i}: the direct path: {w}"
+        );
         assert!(!err.contains("WARN preflight tcp"), "the long tcp detail is not repeated at warn:\n{err}");
-        assert!(err.contains("collective: quic"), "host {i}:\n{err}");
+        assert!(err.contains("collective: tunnel"), "host {i}:\n{err}");
     }
 }
 

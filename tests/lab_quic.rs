@@ -1,4 +1,6 @@
-//! Lab: when only meshd's UDP port is open, jobs still train through the QUIC ring.
+//! Lab: when only meshd's UDP port is open, jobs still train through the QUIC ring: with
+//! `--collective quic`, and in tunnel mode (what auto picks there), where MESHD_SOCKET and
+//! meshd's client stay available beside the tunnel.
 
 mod lab;
 use lab::{Lab, meshd};
@@ -14,22 +16,25 @@ fn firewalled_lab() -> Lab {
     lab
 }
 
-fn run3(lab: &mut Lab, cmd: &[&str]) -> Vec<(Option<i32>, String, String)> {
+fn run3(lab: &mut Lab, collective: &str, cmd: &[&str]) -> Vec<(Option<i32>, String, String)> {
     let peers = lab.peers();
-    let mut args = vec![meshd(), "run", "--nnodes", "3", "--peers", &peers, "--nproc-per-node", "2", "--"];
+    let mut args = vec![meshd(), "run", "--nnodes", "3", "--peers", &peers, "--nproc-per-node", "2"];
+    args.extend_from_slice(&["--collective", collective, "--"]);
     args.extend_from_slice(cmd);
     lab.run_on_all(&args, &[("MESHD_TOKEN", "quic")], Duration::from_secs(180))
 }
 
-fn check_training(res: &[(Option<i32>, String, String)], ddp: bool) {
+/// `mode`: the collective the ranks must get (`quic` forced, or `tunnel` chosen by the
+/// preflight).
+fn check_training(res: &[(Option<i32>, String, String)], ddp: bool, mode: &str) {
     let mut digests = Vec::new();
     for (i, (code, out, err)) in res.iter().enumerate() {
         assert_eq!(*code, Some(0), "host {i}:\n{out}\n{err}");
-        assert!(err.contains("collective: quic"), "the preflight must choose quic:\n{err}");
+        assert!(err.contains(&format!("collective: {mode}")), "the preflight must choose {mode}:\n{err}");
         for l in out.lines().filter(|l| l.contains("QUIC-TRAIN")) {
             assert!(
                 l.contains("world=6")
-                    && l.contains("collective=quic")
+                    && l.contains(&format!("collective={mode}"))
                     && l.contains(&format!("ddp={}", if ddp { "True" } else { "False" })),
                 "{l}"
             );
@@ -59,7 +64,8 @@ fn training_loop_averages_gradients_over_quic_behind_a_one_port_firewall() {
     needs_torch();
     let mut lab = firewalled_lab();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/train_quic.py");
-    check_training(&run3(&mut lab, &[PY, script, "--steps", "10"]), false);
+    // auto: the preflight picks the tunnel; meshd's client works beside it.
+    check_training(&run3(&mut lab, "auto", &[PY, script, "--steps", "10"]), false, "tunnel");
 }
 
 #[test]
@@ -70,7 +76,7 @@ fn ddp_hook_averages_gradients_over_quic_behind_a_one_port_firewall() {
     needs_torch();
     let mut lab = firewalled_lab();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/train_quic.py");
-    check_training(&run3(&mut lab, &[PY, script, "--steps", "10", "--ddp"]), true);
+    check_training(&run3(&mut lab, "quic", &[PY, script, "--steps", "10", "--ddp"]), true, "quic");
 }
 
 #[test]

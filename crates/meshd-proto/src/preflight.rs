@@ -5,8 +5,9 @@
 //! every other node's listener and to MASTER_ADDR:MASTER_PORT, and broadcasts a
 //! [`NodeReport`]. [`evaluate`] turns all reports into the same [`Verdict`] on every node:
 //! a launch goes ahead only if the command, process counts, GPU counts and versions agree;
-//! blocked TCP does not stop it but selects the QUIC collective (`MESHD_COLLECTIVE=quic`)
-//! and names the pair that failed.
+//! blocked TCP does not stop it but selects tunnel mode (`MESHD_COLLECTIVE=tunnel`: the
+//! ranks' TCP connections to other nodes travel through meshd's UDP port) and names the
+//! pair that failed.
 
 use crate::id::NodeId;
 use crate::rendezvous::Roster;
@@ -74,7 +75,7 @@ pub struct Check {
 pub struct Verdict {
     /// Launch may go ahead.
     pub ok: bool,
-    /// "nccl" when every TCP path works, else "quic".
+    /// "nccl" when every TCP path works, else "tunnel"; or what `--collective` forced.
     pub collective: String,
     /// Every check.
     pub checks: Vec<Check>,
@@ -96,6 +97,16 @@ impl Verdict {
         if self.tcp_blocked.is_empty() {
             return None;
         }
+        if self.collective == "tunnel" {
+            return Some(format!(
+                "TCP between nodes is blocked ({}): the ranks' TCP connections to other nodes \
+                 (init_process_group(\"gloo\") or (\"nccl\"), the TCPStore, user sockets) go through \
+                 meshd's UDP port instead (MESHD_COLLECTIVE=tunnel); programs that bypass the C \
+                 library's connect() (static binaries, io_uring) cannot reach other nodes. For the \
+                 direct path, open TCP 1024-65535 between the nodes on {iface}",
+                self.tcp_blocked.join(", ")
+            ));
+        }
         Some(format!(
             "TCP between nodes is blocked ({}): a job that calls init_process_group(\"gloo\") or \
              (\"nccl\") will hang. Either use meshd's Python client or its DDP hook \
@@ -110,6 +121,14 @@ impl Verdict {
     pub fn conclusion(&self) -> String {
         if !self.ok {
             return "a job would NOT start: fix the FAIL lines above".into();
+        }
+        if !self.tcp_blocked.is_empty() && self.collective == "tunnel" {
+            return format!(
+                "a job would start: the ranks' TCP connections to other nodes (Gloo, NCCL's sockets, the \
+                 TCPStore, user code) go through meshd's UDP port (tunnel mode), and meshd's client and DDP \
+                 hook work; TCP between nodes is blocked ({})",
+                self.tcp_blocked.join(", ")
+            );
         }
         if !self.tcp_blocked.is_empty() {
             return format!(
@@ -136,6 +155,13 @@ impl Verdict {
             ),
             "quic" if self.tcp_blocked.is_empty() => "quic (forced by --collective)".into(),
             "quic" => "quic (TCP between nodes is blocked: only meshd's UDP port works)".into(),
+            "tunnel" if self.tcp_blocked.is_empty() => {
+                "tunnel (forced by --collective: the ranks' TCP connections to other nodes go through meshd)"
+                    .into()
+            }
+            "tunnel" => "tunnel (TCP between nodes is blocked: the ranks' TCP connections to other nodes go \
+                         through meshd's UDP port)"
+                .into(),
             other => other.to_string(),
         }
     }
@@ -200,7 +226,7 @@ fn blocked_pairs(roster: &Roster, blocked: &std::collections::BTreeSet<(NodeId, 
         .collect()
 }
 
-/// Turns every node's report into the verdict. `forced` is `--collective nccl|quic`.
+/// Turns every node's report into the verdict. `forced` is `--collective nccl|quic|tunnel`.
 pub fn evaluate(roster: &Roster, reports: &BTreeMap<NodeId, NodeReport>, forced: Option<&str>) -> Verdict {
     let mut checks = Vec::new();
     let missing: Vec<String> =
@@ -252,8 +278,8 @@ pub fn evaluate(roster: &Roster, reports: &BTreeMap<NodeId, NodeReport>, forced:
         } else {
             format!(
                 "{} of {} failed: {}. NCCL and Gloo need TCP on ephemeral ports between \
-                 every pair of nodes: open TCP 1024-65535 between the nodes, or use the QUIC collective \
-                 (MESHD_COLLECTIVE=quic) that needs only meshd's UDP port",
+                 every pair of nodes: open TCP 1024-65535 between the nodes; without that, meshd carries \
+                 the ranks' TCP connections through its UDP port (tunnel mode)",
                 failed.len(),
                 crate::plural(tried as u64, "TCP connection"),
                 failed.join("; ")
@@ -305,7 +331,7 @@ pub fn evaluate(roster: &Roster, reports: &BTreeMap<NodeId, NodeReport>, forced:
     let collective = match forced {
         Some(c) => c.to_string(),
         None if tcp_ok => "nccl".into(),
-        None => "quic".into(),
+        None => "tunnel".into(),
     };
     let nccl_impossible = forced == Some("nccl") && !tcp_ok;
     let ok = !nccl_impossible && checks.iter().all(|c| c.ok || !c.fatal);
@@ -372,7 +398,7 @@ mod tests {
     }
 
     #[test]
-    fn blocked_tcp_selects_quic_and_names_the_pair() {
+    fn blocked_tcp_selects_the_tunnel_and_names_the_pair() {
         let mut reps = all(3);
         let r = reps.get_mut(&NodeId::from_u128(2)).expect("r");
         r.tcp[1].ok = false;
@@ -392,7 +418,7 @@ mod tests {
         );
         let v = evaluate(&roster(3), &reps, None);
         assert!(v.ok, "blocked TCP is not fatal: {v:?}");
-        assert_eq!(v.collective, "quic");
+        assert_eq!(v.collective, "tunnel", "auto: the ranks' TCP goes through meshd");
         let tcp = v.checks.iter().find(|c| c.name == "tcp").expect("tcp");
         assert!(tcp.detail.contains("198.19.0.2 -> 198.19.0.3:40000"), "{}", tcp.detail);
         assert!(tcp.detail.contains("open TCP"), "{}", tcp.detail);
@@ -400,14 +426,28 @@ mod tests {
         assert_eq!(v.tcp_blocked, vec!["198.19.0.2 -> 198.19.0.3".to_string()]);
         let w = v.tcp_warning("eth1").expect("a warning");
         assert!(w.contains("(198.19.0.2 -> 198.19.0.3)"), "{w}");
-        assert!(w.contains("init_process_group") && w.contains("will hang"), "{w}");
-        assert!(w.contains("meshd.torch.allreduce_hook"), "{w}");
+        assert!(w.contains("init_process_group") && w.contains("go through meshd's UDP port"), "{w}");
+        assert!(w.contains("MESHD_COLLECTIVE=tunnel") && w.contains("static binaries"), "{w}");
         assert!(w.contains("open TCP 1024-65535 between the nodes on eth1"), "{w}");
         assert!(!w.contains('\n'), "one line: {w}");
         let c = v.conclusion();
+        assert!(c.contains("go through meshd's UDP port (tunnel mode)"), "{c}");
+        assert!(c.contains("TCP between nodes is blocked (198.19.0.2 -> 198.19.0.3)"), "{c}");
+        assert!(v.collective_line().starts_with("tunnel (TCP between nodes is blocked"));
+        // Forcing the QUIC collective keeps the old advice: Gloo/NCCL would hang.
+        let q = evaluate(&roster(3), &reps, Some("quic"));
+        assert_eq!(q.collective, "quic");
+        let w = q.tcp_warning("eth1").expect("a warning");
+        assert!(w.contains("init_process_group") && w.contains("will hang"), "{w}");
+        assert!(w.contains("meshd.torch.allreduce_hook"), "{w}");
+        let c = q.conclusion();
         assert!(c.contains("meshd's client and DDP hook will work"), "{c}");
         assert!(c.contains("Gloo/NCCL sockets directly will not: TCP between nodes is blocked"), "{c}");
-        assert!(v.collective_line().starts_with("quic (TCP between nodes is blocked"));
+        assert!(q.collective_line().starts_with("quic (TCP between nodes is blocked"));
+        // Forcing the tunnel on an open network says so.
+        let t = evaluate(&roster(3), &all(3), Some("tunnel"));
+        assert!(t.ok && t.collective == "tunnel" && t.tcp_warning("eth1").is_none());
+        assert!(t.collective_line().starts_with("tunnel (forced by --collective"), "{}", t.collective_line());
         // An open network has no warning, and a verdict that says so.
         let open = evaluate(&roster(3), &all(3), None);
         assert_eq!(open.tcp_warning("eth1"), None);

@@ -82,6 +82,27 @@ pub const MAX_STORE_VALUE: usize = 1 << 20;
 pub enum Query {
     /// The members of the mesh as the answering node sees them.
     Status,
+    /// The answering node's tunnel counters: an `Option<TunnelReply>` (`None` when its job
+    /// does not run in tunnel mode). A node older than this variant closes the probe
+    /// connection ("bad query").
+    Tunnel,
+}
+
+/// Counters of a node's TCP tunnel (tunnel mode), answered to [`Query::Tunnel`].
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TunnelReply {
+    /// Connections this node's ranks opened through the tunnel.
+    pub opened: u64,
+    /// Connections of this node's ranks that failed (refused, unreachable, timed out).
+    pub failed: u64,
+    /// Connections other nodes' ranks opened to this node.
+    pub served: u64,
+    /// Tunnelled connections open now (both ends).
+    pub active: u64,
+    /// Bytes sent to other nodes through the tunnel.
+    pub bytes_out: u64,
+    /// Bytes received from other nodes through the tunnel.
+    pub bytes_in: u64,
 }
 
 /// One member in a [`StatusReply`].

@@ -346,6 +346,9 @@ pub async fn run(
             None
         }
     };
+    // Tunnel mode: peers' tunnel streams, and the counters, shared by every round.
+    let tunnel_in = crate::tunnel::incoming(mesh.transport());
+    let tunnel_stats = std::sync::Arc::new(crate::tunnel::TunnelStats::default());
     loop {
         let master_port = cfg
             .master_port
@@ -437,7 +440,8 @@ pub async fn run(
         if let Some(w) = verdict.tcp_warning(&iface) {
             warn!("{w}");
         }
-        if verdict.collective == "quic" {
+        // The QUIC ring serves meshd's client in tunnel mode too (MESHD_SOCKET stays set).
+        if verdict.collective == "quic" || verdict.collective == "tunnel" {
             info!(
                 "preflight passed; collective: {}; ring over {} to the next node (MESHD_LANES)",
                 verdict.collective_line(),
@@ -469,6 +473,18 @@ pub async fn run(
         let first = roster.first_global_rank(node_rank);
         let globals: Vec<u32> = (0..roster.members[node_rank].nproc).map(|l| first + l).collect();
         let round_dir = dirs.as_ref().map(|d| d.round(restart, &globals));
+        let mut tunnel = (verdict.collective == "tunnel")
+            .then(|| {
+                crate::tunnel::start_for_round(
+                    &roster,
+                    node_rank,
+                    svc.as_ref().map(|s| s.path()),
+                    mesh.transport(),
+                    tunnel_in.as_ref(),
+                    &tunnel_stats,
+                )
+            })
+            .flatten();
         let ranks: Vec<RankSpec> = (0..roster.members[node_rank].nproc)
             .map(|l| {
                 let mut env = rank_env(
@@ -512,6 +528,9 @@ pub async fn run(
                 if let Some(s) = &svc {
                     env.push(("MESHD_SOCKET".into(), s.path().display().to_string()));
                 }
+                if let Some(t) = &tunnel {
+                    env.extend(t.env(std::env::var("LD_PRELOAD").ok().as_deref()));
+                }
                 if let Some(id) = &outcome.nccl_id {
                     env.push((
                         "MESHD_NCCL_UNIQUE_ID".into(),
@@ -551,6 +570,9 @@ pub async fn run(
                 )
                 .await;
                 sup.stop(cfg.grace).await;
+                if let Some(t) = tunnel.take() {
+                    crate::tunnel::report(t.stats());
+                }
                 drop(svc);
                 drop(nccl_root);
                 f

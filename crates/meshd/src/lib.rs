@@ -18,6 +18,7 @@ pub mod preflight;
 pub mod signals;
 pub mod supervisor;
 pub mod transport;
+pub mod tunnel;
 
 pub use meshd_proto as proto;
 pub use meshd_proto::plural;

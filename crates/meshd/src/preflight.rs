@@ -26,7 +26,7 @@ pub struct PreflightInput {
     pub cuda_driver: u32,
     /// NCCL version.
     pub nccl_version: u32,
-    /// `--collective nccl|quic` when forced.
+    /// `--collective nccl|quic|tunnel` when forced.
     pub forced: Option<String>,
     /// How long one TCP connect may take.
     pub connect_timeout: Duration,

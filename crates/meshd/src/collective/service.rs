@@ -159,7 +159,10 @@ pub fn sweep_stale(base: &Path) -> usize {
         let gone = unsafe { libc::kill(pid, 0) } != 0
             && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
         if gone {
-            let _ = std::fs::remove_file(e.path().join("sock"));
+            // The tunnel's socket and library live there too (tunnel mode).
+            for f in ["sock", "tunnel", "libmeshd_preload.so"] {
+                let _ = std::fs::remove_file(e.path().join(f));
+            }
             if std::fs::remove_dir(e.path()).is_ok() {
                 removed += 1;
             }
@@ -788,7 +791,10 @@ mod tests {
         for d in [&stale, &live, &other, &older] {
             std::fs::DirBuilder::new().mode(0o700).create(d).expect("mkdir");
         }
-        std::fs::write(stale.join("sock"), b"").expect("sock");
+        // A tunnel-mode job's directory also holds the tunnel's socket and library.
+        for f in ["sock", "tunnel", "libmeshd_preload.so"] {
+            std::fs::write(stale.join(f), b"").expect("file");
+        }
         assert_eq!(sweep_stale(&base), 1);
         assert!(!stale.exists() && live.exists() && other.exists() && older.exists());
         let _ = std::fs::remove_dir_all(&base);

@@ -104,9 +104,12 @@ pub const STREAM_RECEIVE_WINDOW: u32 = 16 << 20;
 /// per connection: at 256, meshd's RSS after 1,500 allreduces of 16 MiB at MTU 1500 was
 /// 107-111 MiB, at 64, 89-94 MiB (docs/PERFORMANCE.md).
 pub const UNI_STREAMS: u32 = 64;
-/// Bidirectional streams an authenticated peer may have open at once (hello, status
-/// queries).
-pub const BIDI_STREAMS: u32 = 4;
+/// Bidirectional streams an authenticated peer may have open at once: the hello, status
+/// queries and, in tunnel mode, one per TCP connection a rank of that node holds to this
+/// node (Gloo: one per pair of ranks, NCCL: bootstrap, proxy and its sockets per peer).
+/// A stream beyond it waits for one to end (the tunnel's open times out and the
+/// application sees ETIMEDOUT); the 64 MiB connection window bounds their buffers together.
+pub const BIDI_STREAMS: u32 = 1024;
 /// Received QUIC datagrams buffered per connection (the oldest is dropped past it). Also a
 /// transport parameter fixed for the connection's life, so it is small from the start: it
 /// holds a few gossip datagrams (they are read as they come, and may be lost) and is more

@@ -15,7 +15,9 @@ mod tls;
 use auth::{Refusal, Role, Token};
 use bytes::Bytes;
 use meshd_proto::NodeId;
-use meshd_proto::wire::{self, AuthHello, Frame, MAX_LANES, PROTOCOL_VERSION, Query, StatusReply};
+use meshd_proto::wire::{
+    self, AuthHello, Frame, MAX_LANES, PROTOCOL_VERSION, Query, StatusReply, TunnelReply,
+};
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
@@ -185,6 +187,29 @@ type PeerQueue = mpsc::Sender<(Bytes, bool)>;
 /// first byte is always 0x00.
 pub const DATA_TAG: u8 = 0xD0;
 
+/// First byte of a bidirectional stream that carries one tunnelled TCP connection (tunnel
+/// mode, docs/PROTOCOL.md "The TCP tunnel"); the request follows, then the stream's bytes.
+pub const TUNNEL_TAG: u8 = 0xD1;
+/// Length of a tunnel request after the tag (the same request a rank sends meshd on its
+/// tunnel socket: magic, version, family, port, address).
+pub const TUNNEL_REQUEST_LEN: usize = 22;
+
+/// A tunnelled TCP connection a peer asked for: connect to the destination, answer one
+/// status byte on `send`, then copy both ways.
+#[derive(Debug)]
+pub struct TunnelStream {
+    /// Peer address (connection remote address).
+    pub from: SocketAddr,
+    /// Peer node id.
+    pub node: NodeId,
+    /// The request (destination), undecoded.
+    pub request: [u8; TUNNEL_REQUEST_LEN],
+    /// The stream towards the peer.
+    pub send: quinn::SendStream,
+    /// The stream from the peer, positioned after the request.
+    pub recv: quinn::RecvStream,
+}
+
 /// A bulk data stream opened by a peer for collective operation `op`.
 #[derive(Debug)]
 pub struct DataStream {
@@ -212,6 +237,10 @@ struct Inner {
     status: Mutex<Bytes>,
     data_tx: mpsc::Sender<DataStream>,
     data_rx: Mutex<Option<mpsc::Receiver<DataStream>>>,
+    tunnel_tx: mpsc::Sender<TunnelStream>,
+    tunnel_rx: Mutex<Option<mpsc::Receiver<TunnelStream>>>,
+    /// The running tunnel's counters, answered to `meshd status` ([`Query::Tunnel`]).
+    tunnel_stats: Mutex<Option<Arc<crate::tunnel::TunnelStats>>>,
     /// Lane connections, opened by either end: (peer, lane 1..) -> connection.
     lanes: Mutex<HashMap<(SocketAddr, u8), quinn::Connection>>,
     /// Held while a lane is being connected, so that two operations do not open it twice.
@@ -388,6 +417,7 @@ impl Transport {
         endpoint.set_default_client_config(client);
         let (tx, rx) = mpsc::channel(4096);
         let (data_tx, data_rx) = mpsc::channel(256);
+        let (tunnel_tx, tunnel_rx) = mpsc::channel(256);
         let inner = Arc::new(Inner {
             endpoint,
             cfg,
@@ -399,6 +429,9 @@ impl Transport {
             status: Mutex::new(Bytes::from(wire::encode(&StatusReply::default()))),
             data_tx,
             data_rx: Mutex::new(Some(data_rx)),
+            tunnel_tx,
+            tunnel_rx: Mutex::new(Some(tunnel_rx)),
+            tunnel_stats: Mutex::new(None),
             lanes: Mutex::new(HashMap::new()),
             lane_connect: tokio::sync::Mutex::new(()),
         });
@@ -444,6 +477,33 @@ impl Transport {
         lock(&self.inner.data_rx).take()
     }
 
+    /// The receiver of tunnel streams peers open (once; later calls get `None`). Until it is
+    /// taken, or while its queue is full, a peer's tunnel stream is reset.
+    pub fn take_tunnel_streams(&self) -> Option<mpsc::Receiver<TunnelStream>> {
+        lock(&self.inner.tunnel_rx).take()
+    }
+
+    /// Opens a tunnel stream to the meshd at `to` (its main connection) and sends
+    /// `request`; the peer answers one status byte on the returned receive stream.
+    pub async fn open_tunnel(
+        &self,
+        to: SocketAddr,
+        request: &[u8; TUNNEL_REQUEST_LEN],
+    ) -> Result<(quinn::SendStream, quinn::RecvStream), TransportError> {
+        let to = canonical(to);
+        let conn = match existing(&self.inner, to) {
+            Some(c) => c,
+            None => connect(&self.inner, to, 0).await?.0,
+        };
+        let err = |reason: String| TransportError::Peer { addr: to, reason };
+        let (mut send, recv) = conn.open_bi().await.map_err(|e| err(e.to_string()))?;
+        let mut head = [0u8; 1 + TUNNEL_REQUEST_LEN];
+        head[0] = TUNNEL_TAG;
+        head[1..].copy_from_slice(request);
+        send.write_all(&head).await.map_err(|e| err(e.to_string()))?;
+        Ok((send, recv))
+    }
+
     /// Opens a bulk data stream to `to` for collective operation `op`.
     pub async fn open_data(&self, to: SocketAddr, op: u64) -> Result<quinn::SendStream, TransportError> {
         let to = canonical(to);
@@ -487,6 +547,31 @@ impl Transport {
             }
         };
         open_data_on(&conn, to, op).await
+    }
+
+    /// Sets the tunnel counters `meshd status` probes are told.
+    pub fn set_tunnel_stats(&self, stats: Option<Arc<crate::tunnel::TunnelStats>>) {
+        *lock(&self.inner.tunnel_stats) = stats;
+    }
+
+    /// Asks the meshd at `to` for its tunnel counters (`None`: not in tunnel mode).
+    pub async fn query_tunnel(&self, to: SocketAddr) -> Result<Option<TunnelReply>, TransportError> {
+        let to = canonical(to);
+        let conn = match existing(&self.inner, to) {
+            Some(c) => c,
+            None => connect(&self.inner, to, 0).await?.0,
+        };
+        let err = |reason: String| TransportError::Peer { addr: to, reason };
+        let fut = async {
+            let (mut send, mut recv) = conn.open_bi().await.map_err(|e| err(e.to_string()))?;
+            send.write_all(&wire::encode(&Query::Tunnel)).await.map_err(|e| err(e.to_string()))?;
+            let _ = send.finish();
+            let body = recv.read_to_end(1024).await.map_err(|e| err(e.to_string()))?;
+            wire::decode::<Option<TunnelReply>>(&body).map_err(|e| err(format!("bad tunnel reply: {e}")))
+        };
+        tokio::time::timeout(self.inner.cfg.connect_timeout, fut)
+            .await
+            .map_err(|_| err("no tunnel answer in time".into()))?
     }
 
     /// Sets what `meshd status` probes are told.
@@ -1139,6 +1224,11 @@ async fn serve_queries(inner: &Inner, conn: quinn::Connection) {
                 let _ = send.write_all(&reply).await;
                 let _ = send.finish();
             }
+            Ok(Query::Tunnel) => {
+                let reply = lock(&inner.tunnel_stats).as_ref().map(|s| s.reply());
+                let _ = send.write_all(&wire::encode(&reply)).await;
+                let _ = send.finish();
+            }
             Err(_) => {
                 conn.close(code::PROTOCOL.into(), b"bad query");
                 return;
@@ -1161,7 +1251,35 @@ fn register(inner: &Arc<Inner>, conn: quinn::Connection, node: NodeId, observed:
     });
     let _ = inner.events.try_send(TransportEvent::PeerUp { addr, node, observed });
     tokio::spawn(read_datagrams(inner.clone(), conn.clone(), node));
+    tokio::spawn(read_bidi_streams(inner.clone(), conn.clone(), node));
     tokio::spawn(read_streams(inner.clone(), conn, node));
+}
+
+/// Accepts the bidirectional streams an authenticated peer opens after the hello: tunnel
+/// streams (tag, request) go to [`Transport::take_tunnel_streams`]; anything else, or a
+/// request that does not arrive within the connect timeout, is reset.
+async fn read_bidi_streams(inner: Arc<Inner>, conn: quinn::Connection, node: NodeId) {
+    let from = canonical(conn.remote_address());
+    while let Ok((mut send, mut recv)) = conn.accept_bi().await {
+        let inner = inner.clone();
+        tokio::spawn(async move {
+            let mut head = [0u8; 1 + TUNNEL_REQUEST_LEN];
+            let read = tokio::time::timeout(inner.cfg.connect_timeout, recv.read_exact(&mut head)).await;
+            if !matches!(read, Ok(Ok(()))) || head[0] != TUNNEL_TAG {
+                let _ = send.reset(code::PROTOCOL.into());
+                let _ = recv.stop(code::PROTOCOL.into());
+                return;
+            }
+            let mut request = [0u8; TUNNEL_REQUEST_LEN];
+            request.copy_from_slice(&head[1..]);
+            if let Err(e) = inner.tunnel_tx.try_send(TunnelStream { from, node, request, send, recv }) {
+                let mut t = e.into_inner();
+                debug!(peer = %from, "tunnel stream refused: no tunnel service, or its queue is full");
+                let _ = t.send.reset(code::PROTOCOL.into());
+                let _ = t.recv.stop(code::PROTOCOL.into());
+            }
+        });
+    }
 }
 
 async fn deliver(inner: &Inner, from: SocketAddr, node: NodeId, body: &[u8]) {

@@ -1,0 +1,537 @@
+//! The TCP tunnel (tunnel mode): the TCP connections a rank opens to another roster node
+//! travel over meshd's authenticated QUIC connection to that node, so an unmodified job
+//! (`init_process_group("gloo")`, TCPStore, user sockets) runs where only meshd's UDP port
+//! is open between the nodes.
+//!
+//! Near end: `libmeshd_preload.so` (crates/meshd-preload, embedded in this binary and
+//! written next to the job's sockets) interposes `connect()` in every rank; a connect to a
+//! roster node's address becomes a connection to this node's tunnel socket (a Unix socket in
+//! the job's owner-only directory, same user only) carrying a 22-byte request (the
+//! destination). meshd opens a bidirectional QUIC stream to the destination node's meshd
+//! ([`Transport::open_tunnel`]), which connects to the destination locally and answers one
+//! status byte; the rank gets that status (ok, or an errno), then both meshds copy bytes
+//! both ways. End of stream is passed on as a half-close (`shutdown(SHUT_WR)` / QUIC FIN),
+//! a failure as a reset (QUIC RESET_STREAM, TCP RST on the far end; the rank's Unix socket
+//! is closed: it reads end of file and writes fail with EPIPE).
+//!
+//! Far end: a peer's tunnel stream is served only when the peer is a roster member and the
+//! destination is this node's own roster address; anything else is answered "unreachable".
+
+use crate::transport::{TUNNEL_REQUEST_LEN, Transport, TunnelStream};
+use bytes::BytesMut;
+use meshd_proto::NodeId;
+use std::collections::{HashMap, HashSet};
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpStream, UnixListener, UnixStream};
+use tokio::sync::{Mutex, Semaphore, mpsc};
+use tokio::task::JoinHandle;
+use tracing::{debug, info, warn};
+
+/// `libmeshd_preload.so`, built from crates/meshd-preload by build.rs.
+pub const PRELOAD: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/libmeshd_preload.so"));
+
+/// The request's wire (the same constants as crates/meshd-preload, which cannot be a
+/// dependency: it exports `connect`).
+mod wire {
+    pub const MAGIC: [u8; 2] = *b"MT";
+    pub const VERSION: u8 = 1;
+    pub const OK: u8 = 0;
+    pub const REFUSED: u8 = 1;
+    pub const UNREACHABLE: u8 = 2;
+    pub const TIMED_OUT: u8 = 3;
+    pub const FAILED: u8 = 4;
+}
+
+/// QUIC stream error code of a tunnelled connection that failed (reset).
+const RESET: u32 = 1;
+/// How long a rank has to send its request.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long the far end tries to connect to the destination.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the near end waits for the far end's status (it includes [`CONNECT_TIMEOUT`]).
+const STATUS_TIMEOUT: Duration = Duration::from_secs(15);
+/// Tunnelled connections one node's ranks may hold open at once.
+const MAX_TUNNELS: usize = 4096;
+/// Copy buffer per direction.
+const CHUNK: usize = 256 << 10;
+
+/// The request for `dest` (what the preload library sends).
+pub fn encode_request(dest: SocketAddr) -> [u8; TUNNEL_REQUEST_LEN] {
+    let mut r = [0u8; TUNNEL_REQUEST_LEN];
+    r[..2].copy_from_slice(&wire::MAGIC);
+    r[2] = wire::VERSION;
+    let (family, ip) = match dest.ip() {
+        IpAddr::V4(v4) => (4, v4.to_ipv6_mapped()),
+        IpAddr::V6(v6) => (6, v6),
+    };
+    r[3] = family;
+    r[4..6].copy_from_slice(&dest.port().to_be_bytes());
+    r[6..22].copy_from_slice(&ip.octets());
+    r
+}
+
+/// Decodes a request: the destination, or `None`.
+pub fn decode_request(r: &[u8; TUNNEL_REQUEST_LEN]) -> Option<SocketAddr> {
+    if r[..2] != wire::MAGIC || r[2] != wire::VERSION {
+        return None;
+    }
+    let port = u16::from_be_bytes([r[4], r[5]]);
+    let mut ip = [0u8; 16];
+    ip.copy_from_slice(&r[6..22]);
+    let ip = std::net::Ipv6Addr::from(ip);
+    let ip = match r[3] {
+        4 => IpAddr::V4(ip.to_ipv4_mapped()?),
+        6 => IpAddr::V6(ip),
+        _ => return None,
+    };
+    Some(SocketAddr::new(ip, port))
+}
+
+/// Counters of one node's tunnel (both ends), for the end-of-job line and `meshd status`.
+#[derive(Debug, Default)]
+pub struct TunnelStats {
+    /// Connections this node's ranks opened through the tunnel (established).
+    pub opened: AtomicU64,
+    /// Connections of this node's ranks that failed (refused, unreachable, timed out).
+    pub failed: AtomicU64,
+    /// Connections peers' ranks opened to this node through their tunnels (established).
+    pub served: AtomicU64,
+    /// Tunnelled connections open now (both ends).
+    pub active: AtomicU64,
+    /// Bytes sent into the tunnel (to other nodes).
+    pub bytes_out: AtomicU64,
+    /// Bytes received from the tunnel (from other nodes).
+    pub bytes_in: AtomicU64,
+}
+
+impl TunnelStats {
+    /// The counters as `meshd status` gets them.
+    pub fn reply(&self) -> meshd_proto::wire::TunnelReply {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        meshd_proto::wire::TunnelReply {
+            opened: g(&self.opened),
+            failed: g(&self.failed),
+            served: g(&self.served),
+            active: g(&self.active),
+            bytes_out: g(&self.bytes_out),
+            bytes_in: g(&self.bytes_in),
+        }
+    }
+
+    /// One line: connections and bytes.
+    pub fn line(&self) -> String {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        format!(
+            "{} opened by this node's ranks ({} failed), {} served for other nodes, {} open; {:.1} MiB sent, {:.1} MiB received",
+            crate::plural(g(&self.opened), "tunnelled connection"),
+            g(&self.failed),
+            g(&self.served),
+            g(&self.active),
+            g(&self.bytes_out) as f64 / (1 << 20) as f64,
+            g(&self.bytes_in) as f64 / (1 << 20) as f64,
+        )
+    }
+}
+
+/// The far end's queue of peers' tunnel streams, taken from the transport once and shared
+/// by every restart round's [`Tunnel`].
+pub type Incoming = Arc<Mutex<mpsc::Receiver<TunnelStream>>>;
+
+/// Takes the transport's tunnel streams (once per transport).
+pub fn incoming(t: &Transport) -> Option<Incoming> {
+    t.take_tunnel_streams().map(|r| Arc::new(Mutex::new(r)))
+}
+
+/// What one round's tunnel needs.
+#[derive(Clone, Debug)]
+pub struct TunnelConfig {
+    /// The job's owner-only socket directory (the local service's).
+    pub dir: PathBuf,
+    /// Every other roster node: its address on the chosen interface -> its meshd.
+    pub routes: HashMap<IpAddr, SocketAddr>,
+    /// Roster members whose tunnel streams this node serves.
+    pub members: HashSet<NodeId>,
+    /// This node's roster address: the only destination served for peers.
+    pub local_ip: IpAddr,
+}
+
+/// A running tunnel; dropping it stops it and removes its socket and library.
+#[derive(Debug)]
+pub struct Tunnel {
+    socket: PathBuf,
+    lib: PathBuf,
+    wrote_lib: bool,
+    peers: String,
+    tasks: Vec<JoinHandle<()>>,
+    stats: Arc<TunnelStats>,
+}
+
+impl Tunnel {
+    /// Binds the tunnel socket in `cfg.dir`, writes the preload library there and serves
+    /// both ends.
+    pub fn start(
+        cfg: TunnelConfig,
+        transport: Transport,
+        incoming: Incoming,
+        stats: Arc<TunnelStats>,
+    ) -> std::io::Result<Tunnel> {
+        let socket = cfg.dir.join("tunnel");
+        let _ = std::fs::remove_file(&socket);
+        let listener = UnixListener::bind(&socket)?;
+        std::fs::set_permissions(&socket, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+        let (lib, wrote_lib) = preload_library(&cfg.dir)?;
+        let mut peers: Vec<IpAddr> = cfg.routes.keys().copied().collect();
+        peers.sort();
+        let peers = peers.iter().map(|ip| ip.to_string()).collect::<Vec<_>>().join(",");
+        let cfg = Arc::new(cfg);
+        let tasks = vec![
+            tokio::spawn(near(listener, cfg.clone(), transport, stats.clone())),
+            tokio::spawn(far(incoming, cfg, stats.clone())),
+        ];
+        Ok(Tunnel { socket, lib, wrote_lib, peers, tasks, stats })
+    }
+
+    /// The ranks' environment: `LD_PRELOAD` (the library first, then `user_preload`),
+    /// `MESHD_TUNNEL`, `MESHD_TUNNEL_PEERS`.
+    pub fn env(&self, user_preload: Option<&str>) -> Vec<(String, String)> {
+        let lib = self.lib.display().to_string();
+        let preload = match user_preload.filter(|p| !p.trim().is_empty()) {
+            Some(u) => format!("{lib}:{u}"),
+            None => lib,
+        };
+        vec![
+            ("LD_PRELOAD".into(), preload),
+            ("MESHD_TUNNEL".into(), self.socket.display().to_string()),
+            ("MESHD_TUNNEL_PEERS".into(), self.peers.clone()),
+        ]
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> &Arc<TunnelStats> {
+        &self.stats
+    }
+}
+
+impl Drop for Tunnel {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+        let _ = std::fs::remove_file(&self.socket);
+        if self.wrote_lib {
+            let _ = std::fs::remove_file(&self.lib);
+        }
+    }
+}
+
+/// Where the ranks load the library from: `MESHD_PRELOAD_LIB` when set, else the embedded
+/// bytes written to `dir` (owner-only), else (when `dir` is on a noexec mount, where the
+/// dynamic loader cannot map it) `libmeshd_preload.so` next to the meshd executable.
+/// Returns the path and whether it was written here.
+fn preload_library(dir: &Path) -> std::io::Result<(PathBuf, bool)> {
+    if let Some(p) = std::env::var_os("MESHD_PRELOAD_LIB").filter(|p| !p.is_empty()) {
+        return Ok((PathBuf::from(p), false));
+    }
+    if noexec(dir) {
+        if let Some(beside) = std::env::current_exe()
+            .ok()
+            .map(|e| e.with_file_name("libmeshd_preload.so"))
+            .filter(|p| p.exists())
+        {
+            return Ok((beside, false));
+        }
+        warn!(
+            "{} is on a noexec mount: the ranks cannot load the tunnel's library from there; set \
+             MESHD_PRELOAD_LIB, or XDG_RUNTIME_DIR to a directory that allows it",
+            dir.display()
+        );
+    }
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let lib = dir.join("libmeshd_preload.so");
+    let _ = std::fs::remove_file(&lib);
+    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o500).open(&lib)?;
+    f.write_all(PRELOAD)?;
+    Ok((lib, true))
+}
+
+fn noexec(dir: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_bytes()) else { return false };
+    // SAFETY: statvfs writes into a zeroed struct of the right type; `c` is NUL-terminated.
+    unsafe {
+        let mut s: libc::statvfs = std::mem::zeroed();
+        libc::statvfs(c.as_ptr(), &mut s) == 0 && s.f_flag & libc::ST_NOEXEC != 0
+    }
+}
+
+/// The near end: ranks' requests on the tunnel socket.
+async fn near(listener: UnixListener, cfg: Arc<TunnelConfig>, transport: Transport, stats: Arc<TunnelStats>) {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    let limit = Arc::new(Semaphore::new(MAX_TUNNELS));
+    while let Ok((s, _)) = listener.accept().await {
+        // The directory is owner-only already; the kernel's word on the peer as well.
+        if s.peer_cred().map(|c| c.uid()).ok() != Some(me) {
+            continue;
+        }
+        let Ok(permit) = limit.clone().try_acquire_owned() else {
+            stats.failed.fetch_add(1, Ordering::Relaxed);
+            let mut s = s;
+            let _ = s.write_all(&[wire::FAILED]).await;
+            continue;
+        };
+        let (cfg, transport, stats) = (cfg.clone(), transport.clone(), stats.clone());
+        tokio::spawn(async move {
+            near_one(s, &cfg, &transport, &stats).await;
+            drop(permit);
+        });
+    }
+}
+
+async fn near_one(mut s: UnixStream, cfg: &TunnelConfig, transport: &Transport, stats: &TunnelStats) {
+    let mut request = [0u8; TUNNEL_REQUEST_LEN];
+    if !matches!(tokio::time::timeout(REQUEST_TIMEOUT, s.read_exact(&mut request)).await, Ok(Ok(_))) {
+        return;
+    }
+    let fail = |status: u8, why: String| {
+        stats.failed.fetch_add(1, Ordering::Relaxed);
+        debug!("tunnel: {why}");
+        status
+    };
+    let Some(dest) = decode_request(&request) else {
+        let _ = s.write_all(&[fail(wire::FAILED, "malformed request from a rank".into())]).await;
+        return;
+    };
+    let Some(node) = cfg.routes.get(&dest.ip().to_canonical()).copied() else {
+        let _ = s.write_all(&[fail(wire::UNREACHABLE, format!("{dest} is not another roster node"))]).await;
+        return;
+    };
+    let opened = async {
+        let (send, mut recv) = transport.open_tunnel(node, &request).await.map_err(|e| e.to_string())?;
+        let mut st = [0u8; 1];
+        recv.read_exact(&mut st).await.map_err(|e| e.to_string())?;
+        Ok::<_, String>((send, recv, st[0]))
+    };
+    let (send, recv) = match tokio::time::timeout(STATUS_TIMEOUT, opened).await {
+        Ok(Ok((send, recv, wire::OK))) => (send, recv),
+        Ok(Ok((_, _, st))) => {
+            let _ = s.write_all(&[fail(st, format!("{dest}: the far end answered status {st}"))]).await;
+            return;
+        }
+        Ok(Err(e)) => {
+            let _ = s.write_all(&[fail(wire::UNREACHABLE, format!("{dest}: {e}"))]).await;
+            return;
+        }
+        Err(_) => {
+            let _ = s.write_all(&[fail(wire::TIMED_OUT, format!("{dest}: no answer in time"))]).await;
+            return;
+        }
+    };
+    if s.write_all(&[wire::OK]).await.is_err() {
+        return; // the rank gave up (its deadline): dropping the streams resets them
+    }
+    stats.opened.fetch_add(1, Ordering::Relaxed);
+    let (r, w) = s.into_split();
+    pipe(r, w, send, recv, stats, |_| {}).await;
+}
+
+/// The far end: peers' tunnel streams.
+async fn far(incoming: Incoming, cfg: Arc<TunnelConfig>, stats: Arc<TunnelStats>) {
+    let mut incoming = incoming.lock().await;
+    while let Some(mut t) = incoming.recv().await {
+        let dest = decode_request(&t.request);
+        let allowed = cfg.members.contains(&t.node);
+        match dest {
+            Some(dest) if allowed && dest.ip().to_canonical() == cfg.local_ip.to_canonical() => {
+                let stats = stats.clone();
+                tokio::spawn(async move { far_one(t, dest, &stats).await });
+            }
+            _ => {
+                debug!(
+                    "tunnel: refusing a stream from {} to {dest:?} (member: {allowed}; only {} is served)",
+                    t.from, cfg.local_ip
+                );
+                let _ = t.send.write_all(&[wire::UNREACHABLE]).await;
+                let _ = t.send.finish();
+            }
+        }
+    }
+}
+
+async fn far_one(mut t: TunnelStream, dest: SocketAddr, stats: &TunnelStats) {
+    let status = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(dest)).await {
+        Ok(Ok(tcp)) => Ok(tcp),
+        Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused => Err(wire::REFUSED),
+        Ok(Err(e)) => {
+            debug!("tunnel: connect {dest} for {}: {e}", t.from);
+            Err(wire::FAILED)
+        }
+        Err(_) => Err(wire::TIMED_OUT),
+    };
+    let tcp = match status {
+        Ok(tcp) => tcp,
+        Err(st) => {
+            let _ = t.send.write_all(&[st]).await;
+            let _ = t.send.finish();
+            return;
+        }
+    };
+    if t.send.write_all(&[wire::OK]).await.is_err() {
+        return;
+    }
+    let _ = tcp.set_nodelay(true);
+    stats.served.fetch_add(1, Ordering::Relaxed);
+    let (r, w) = tcp.into_split();
+    // A failure is passed on as TCP RST: linger 0, then close.
+    pipe(r, w, t.send, t.recv, stats, |w: &tokio::net::tcp::OwnedWriteHalf| reset_on_close(w.as_ref())).await;
+}
+
+/// SO_LINGER 0: closing `tcp` sends RST instead of FIN (tokio deprecates `set_linger`
+/// because a positive linger blocks on drop; 0 never does).
+fn reset_on_close(tcp: &TcpStream) {
+    use std::os::fd::AsRawFd;
+    let l = libc::linger { l_onoff: 1, l_linger: 0 };
+    // SAFETY: setsockopt on a socket we hold, with a valid linger struct and its size.
+    unsafe {
+        libc::setsockopt(
+            tcp.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&l as *const libc::linger).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        );
+    }
+}
+
+/// Copies both ways between a local stream and a QUIC stream pair until both directions
+/// ended. End of file becomes a half-close on the other side; a failure on either side
+/// resets the other (`abort` is applied to the local write half before it is dropped).
+async fn pipe<R, W>(
+    mut r: R,
+    mut w: W,
+    mut send: quinn::SendStream,
+    mut recv: quinn::RecvStream,
+    stats: &TunnelStats,
+    abort: impl FnOnce(&W),
+) where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    stats.active.fetch_add(1, Ordering::Relaxed);
+    let failed = {
+        let up = async {
+            // Each read is lent to quinn as it is (no copy into its send buffer).
+            let mut buf = BytesMut::with_capacity(CHUNK);
+            loop {
+                buf.reserve(CHUNK);
+                match r.read_buf(&mut buf).await {
+                    Ok(0) => return send.finish().map_err(|_| ()),
+                    Ok(n) => {
+                        stats.bytes_out.fetch_add(n as u64, Ordering::Relaxed);
+                        send.write_chunk(buf.split().freeze()).await.map_err(|_| ())?;
+                    }
+                    Err(_) => return Err(()),
+                }
+            }
+        };
+        let down = async {
+            // Read into one buffer, not chunk by chunk: quinn hands out one chunk per STREAM
+            // frame (about one packet), and a write per packet costs more than the copy.
+            let mut buf = vec![0u8; CHUNK];
+            loop {
+                match recv.read(&mut buf).await {
+                    Ok(Some(n)) => {
+                        stats.bytes_in.fetch_add(n as u64, Ordering::Relaxed);
+                        w.write_all(&buf[..n]).await.map_err(|_| ())?;
+                    }
+                    Ok(None) => return w.shutdown().await.map_err(|_| ()),
+                    Err(_) => return Err(()),
+                }
+            }
+        };
+        tokio::pin!(up, down);
+        let (mut up_done, mut down_done) = (false, false);
+        loop {
+            tokio::select! {
+                res = &mut up, if !up_done => {
+                    if res.is_err() { break true; }
+                    up_done = true;
+                }
+                res = &mut down, if !down_done => {
+                    if res.is_err() { break true; }
+                    down_done = true;
+                }
+            }
+            if up_done && down_done {
+                break false;
+            }
+        }
+    };
+    if failed {
+        let _ = send.reset(RESET.into());
+        let _ = recv.stop(RESET.into());
+        abort(&w);
+    }
+    stats.active.fetch_sub(1, Ordering::Relaxed);
+}
+
+/// Starts the tunnel of one round of `roster` on node `node_rank`, next to the local
+/// service's socket `service_socket` (in the job's owner-only directory); says why when it
+/// cannot (the ranks then run without it, and their connections to other nodes fail).
+pub fn start_for_round(
+    roster: &meshd_proto::rendezvous::Roster,
+    node_rank: usize,
+    service_socket: Option<&Path>,
+    transport: &Transport,
+    incoming: Option<&Incoming>,
+    stats: &Arc<TunnelStats>,
+) -> Option<Tunnel> {
+    let me = roster.members.get(node_rank)?;
+    let (Some(dir), Some(incoming)) = (service_socket.and_then(Path::parent), incoming) else {
+        warn!("tunnel mode, but no local service directory: the ranks' connections to other nodes will fail");
+        return None;
+    };
+    let cfg = TunnelConfig {
+        dir: dir.to_path_buf(),
+        routes: roster
+            .members
+            .iter()
+            .filter(|m| m.id != me.id)
+            .map(|m| (m.addr.ip().to_canonical(), m.addr))
+            .collect(),
+        members: roster.members.iter().map(|m| m.id).filter(|id| *id != me.id).collect(),
+        local_ip: me.addr.ip().to_canonical(),
+    };
+    match Tunnel::start(cfg, transport.clone(), incoming.clone(), stats.clone()) {
+        Ok(t) => {
+            transport.set_tunnel_stats(Some(stats.clone()));
+            info!(
+                "tunnel: the ranks' TCP connections to {} go through meshd (LD_PRELOAD {})",
+                t.peers,
+                t.lib.display()
+            );
+            Some(t)
+        }
+        Err(e) => {
+            warn!(
+                "cannot start the tunnel in {}: {e}; the ranks' connections to other nodes will fail",
+                dir.display()
+            );
+            None
+        }
+    }
+}
+
+/// Logs the counters once a round ends.
+pub fn report(stats: &TunnelStats) {
+    info!("tunnel: {}", stats.line());
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,221 @@
+use super::*;
+use crate::transport::TransportConfig;
+use tokio::net::TcpListener;
+
+#[test]
+fn the_embedded_library_is_a_shared_object() {
+    assert!(PRELOAD.len() > 1000 && PRELOAD.starts_with(b"\x7fELF"), "{} bytes", PRELOAD.len());
+}
+
+#[test]
+fn requests_decode_like_the_preload_library_encodes_them() {
+    let mut r = [0u8; TUNNEL_REQUEST_LEN];
+    r[..3].copy_from_slice(b"MT\x01");
+    r[3] = 4;
+    r[4..6].copy_from_slice(&29500u16.to_be_bytes());
+    r[6..22]
+        .copy_from_slice(&"198.19.0.7".parse::<std::net::Ipv4Addr>().expect("ip").to_ipv6_mapped().octets());
+    assert_eq!(decode_request(&r), Some("198.19.0.7:29500".parse().expect("addr")));
+    assert_eq!(encode_request("198.19.0.7:29500".parse().expect("addr")), r);
+    let v6: SocketAddr = "[fd00::7]:1".parse().expect("addr");
+    assert_eq!(decode_request(&encode_request(v6)), Some(v6));
+    r[2] = 2;
+    assert_eq!(decode_request(&r), None);
+}
+
+/// Two nodes on loopback (127.0.0.1 and 127.0.0.2), each with its transport and tunnel.
+struct Pair {
+    a: Tunnel,
+    b: Tunnel,
+    dirs: Vec<PathBuf>,
+    _transports: Vec<Transport>,
+}
+
+impl Drop for Pair {
+    fn drop(&mut self) {
+        for d in &self.dirs {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    }
+}
+
+fn dir(name: &str) -> PathBuf {
+    use std::os::unix::fs::DirBuilderExt;
+    let d = std::env::temp_dir().join(format!("meshd-tunnel-test-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::DirBuilder::new().mode(0o700).create(&d).expect("test dir");
+    d
+}
+
+fn pair(name: &str) -> Pair {
+    let mut ts = Vec::new();
+    for (n, ip) in [(1u128, "127.0.0.1"), (2, "127.0.0.2")] {
+        let mut cfg = TransportConfig::new(NodeId::from_u128(n), 0);
+        cfg.bind = ip.parse().expect("ip");
+        cfg.run_hash = 7;
+        let (t, events) = Transport::bind(cfg).expect("bind");
+        // Keep the events flowing (nobody reads them here).
+        tokio::spawn(async move {
+            let mut events = events;
+            while events.recv().await.is_some() {}
+        });
+        ts.push(t);
+    }
+    let (da, db) = (dir(&format!("{name}-a")), dir(&format!("{name}-b")));
+    let cfg = |d: &PathBuf, me: usize| TunnelConfig {
+        dir: d.clone(),
+        routes: [(ts[1 - me].local_addr().ip(), ts[1 - me].local_addr())].into_iter().collect(),
+        members: [NodeId::from_u128(2 - me as u128)].into_iter().collect(),
+        local_ip: ts[me].local_addr().ip(),
+    };
+    let start = |d: &PathBuf, me: usize| {
+        Tunnel::start(
+            cfg(d, me),
+            ts[me].clone(),
+            incoming(&ts[me]).expect("incoming"),
+            Arc::new(TunnelStats::default()),
+        )
+        .expect("tunnel")
+    };
+    let (a, b) = (start(&da, 0), start(&db, 1));
+    Pair { a, b, dirs: vec![da, db], _transports: ts }
+}
+
+async fn open(p: &Pair, dest: SocketAddr) -> (UnixStream, u8) {
+    let mut u = UnixStream::connect(&p.a.socket).await.expect("tunnel socket");
+    u.write_all(&encode_request(dest)).await.expect("request");
+    let mut st = [0u8; 1];
+    tokio::time::timeout(Duration::from_secs(20), u.read_exact(&mut st))
+        .await
+        .expect("in time")
+        .expect("status");
+    (u, st[0])
+}
+
+/// meshd's side: a stream with half-closes both ways, a refusal, a destination that is no
+/// roster node, and a reset on the far end reaching the near end as the end of its socket.
+#[tokio::test]
+async fn loopback_tunnel_half_closes_refuses_and_resets() {
+    let p = pair("mesh");
+    let listener = TcpListener::bind("127.0.0.2:0").await.expect("listen");
+    let dest = listener.local_addr().expect("addr");
+
+    let (mut u, st) = open(&p, dest).await;
+    assert_eq!(st, wire::OK);
+    let (mut srv, _) = listener.accept().await.expect("accept");
+    u.write_all(b"hello").await.expect("write");
+    u.shutdown().await.expect("half-close");
+    let mut got = Vec::new();
+    srv.read_to_end(&mut got).await.expect("far end reads to the half-close");
+    assert_eq!(got, b"hello");
+    srv.write_all(b"world").await.expect("answer");
+    drop(srv);
+    let mut back = Vec::new();
+    u.read_to_end(&mut back).await.expect("near end reads to the end");
+    assert_eq!(back, b"world");
+
+    // Nobody listens there: refused.
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.2:0").expect("bind");
+        l.local_addr().expect("addr")
+    };
+    assert_eq!(open(&p, closed).await.1, wire::REFUSED);
+    // Not a roster node's address: unreachable, without any QUIC stream.
+    assert_eq!(open(&p, "127.0.0.3:1".parse().expect("addr")).await.1, wire::UNREACHABLE);
+
+    // The far application resets its connection: the near one's socket ends.
+    let (mut u, st) = open(&p, dest).await;
+    assert_eq!(st, wire::OK);
+    let (srv, _) = listener.accept().await.expect("accept");
+    reset_on_close(&srv);
+    drop(srv);
+    let mut rest = Vec::new();
+    let end = tokio::time::timeout(Duration::from_secs(10), u.read_to_end(&mut rest)).await.expect("no hang");
+    assert!(end.is_err() || rest.is_empty(), "{end:?} {rest:?}");
+    let a = p.a.stats();
+    assert_eq!(a.opened.load(Ordering::Relaxed), 2, "{}", a.line());
+    assert_eq!(a.failed.load(Ordering::Relaxed), 2, "{}", a.line());
+    assert_eq!(p.b.stats().served.load(Ordering::Relaxed), 2, "{}", p.b.stats().line());
+    assert_eq!(a.bytes_out.load(Ordering::Relaxed), 5);
+    assert_eq!(a.bytes_in.load(Ordering::Relaxed), 5);
+}
+
+/// The preload library in a real process (python3, when present): a plain socket to the
+/// other node goes through the tunnel (getpeername names the destination, TCP_NODELAY is
+/// accepted), and a closed port is ECONNREFUSED at once.
+#[tokio::test]
+async fn the_preload_library_hands_connects_to_the_tunnel() {
+    let python = "/usr/bin/python3";
+    if !Path::new(python).exists() {
+        eprintln!("SKIPPED: no {python}");
+        return;
+    }
+    let p = pair("preload");
+    let listener = TcpListener::bind("127.0.0.2:0").await.expect("listen");
+    let dest = listener.local_addr().expect("addr");
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.2:0").expect("bind");
+        l.local_addr().expect("addr")
+    };
+    // A second listener for the IPv6 socket's connection (accepted and dropped).
+    let listener6 = TcpListener::bind("127.0.0.2:0").await.expect("listen");
+    let dest6 = listener6.local_addr().expect("addr");
+    let server6 = tokio::spawn(async move {
+        let _ = listener6.accept().await;
+    });
+    let server = tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.expect("accept");
+        let mut got = Vec::new();
+        s.read_to_end(&mut got).await.expect("read");
+        s.write_all(&got.iter().rev().copied().collect::<Vec<u8>>()).await.expect("write");
+    });
+    let script = format!(
+        r#"
+import errno, socket, time
+s = socket.create_connection(("127.0.0.2", {port}), timeout=10)
+assert s.getpeername() == ("127.0.0.2", {port}), s.getpeername()
+s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+s.sendall(b"abc" * 1000)
+s.shutdown(socket.SHUT_WR)
+got = b""
+while True:
+    b = s.recv(65536)
+    if not b:
+        break
+    got += b
+assert got == (b"abc" * 1000)[::-1], len(got)
+# A dual-stack socket to the IPv4-mapped address: tunnelled too, and its names stay IPv6.
+s6 = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+s6.settimeout(10)
+s6.connect(("::ffff:127.0.0.2", {port6}))
+assert s6.getpeername()[:2] == ("::ffff:127.0.0.2", {port6}), s6.getpeername()
+assert s6.getsockname()[0] == "::ffff:127.0.0.1", s6.getsockname()
+assert s6.getsockopt(socket.SOL_SOCKET, socket.SO_DOMAIN) == socket.AF_INET6
+s6.close()
+t = time.time()
+try:
+    socket.create_connection(("127.0.0.2", {closed}), timeout=10)
+    raise SystemExit("connected to a closed port")
+except ConnectionRefusedError as e:
+    assert e.errno == errno.ECONNREFUSED
+print("PRELOAD OK", round(time.time() - t, 3))
+"#,
+        port = dest.port(),
+        port6 = dest6.port(),
+        closed = closed.port()
+    );
+    let env = p.a.env(None);
+    let out = tokio::process::Command::new(python)
+        .args(["-c", &script])
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .env("MESHD_NODE_ADDR", "127.0.0.1")
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(30), out).await.expect("no hang").expect("python3");
+    let (o, e) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && o.contains("PRELOAD OK"), "{o}\n{e}");
+    server.await.expect("server");
+    server6.await.expect("server6");
+    let a = p.a.stats();
+    assert_eq!(a.opened.load(Ordering::Relaxed), 2, "{}", a.line());
+    assert_eq!(a.failed.load(Ordering::Relaxed), 1, "{}", a.line());
+}

@@ -1,0 +1,243 @@
+//! Lab: tunnel mode. Behind the one-port firewall on every host (all TCP and all UDP but
+//! meshd's port dropped on the real network), unmodified PyTorch jobs and plain sockets
+//! reach the other nodes: meshd carries the ranks' TCP connections over its QUIC
+//! connections (LD_PRELOAD interposer, docs/PROTOCOL.md "The TCP tunnel").
+
+mod lab;
+use lab::{Lab, python_job};
+use std::time::Duration;
+
+const PY: &str = "/usr/bin/python3";
+
+fn needs_torch() {
+    let ok = std::process::Command::new(PY).args(["-c", "import torch"]).status().is_ok_and(|s| s.success());
+    assert!(ok, "Debian's python3-torch is required (apt-get install python3-torch; .ci/run installs it)");
+}
+
+fn firewalled_lab(n: usize) -> Lab {
+    let lab = Lab::new(n);
+    for i in 0..n {
+        lab.firewall_only_udp(i, 29400);
+    }
+    lab
+}
+
+fn run(lab: &mut Lab, args: &[String]) -> Vec<(Option<i32>, String, String)> {
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    lab.run_on_all(&args, &[("MESHD_TOKEN", "tunnel")], Duration::from_secs(240))
+}
+
+/// The preflight chose the tunnel by itself, said so, and the tunnel carried connections.
+fn check_tunnel_lines(i: usize, err: &str) {
+    assert!(
+        err.contains("collective: tunnel (TCP between nodes is blocked"),
+        "host {i}: the preflight must choose the tunnel:\n{err}"
+    );
+    check_counters(i, err);
+}
+
+/// The end-of-round counters say connections went through the tunnel.
+fn check_counters(i: usize, err: &str) {
+    let line = err.lines().find(|l| l.contains("tunnel: ") && l.contains("opened by this node's ranks"));
+    let line = line.unwrap_or_else(|| panic!("host {i}: no tunnel counters line:\n{err}"));
+    // "tunnel: N tunnelled connections opened by this node's ranks (F failed), S served for other nodes"
+    let num = |after: &str| -> u64 {
+        line.split(after)
+            .nth(1)
+            .and_then(|s| s.split_whitespace().next())
+            .and_then(|n| n.trim_start_matches('(').parse().ok())
+            .unwrap_or(0)
+    };
+    let (opened, served) = (num("tunnel: "), num("failed), "));
+    assert!(opened + served > 0, "host {i}: no connection went through the tunnel: {line}");
+}
+
+#[test]
+fn unmodified_ddp_over_gloo_trains_to_identical_parameters_behind_a_one_port_firewall() {
+    if !lab::available() {
+        return;
+    }
+    needs_torch();
+    let mut lab = firewalled_lab(3);
+    let args = python_job(&lab.peers(), 3, 2, "auto", "ddp_gloo.py", &["--steps", "15"]);
+    let mut digests = Vec::new();
+    for (i, (code, out, err)) in run(&mut lab, &args).iter().enumerate() {
+        assert_eq!(*code, Some(0), "host {i}:\n{out}\n{err}");
+        check_tunnel_lines(i, err);
+        for l in out.lines().filter(|l| l.contains("DDP rank=")) {
+            assert!(l.contains("world=6"), "{l}");
+            let d =
+                l.split("params_sha256=").nth(1).and_then(|s| s.split_whitespace().next()).expect("digest");
+            digests.push(d.to_string());
+        }
+    }
+    assert_eq!(digests.len(), 6, "every rank reports");
+    assert!(digests.iter().all(|d| *d == digests[0]), "parameters differ across ranks: {digests:?}");
+}
+
+#[test]
+fn store_objects_user_sockets_and_refusals_go_through_the_tunnel() {
+    if !lab::available() {
+        return;
+    }
+    needs_torch();
+    let mut lab = firewalled_lab(3);
+    let args = python_job(&lab.peers(), 3, 2, "auto", "tunnel_check.py", &[]);
+    for (i, (code, out, err)) in run(&mut lab, &args).iter().enumerate() {
+        assert_eq!(*code, Some(0), "host {i}:\n{out}\n{err}");
+        check_tunnel_lines(i, err);
+        let ok: Vec<&str> = out.lines().filter(|l| l.contains("TUNNEL OK")).collect();
+        assert_eq!(ok.len(), 2, "host {i}: both ranks pass:\n{out}\n{err}");
+        for l in ok {
+            assert!(l.contains("world=6") && l.contains("collective=tunnel") && l.contains("nodes=3"), "{l}");
+        }
+    }
+}
+
+/// A node that dies while ranks stream through the tunnel to it: the others' tunnelled
+/// sockets fail (the QUIC connection is lost) and the job is torn down as it is without
+/// the tunnel: every surviving meshd exits non-zero, saying why, and leaves no rank.
+#[test]
+fn a_node_killed_mid_transfer_tears_the_job_down() {
+    if !lab::available() {
+        return;
+    }
+    needs_torch();
+    let mut lab = firewalled_lab(3);
+    let args = python_job(&lab.peers(), 3, 2, "auto", "ddp_gloo.py", &["--steps", "1000000"]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let ks: Vec<usize> = (0..3).map(|i| lab.spawn(i, &args, &[("MESHD_TOKEN", "tunnel")])).collect();
+    std::thread::sleep(Duration::from_secs(12));
+    assert!(!lab.exited(ks[0]) && !lab.exited(ks[1]), "the job must still be training");
+    // `meshd status` counts the tunnelled connections and bytes of the running job.
+    let k = lab.spawn(0, &[lab::meshd(), "status", "--json"], &[("MESHD_TOKEN", "tunnel")]);
+    let (code, out, err) = lab.wait(k, Duration::from_secs(20));
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).expect("status JSON");
+    let t = &v["tunnel"];
+    let n = |k: &str| t[k].as_u64().unwrap_or(0);
+    assert!(n("opened") + n("served") > 0 && n("active") > 0, "{v}");
+    assert!(n("bytes_out") > 0 && n("bytes_in") > 0, "{v}");
+    let t = std::time::Instant::now();
+    lab.crash(2);
+    for i in [0, 1] {
+        let (code, out, err) = lab.wait(ks[i], Duration::from_secs(60));
+        assert!(code.is_some_and(|c| c != 0), "host {i} must stop with an error:\n{out}\n{err}");
+        assert!(
+            err.contains("stopped answering")
+                || err.contains("job stopped by")
+                || err.contains("left the mesh"),
+            "host {i} must say why:\n{err}"
+        );
+        assert!(err.contains("collective: tunnel"), "host {i}:\n{err}");
+        assert!(lab.pids(i).is_empty(), "host {i}: processes left: {:?}", lab.pids(i));
+    }
+    eprintln!("FIGURE tunnel: a node killed mid-transfer: the job stopped everywhere in {:?}", t.elapsed());
+}
+
+/// With libnccl (the PyPI wheel's, no GPU needed): behind the one-port firewall every rank
+/// reaches the root of the NCCL unique id meshd hands out (on the master's eth1) through
+/// the tunnel, as ncclCommInitRank's bootstrap must.
+#[test]
+fn the_nccl_unique_ids_root_is_reachable_through_the_tunnel_from_every_node() {
+    if !lab::available() {
+        return;
+    }
+    let libpath = match std::env::var("MESHD_NCCL_LIB") {
+        Ok(p) if std::path::Path::new(&p).exists() => p,
+        _ if std::env::var("MESHD_REQUIRE_NCCL").is_ok() => {
+            panic!("MESHD_REQUIRE_NCCL is set but MESHD_NCCL_LIB does not name libnccl.so.2")
+        }
+        _ => {
+            eprintln!(
+                "*** NCCL TUNNEL LAB TEST SKIPPED: MESHD_NCCL_LIB not set (run scripts/fetch-nccl.sh) ***"
+            );
+            return;
+        }
+    };
+    let mut lab = firewalled_lab(3);
+    let peers = lab.peers();
+    // The id's sockaddr: family (LE u16) at byte 8, port (BE) at 10, IPv4 at 12. Eight bytes
+    // that are not NCCL's magic, then close (what the preflight sends: safe on every version).
+    let script = r#"
+import os, socket
+b = bytes.fromhex(os.environ["MESHD_NCCL_UNIQUE_ID"])
+assert int.from_bytes(b[8:10], "little") == 2
+port, ip = int.from_bytes(b[10:12], "big"), ".".join(str(x) for x in b[12:16])
+s = socket.create_connection((ip, port), timeout=20)
+s.sendall(b"\0" * 8)
+s.close()
+print(f"NCCLROOT OK {ip}:{port} from {os.environ['MESHD_NODE_ADDR']}", flush=True)
+"#;
+    let args = [
+        lab::meshd(),
+        "run",
+        "--nnodes",
+        "3",
+        "--peers",
+        &peers,
+        "--nproc-per-node",
+        "2",
+        "--",
+        PY,
+        "-c",
+        script,
+    ];
+    let res = lab.run_on_all(
+        &args,
+        &[("MESHD_NCCL_LIB", &libpath), ("MESHD_TOKEN", "nccl-tunnel")],
+        Duration::from_secs(120),
+    );
+    for (i, (code, out, err)) in res.iter().enumerate() {
+        assert_eq!(*code, Some(0), "host {i}:\n{out}\n{err}");
+        assert!(err.contains("collective: tunnel"), "host {i}:\n{err}");
+        let ok: Vec<&str> = out.lines().filter(|l| l.contains("NCCLROOT OK 198.19.0.7:")).collect();
+        assert_eq!(ok.len(), 2, "host {i}: both ranks reach the root:\n{out}\n{err}");
+    }
+}
+
+/// A quick figure (not a check; `cargo bench --bench allreduce` has the side-by-side one):
+/// Gloo's allreduce of `MESHD_TUNNEL_FIGURE_SIZE` bytes (64 MiB) through the tunnel,
+/// 3 hosts x 1 rank, MTU `MESHD_TUNNEL_FIGURE_MTU` (1500).
+#[test]
+#[ignore]
+fn figure_gloo_allreduce_through_the_tunnel() {
+    if !lab::available() {
+        return;
+    }
+    let size = std::env::var("MESHD_TUNNEL_FIGURE_SIZE").unwrap_or_else(|_| (64 << 20).to_string());
+    let mtu: u32 = std::env::var("MESHD_TUNNEL_FIGURE_MTU").ok().and_then(|m| m.parse().ok()).unwrap_or(1500);
+    let mut lab = firewalled_lab(3);
+    if mtu != 1500 {
+        lab.set_mtu(mtu);
+    }
+    let args = python_job(&lab.peers(), 3, 1, "auto", "gloo_allreduce_bench.py", &["--size", &size]);
+    for (i, (code, out, err)) in run(&mut lab, &args).iter().enumerate() {
+        assert_eq!(*code, Some(0), "host {i}:\n{out}\n{err}");
+        for l in out.lines().filter(|l| l.contains("GLOO ")) {
+            eprintln!("FIGURE tunnel mtu {mtu} host {i}: {l}");
+        }
+        for l in err.lines().filter(|l| l.contains("tunnel: ") && l.contains("MiB")) {
+            eprintln!("FIGURE tunnel mtu {mtu} host {i}: {l}");
+        }
+    }
+}
+
+/// `--collective tunnel` on an open network: the ranks' connections to other nodes go
+/// through meshd although TCP works, and the launch line says it was forced.
+#[test]
+fn collective_tunnel_can_be_forced_on_an_open_network() {
+    if !lab::available() {
+        return;
+    }
+    needs_torch();
+    let mut lab = Lab::new(3);
+    let args = python_job(&lab.peers(), 3, 2, "tunnel", "tunnel_check.py", &[]);
+    for (i, (code, out, err)) in run(&mut lab, &args).iter().enumerate() {
+        assert_eq!(*code, Some(0), "host {i}:\n{out}\n{err}");
+        assert!(err.contains("collective: tunnel (forced by --collective"), "host {i}:\n{err}");
+        assert!(!err.contains("TCP between nodes is blocked"), "host {i}:\n{err}");
+        assert_eq!(out.matches("TUNNEL OK").count(), 2, "host {i}:\n{out}\n{err}");
+        check_counters(i, err);
+    }
+}
