@@ -189,3 +189,47 @@ fn a_different_nnodes_is_named_not_waited_for_in_silence() {
         }
     }
 }
+
+/// SIGINT during the preflight (TCP between the hosts dropped, so its probes wait out their
+/// 2 s connect timeout) ends it within a second, exit 130; the other node is told and stops
+/// too, nobody launches.
+#[test]
+fn sigint_ends_the_preflight_wait() {
+    if !lab::available() {
+        return;
+    }
+    let mut lab = Lab::new(2);
+    let peers = lab.peers();
+    for i in 0..2 {
+        lab.firewall_only_udp(i, 29400);
+    }
+    let args = [
+        meshd(),
+        "run",
+        "--nnodes",
+        "2",
+        "--peers",
+        &peers,
+        "--rdzv-timeout",
+        "30s",
+        "--",
+        "sh",
+        "-c",
+        "echo LAUNCHED",
+    ];
+    let k0 = lab.spawn(0, &args, &[TOKEN]);
+    let k1 = lab.spawn(1, &args, &[TOKEN]);
+    // Roster in well under a second; the preflight's TCP probes then wait 2 s.
+    std::thread::sleep(Duration::from_millis(1000));
+    let t = Instant::now();
+    lab.signal(k0, libc::SIGINT);
+    let (code, out, err) = lab.wait(k0, Duration::from_secs(10));
+    println!("FIGURE SIGINT during the preflight: exit after {:?}", t.elapsed());
+    assert!(t.elapsed() < Duration::from_millis(1500), "SIGINT took {:?}:\n{err}", t.elapsed());
+    assert_eq!(code, Some(130), "{err}");
+    assert!(err.contains("during the preflight"), "the signal came in another phase:\n{err}");
+    assert!(!out.contains("LAUNCHED"), "{out}");
+    let (code1, out1, err1) = lab.wait(k1, Duration::from_secs(15));
+    assert_ne!(code1, Some(0), "the other node must not launch alone:\n{err1}");
+    assert!(!out1.contains("LAUNCHED"), "{out1}");
+}
