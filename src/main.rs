@@ -75,6 +75,8 @@ fn tune_allocator(workers: usize) {
 }
 
 fn main() -> ExitCode {
+    // What ran in this process before meshd (cargo run, ip netns exec) is not meshd's CPU.
+    meshd::job::mark_cpu_start();
     // The NCCL root child (see meshd::nccl_root): no runtime, no logging on stdout.
     if std::env::args().nth(1).as_deref() == Some("__nccl-root") {
         return ExitCode::from(meshd_nccl::serve_root_blocking().clamp(0, 255) as u8);

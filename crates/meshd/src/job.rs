@@ -297,8 +297,8 @@ impl Phases {
     }
 }
 
-/// CPU time (user + system) this process used so far.
-fn cpu_seconds() -> f64 {
+/// CPU time (user + system) of this process, in seconds, as the kernel counts it.
+fn process_cpu() -> f64 {
     // SAFETY: getrusage fills the struct it is given; RUSAGE_SELF is always valid.
     let mut u: libc::rusage = unsafe { std::mem::zeroed() };
     // SAFETY: as above.
@@ -307,6 +307,22 @@ fn cpu_seconds() -> f64 {
     }
     let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 / 1e6;
     t(u.ru_utime) + t(u.ru_stime)
+}
+
+/// The process's CPU time when meshd started (see [`mark_cpu_start`]), in microseconds.
+static CPU_AT_START_US: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Records the CPU time already spent when meshd starts. A process keeps its CPU counts
+/// across `exec`, so whatever ran before in the same process (`cargo run` builds, then execs
+/// meshd; `ip netns exec` execs it) would otherwise count as meshd's. Call first in `main`.
+pub fn mark_cpu_start() {
+    CPU_AT_START_US.store((process_cpu() * 1e6) as u64, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// CPU time (user + system) meshd used since [`mark_cpu_start`].
+fn cpu_seconds() -> f64 {
+    let start = CPU_AT_START_US.load(std::sync::atomic::Ordering::Relaxed) as f64 / 1e6;
+    (process_cpu() - start).max(0.0)
 }
 
 /// The outcome of a stop request that came while no rank ran.
