@@ -167,7 +167,7 @@ pub fn handshake_inputs() -> Vec<Vec<u8>> {
         has_token,
         observed,
         lane: 0,
-        pake: if has_token { vec![0x42; 33] } else { Vec::new() },
+        pake: has_token.then_some(wire::PakeMessage { side: 0x53, point: [0x42; 32] }),
     };
     let reply = StatusReply {
         node: id(1),

@@ -160,7 +160,7 @@ pub fn hello(token: &Token, node: NodeId, run_hash: u64) -> Attempt {
         has_token: true,
         observed: None,
         lane: 0,
-        pake: pake.message().to_vec(),
+        pake: wire::PakeMessage::from_bytes(pake.message()),
     };
     Attempt { hello, pake: Some(pake) }
 }
@@ -210,16 +210,18 @@ pub async fn authenticate(
     conn.export_keying_material(&mut ex, meshd::transport::auth::EXPORTER_LABEL, b"").expect("exporter");
     let mut sent = Vec::new();
     let answer = exchange(conn, &first, |answer| {
+        let bytes = |p: &Option<wire::PakeMessage>| p.map(|p| p.to_bytes()).unwrap_or([0; 33]);
+        let msgs = (bytes(&hello.pake), bytes(&answer.pake));
         let t = meshd::transport::auth::Transcript {
             exporter: &ex,
             client: &hello.node.0,
             server: &answer.node.0,
             client_run: hello.run_hash,
             server_run: answer.run_hash,
-            client_msg: &hello.pake,
-            server_msg: &answer.pake,
+            client_msg: &msgs.0,
+            server_msg: &msgs.1,
         };
-        let c = match pake.and_then(|p| p.finish(&answer.pake)) {
+        let c = match pake.and_then(|p| p.finish(&msgs.1)) {
             Some(k) => k.confirm(Role::Client, &t).to_vec(),
             None => vec![0; 32],
         };

@@ -40,8 +40,34 @@ pub struct AuthHello {
     /// extra connection ("lane") that carries only bulk collective data, so that several
     /// connections' packet work and encryption run on several cores.
     pub lane: u8,
-    /// The sender's SPAKE2 message (33 bytes; empty without a token).
-    pub pake: Vec<u8>,
+    /// The sender's SPAKE2 message (none without a token). Fixed-size: decoding a hello
+    /// allocates nothing, whatever an unauthenticated peer sends.
+    pub pake: Option<PakeMessage>,
+}
+
+/// A SPAKE2 message: its side byte and an Ed25519 point (33 bytes on the wire).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PakeMessage {
+    /// SPAKE2's side byte.
+    pub side: u8,
+    /// The compressed point.
+    pub point: [u8; 32],
+}
+
+impl PakeMessage {
+    /// From SPAKE2's 33-byte message; `None` for any other length.
+    pub fn from_bytes(b: &[u8]) -> Option<PakeMessage> {
+        let (&side, rest) = b.split_first()?;
+        Some(PakeMessage { side, point: rest.try_into().ok()? })
+    }
+
+    /// SPAKE2's 33-byte message.
+    pub fn to_bytes(&self) -> [u8; 33] {
+        let mut b = [0u8; 33];
+        b[0] = self.side;
+        b[1..].copy_from_slice(&self.point);
+        b
+    }
 }
 
 /// Most connections (the main one and its lanes) one node opens to another.

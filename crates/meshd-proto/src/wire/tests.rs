@@ -36,7 +36,7 @@ fn frames_round_trip() {
         has_token: true,
         observed: Some("198.19.0.3:40000".parse().expect("addr")),
         lane: 3,
-        pake: vec![2; 33],
+        pake: Some(PakeMessage { side: 0x53, point: [2; 32] }),
     };
     assert_eq!(decode::<AuthHello>(&encode(&hello)).expect("hello"), hello);
 }

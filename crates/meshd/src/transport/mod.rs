@@ -746,6 +746,7 @@ fn existing_lane(inner: &Inner, to: SocketAddr, lane: u8) -> Option<quinn::Conne
 }
 
 fn my_hello(inner: &Inner, observed: Option<SocketAddr>, lane: u8, pake: &[u8], mac: [u8; 32]) -> AuthHello {
+    let pake = wire::PakeMessage::from_bytes(pake);
     let cfg = &inner.cfg;
     AuthHello {
         version: PROTOCOL_VERSION,
@@ -755,7 +756,7 @@ fn my_hello(inner: &Inner, observed: Option<SocketAddr>, lane: u8, pake: &[u8], 
         has_token: cfg.token.is_some(),
         observed,
         lane,
-        pake: pake.to_vec(),
+        pake,
     }
 }
 
@@ -776,7 +777,7 @@ fn check_hello(inner: &Inner, h: &AuthHello) -> Result<(), (u32, Refusal)> {
         (None, false) => {}
         (None, true) => return Err((code::AUTH, Refusal::UnexpectedToken)),
         (Some(_), false) => return Err((code::AUTH, Refusal::NoToken)),
-        (Some(_), true) if h.pake.len() != auth::PAKE_MESSAGE_LEN => {
+        (Some(_), true) if h.pake.is_none() => {
             return Err((code::PROTOCOL, Refusal::Other("bad hello: malformed key exchange".into())));
         }
         (Some(_), true) => {}
@@ -945,11 +946,18 @@ async fn write_auth_message(send: &mut quinn::SendStream, body: &[u8]) -> Result
     send.write_all(&m).await.map_err(|e| e.to_string())
 }
 
-/// The transcript both ends' confirmations cover (see [`auth`]).
+/// A hello's SPAKE2 message as SPAKE2 reads it (zeros when it has none: only used with one).
+fn pake_bytes(h: &AuthHello) -> [u8; 33] {
+    h.pake.map(|p| p.to_bytes()).unwrap_or([0; 33])
+}
+
+/// The transcript both ends' confirmations cover (see [`auth`]); `msgs` are the client's
+/// and the server's SPAKE2 messages ([`pake_bytes`]).
 fn transcript<'a>(
     exporter: &'a [u8; 32],
     client: &'a AuthHello,
     server: &'a AuthHello,
+    msgs: &'a ([u8; 33], [u8; 33]),
 ) -> auth::Transcript<'a> {
     auth::Transcript {
         exporter,
@@ -957,8 +965,8 @@ fn transcript<'a>(
         server: &server.node.0,
         client_run: client.run_hash,
         server_run: server.run_hash,
-        client_msg: &client.pake,
-        server_msg: &server.pake,
+        client_msg: &msgs.0,
+        server_msg: &msgs.1,
     }
 }
 
@@ -1002,8 +1010,9 @@ async fn connect(
         // The server proves it holds the token first; only then does this node confirm.
         let confirm = match (pake, exporter(&conn)) {
             (Some(p), Some(ex)) => {
-                let t = transcript(&ex, &mine, &theirs);
-                let key = p.finish(&theirs.pake);
+                let msgs = (pake_bytes(&mine), pake_bytes(&theirs));
+                let t = transcript(&ex, &mine, &theirs, &msgs);
+                let key = p.finish(&msgs.1);
                 match key.filter(|k| k.verify(Role::Server, &t, &theirs.mac)) {
                     Some(k) => k.confirm(Role::Client, &t),
                     None => {
@@ -1137,7 +1146,7 @@ async fn accept_loop(inner: Arc<Inner>) {
                 );
                 let ex = exporter(&conn)?;
                 let key = match pake {
-                    Some(p) => match p.finish(&theirs.pake) {
+                    Some(p) => match p.finish(&pake_bytes(&theirs)) {
                         Some(k) => Some(k),
                         None => {
                             malformed(&conn, "bad hello: malformed key exchange".into());
@@ -1147,7 +1156,8 @@ async fn accept_loop(inner: Arc<Inner>) {
                     None => None,
                 };
                 if let Some(k) = &key {
-                    mine.mac = k.confirm(Role::Server, &transcript(&ex, &theirs, &mine));
+                    let msgs = (pake_bytes(&theirs), pake_bytes(&mine));
+                    mine.mac = k.confirm(Role::Server, &transcript(&ex, &theirs, &mine, &msgs));
                 }
                 write_auth_message(&mut send, &wire::encode(&mine)).await.ok()?;
                 let confirm = match read_auth_message(&mut recv).await {
@@ -1166,7 +1176,8 @@ async fn accept_loop(inner: Arc<Inner>) {
                     }
                 };
                 if let Some(k) = &key {
-                    if !k.verify(Role::Client, &transcript(&ex, &theirs, &mine), &confirm) {
+                    let msgs = (pake_bytes(&theirs), pake_bytes(&mine));
+                    if !k.verify(Role::Client, &transcript(&ex, &theirs, &mine, &msgs), &confirm) {
                         refuse(&inner, &conn, code::AUTH, &Refusal::DifferentToken, theirs.version);
                         return None;
                     }
@@ -1390,7 +1401,7 @@ mod tests {
                 let guess = Token::new("a guess").start();
                 let mut h = first.clone();
                 h.node = NodeId::from_u128(99);
-                h.pake = guess.message().to_vec();
+                h.pake = wire::PakeMessage::from_bytes(guess.message());
                 h.mac = [0x5a; 32];
                 let _ = write_auth_message(&mut send, &wire::encode(&h)).await;
                 // Whatever the client sends next (nothing: it refuses) until it closes.
