@@ -276,13 +276,9 @@ impl Mesh {
         loop {
             tokio::time::sleep(delay.min(deadline.saturating_duration_since(Instant::now()))).await;
             delay = (delay * 2).min(seed::RESOLVE_MAX);
-            let specs = cfg.unresolved.clone();
-            let port = cfg.port;
-            let results = tokio::task::spawn_blocking(move || {
-                specs.iter().map(|s| crate::peers::resolve(std::slice::from_ref(s), port)).collect::<Vec<_>>()
-            })
-            .await
-            .map_err(|e| MeshError::Iface(format!("resolver task failed: {e}")))?;
+            let results = seed::resolve_each(cfg.unresolved.clone(), cfg.port)
+                .await
+                .ok_or_else(|| MeshError::Iface("the resolver task failed".into()))?;
             let mut still = Vec::new();
             let mut errors = Vec::new();
             for (spec, (addrs, errs)) in std::mem::take(&mut cfg.unresolved).into_iter().zip(results) {

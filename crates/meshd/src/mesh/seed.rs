@@ -100,15 +100,7 @@ pub fn spawn_resolver(specs: Vec<PeerSpec>, port: u16, tx: mpsc::Sender<Vec<(Str
                 _ = tx.closed() => return,
             }
             delay = (delay * 2).min(RESOLVE_MAX);
-            let batch = pending.clone();
-            // getaddrinfo blocks: off the runtime's threads.
-            let Ok(results) = tokio::task::spawn_blocking(move || {
-                batch.iter().map(|s| peers::resolve(std::slice::from_ref(s), port)).collect::<Vec<_>>()
-            })
-            .await
-            else {
-                return;
-            };
+            let Some(results) = resolve_each(pending.clone(), port).await else { return };
             let mut still = Vec::new();
             for (spec, (addrs, errors)) in pending.into_iter().zip(results) {
                 let fresh: Vec<(String, SocketAddr)> =
@@ -125,6 +117,19 @@ pub fn spawn_resolver(specs: Vec<PeerSpec>, port: u16, tx: mpsc::Sender<Vec<(Str
             pending = still;
         }
     });
+}
+
+/// Resolves each entry on its own (addresses and errors per entry, in order), off the
+/// runtime's threads (getaddrinfo blocks). `None` if the blocking task failed.
+pub async fn resolve_each(
+    specs: Vec<PeerSpec>,
+    port: u16,
+) -> Option<Vec<(Vec<(String, SocketAddr)>, Vec<String>)>> {
+    tokio::task::spawn_blocking(move || {
+        specs.iter().map(|s| peers::resolve(std::slice::from_ref(s), port)).collect::<Vec<_>>()
+    })
+    .await
+    .ok()
 }
 
 /// The label of an entry as messages show it (`dns:NAME` or the host).
