@@ -59,6 +59,18 @@ fn cpu_seconds(pid: u32) -> f64 {
     ticks / 100.0
 }
 
+/// Sends `sig` to meshd child `k` and waits for it: it must exit within 1.5 s with
+/// `code`; prints the time as a FIGURE line for `what`. Returns its stdout and stderr.
+fn stop_within_a_second(lab: &mut Lab, k: usize, sig: i32, code: i32, what: &str) -> (String, String) {
+    let t = Instant::now();
+    lab.signal(k, sig);
+    let (got, out, err) = lab.wait(k, Duration::from_secs(10));
+    println!("FIGURE {what}: exit after {:?}", t.elapsed());
+    assert!(t.elapsed() < Duration::from_millis(1500), "{what} took {:?}:\n{err}", t.elapsed());
+    assert_eq!(got, Some(code), "{err}");
+    (out, err)
+}
+
 /// Waiting nodes sleep: two of three nodes up, the third never comes; over 2 s each
 /// waiting meshd uses well under a tenth of a core (it spun at 65-94% of one before).
 /// Then SIGINT and SIGTERM each end the wait within a second, with 130 and 143.
@@ -81,19 +93,9 @@ fn waiting_nodes_sleep_and_end_on_sigint_and_sigterm_within_a_second() {
         println!("FIGURE waiting meshd: {used:.2} CPU-s over 2 s");
         assert!(used < 0.2, "a waiting meshd used {used:.2} CPU-s in 2 s");
     }
-    let t = Instant::now();
-    lab.signal(k0, libc::SIGINT);
-    let (code, _, err) = lab.wait(k0, Duration::from_secs(5));
-    println!("FIGURE SIGINT while waiting for nodes: exit after {:?}", t.elapsed());
-    assert!(t.elapsed() < Duration::from_millis(1500), "SIGINT took {:?}", t.elapsed());
-    assert_eq!(code, Some(130), "{err}");
+    let (_, err) = stop_within_a_second(&mut lab, k0, libc::SIGINT, 130, "SIGINT while waiting for nodes");
     assert!(err.contains("interrupted (SIGINT) while waiting for nodes"), "{err}");
-    let t = Instant::now();
-    lab.signal(k1, libc::SIGTERM);
-    let (code, _, err) = lab.wait(k1, Duration::from_secs(5));
-    println!("FIGURE SIGTERM while waiting for nodes: exit after {:?}", t.elapsed());
-    assert!(t.elapsed() < Duration::from_millis(1500), "SIGTERM took {:?}", t.elapsed());
-    assert_eq!(code, Some(143), "{err}");
+    stop_within_a_second(&mut lab, k1, libc::SIGTERM, 143, "SIGTERM while waiting for nodes");
 }
 
 /// A restart round that waits for a node that is gone still ends on SIGINT at once.
@@ -143,12 +145,7 @@ fn sigint_ends_a_restart_round_wait() {
     // Host 0 stops round 1 (its peer died) and waits in round 2 for a node that is gone.
     std::thread::sleep(Duration::from_secs(4));
     assert!(!lab.exited(k0), "host 0 should be waiting for round 2");
-    let t = Instant::now();
-    lab.signal(k0, libc::SIGINT);
-    let (code, _, err) = lab.wait(k0, Duration::from_secs(10));
-    println!("FIGURE SIGINT in a restart round's wait: exit after {:?}", t.elapsed());
-    assert!(t.elapsed() < Duration::from_millis(1500), "SIGINT took {:?}:\n{err}", t.elapsed());
-    assert_eq!(code, Some(130), "{err}");
+    let (_, err) = stop_within_a_second(&mut lab, k0, libc::SIGINT, 130, "SIGINT in a restart round's wait");
     assert!(err.contains("restart round"), "{err}");
 }
 
@@ -221,12 +218,7 @@ fn sigint_ends_the_preflight_wait() {
     let k1 = lab.spawn(1, &args, &[TOKEN]);
     // Roster in well under a second; the preflight's TCP probes then wait 2 s.
     std::thread::sleep(Duration::from_millis(1000));
-    let t = Instant::now();
-    lab.signal(k0, libc::SIGINT);
-    let (code, out, err) = lab.wait(k0, Duration::from_secs(10));
-    println!("FIGURE SIGINT during the preflight: exit after {:?}", t.elapsed());
-    assert!(t.elapsed() < Duration::from_millis(1500), "SIGINT took {:?}:\n{err}", t.elapsed());
-    assert_eq!(code, Some(130), "{err}");
+    let (out, err) = stop_within_a_second(&mut lab, k0, libc::SIGINT, 130, "SIGINT during the preflight");
     assert!(err.contains("during the preflight"), "the signal came in another phase:\n{err}");
     assert!(!out.contains("LAUNCHED"), "{out}");
     let (code1, out1, err1) = lab.wait(k1, Duration::from_secs(15));
