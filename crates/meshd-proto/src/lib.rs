@@ -14,11 +14,16 @@
 //! - [`membership`]: SWIM-style gossip membership with suspicion and rejoin.
 //! - [`preflight`]: what each node checked before launch, and the common verdict.
 //! - [`rendezvous`]: election of the master and the roster every node acknowledges.
-//! - [`sim`]: a deterministic network simulator over the real membership core.
+//! - [`node`]: one node's whole job lifecycle (membership, rounds, preflight, launch, Done,
+//!   Abort, restarts) as one state machine.
+//! - [`reduce`]: reduction descriptors and the element-wise arithmetic of the collectives.
+//! - [`ring`]: the ring collective's schedule.
+//! - [`sim`]: a deterministic network simulator over the real membership and node cores.
 
 pub mod id;
 pub mod membership;
 pub mod meta;
+pub mod node;
 pub mod preflight;
 pub mod reduce;
 pub mod rendezvous;

@@ -147,6 +147,12 @@ pub enum Message {
         /// Host name of the node that received it.
         hostname: String,
     },
+    /// Reply to [`Message::Abort`]: the abort of round `restart` arrived. The aborting node
+    /// repeats its `Abort` to every roster member until each acknowledged or is dead.
+    AbortAck {
+        /// Restart round of the `Abort` acknowledged.
+        restart: u32,
+    },
 }
 
 /// Why a rank failed, as the node that ran it saw it; travels in [`Message::Abort`] so that
@@ -367,6 +373,12 @@ impl Rendezvous {
             }
             _ => None,
         };
+    }
+
+    /// Changes the MASTER_PORT this node offers in its next proposal (the IO found the
+    /// configured one taken, or picked a fresh one for this round).
+    pub fn set_master_port(&mut self, port: u16) {
+        self.master_port = port;
     }
 
     /// The next message to send.

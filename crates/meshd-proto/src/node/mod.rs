@@ -1,0 +1,599 @@
+//! The whole job lifecycle of one node as a sans-IO state machine.
+//!
+//! A [`Node`] composes the membership core, one [`Rendezvous`](crate::rendezvous::Rendezvous)
+//! per restart round, the preflight's exchanges and the job lifecycle (Done, Abort, the
+//! grace for a member that left, restart rounds). It has no clock, no socket and no thread:
+//! the driver hands it [`Input`]s with the time (`handle`, `handle_timeout`) and drains
+//! what it must send ([`Node::poll_transmit`]) and what it must do or know
+//! ([`Node::poll_event`]). Requests to the IO ([`Event::StartPreflight`], [`Event::Dial`],
+//! [`Event::Launch`], [`Event::StopRanks`], [`Event::ForwardSignal`]) come back as inputs
+//! with their results. The same core runs inside meshd's actor and, a thousand at a time,
+//! inside the simulator ([`crate::sim::node`]).
+//!
+//! Parts, one idea each:
+//! - [`config`]: what a node is started with.
+//! - `view`: what this node knows about the other members of its run.
+//! - `round`: waiting for a roster (restart-round adoption, early frames, the running-job
+//!   block, progress and timeout reports).
+//! - `preflight`: ports, dials and reports, then the common verdict.
+//! - `lifecycle`: launched ranks, Done, Abort (repeated until acknowledged), left grace,
+//!   signals, restarts and the end.
+//! - [`report`]: the words of the progress lines and the timeout message.
+
+pub mod config;
+mod lifecycle;
+mod preflight;
+pub mod report;
+mod round;
+mod view;
+
+#[cfg(test)]
+mod tests;
+
+pub use config::{LocalFacts, NodeConfig, Timing};
+pub use report::WaitReport;
+
+use crate::id::NodeId;
+use crate::membership::{Delivery, MemberEvent, MemberView, Membership};
+use crate::meta::{NodeMeta, NodeState};
+use crate::preflight::{TcpProbe, Verdict};
+use crate::rendezvous::{Message, RankFailure, Roster};
+use crate::wire::{Frame, StoreMsg};
+use lifecycle::{AbortOut, Closing, Running};
+use preflight::Preflight;
+use round::Round;
+use std::collections::{BTreeMap, VecDeque};
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+use view::View;
+
+/// Linux's SIGUSR1: the only signals a peer may ask this node to forward to its ranks.
+pub const SIGUSR1: i32 = 10;
+/// Linux's SIGUSR2 (see [`SIGUSR1`]).
+pub const SIGUSR2: i32 = 12;
+
+/// Frames of a later round kept for when this node gets there (bounded).
+const MAX_EARLY: usize = 64;
+/// Preflight and abort frames that came before this node's commit (bounded).
+const MAX_HELD: usize = 4096;
+
+/// Something the IO tells the core.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Input {
+    /// A frame from an authenticated peer: `from` is the address it came from, `node` its id.
+    Frame {
+        /// Transport address of the sender.
+        from: SocketAddr,
+        /// Authenticated id of the sender.
+        node: NodeId,
+        /// The frame.
+        frame: Frame,
+    },
+    /// Packets arrived from `node` since the last look (its link's own traffic is proof of
+    /// life even when probe answers queue behind bulk data).
+    HeardFrom(NodeId),
+    /// More addresses to join through (names that resolved late).
+    Seeds(Vec<SocketAddr>),
+    /// MASTER_PORT to offer from now on.
+    MasterPort(u16),
+    /// Answer to [`Event::StartPreflight`]: the preflight listener is bound.
+    PreflightReady {
+        /// Its TCP port on the chosen interface.
+        tcp_port: u16,
+        /// The NCCL unique id (master only; `None` when it could not make one).
+        nccl_id: Option<Vec<u8>>,
+        /// Why there is no id, when the master has none.
+        nccl_note: String,
+        /// This node's own failures (MASTER_PORT cannot be bound on the master).
+        problems: Vec<TcpProbe>,
+    },
+    /// Answer to [`Event::StartPreflight`]: the listener could not be bound.
+    PreflightFailed(String),
+    /// Answer to [`Event::Dial`].
+    Dialed {
+        /// One result per target (and the NCCL root probe, if any).
+        probes: Vec<TcpProbe>,
+        /// The NCCL id's root address as decoded here ("" without an id).
+        nccl_root: String,
+    },
+    /// Answer to [`Event::Launch`]: the ranks run.
+    RanksSpawned,
+    /// Answer to [`Event::Launch`]: the ranks could not be started.
+    SpawnFailed(String),
+    /// Every local rank exited 0.
+    RanksExited,
+    /// A local rank failed (or stalled): the job stops everywhere.
+    RankFailed {
+        /// Global rank, when one rank is to blame.
+        rank: Option<u32>,
+        /// What happened, in words.
+        reason: String,
+        /// The rank's details (exit, exception, traceback).
+        cause: Option<Box<RankFailure>>,
+    },
+    /// Answer to [`Event::StopRanks`]: every local rank is gone.
+    RanksStopped,
+    /// This node received a signal for every rank (SIGUSR1/2): forward it everywhere.
+    Signal(i32),
+    /// This node was asked to stop (SIGINT, SIGTERM): abort everywhere, never restart.
+    Stop {
+        /// What happened, in words ("interrupted (SIGINT)").
+        what: String,
+        /// Exit status.
+        code: u8,
+    },
+    /// The library user aborts the job (restartable, like a rank failure).
+    Abort(String),
+    /// Leave the mesh gracefully (the driver shuts down).
+    Leave,
+}
+
+/// Something the IO must do or know.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// A membership change (for status displays).
+    Member(MemberEvent),
+    /// A line for the log.
+    Log(Level, String),
+    /// Waiting for nodes: the progress report (the IO adds what only it knows: listed
+    /// peers that never answered, authentication refusals).
+    Waiting(WaitReport),
+    /// A restart round began (`restart` > 0): a fresh MASTER_PORT may be offered.
+    RoundBegan {
+        /// The round.
+        restart: u32,
+    },
+    /// The roster of this round is agreed.
+    RosterAgreed(Roster),
+    /// Bind the preflight listener (and MASTER_PORT and the NCCL id on the master); answer
+    /// [`Input::PreflightReady`] or [`Input::PreflightFailed`].
+    StartPreflight {
+        /// The roster.
+        roster: Roster,
+        /// Whether this node is master.
+        master: bool,
+    },
+    /// Dial these TCP targets (and the NCCL id's root, if an id is given); answer
+    /// [`Input::Dialed`].
+    Dial {
+        /// Where to connect.
+        targets: Vec<DialTarget>,
+        /// The round's NCCL id (probe its root too).
+        nccl_id: Option<Vec<u8>>,
+    },
+    /// Start the local ranks; answer [`Input::RanksSpawned`] or [`Input::SpawnFailed`].
+    Launch {
+        /// The roster.
+        roster: Roster,
+        /// The preflight's verdict (the collective to use).
+        verdict: Verdict,
+        /// The NCCL unique id for every rank.
+        nccl_id: Option<Vec<u8>>,
+    },
+    /// Stop the local ranks; answer [`Input::RanksStopped`].
+    StopRanks,
+    /// Send `signal` to every local rank (`from`: the peer that asked, `None` for this node).
+    ForwardSignal {
+        /// Signal number.
+        signal: i32,
+        /// Who asked, in words ("node gpu-3 (10.0.0.3)").
+        from: Option<String>,
+    },
+    /// A store frame from a roster peer.
+    Store {
+        /// Sender.
+        from: NodeId,
+        /// The frame.
+        msg: StoreMsg,
+    },
+    /// A round ended in failure, ranks stopped (print the cause once).
+    RoundFailed {
+        /// The round.
+        restart: u32,
+        /// What happened.
+        reason: String,
+        /// The failed rank's details.
+        cause: Option<Box<RankFailure>>,
+        /// Whether a new round follows.
+        restarting: bool,
+    },
+    /// The job is over on this node; the driver exits with `outcome.code`.
+    Finished(Outcome),
+}
+
+/// Severity of an [`Event::Log`] line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Level {
+    /// Details.
+    Debug,
+    /// Progress.
+    Info,
+    /// Something is off but the job goes on.
+    Warn,
+    /// The job stops.
+    Error,
+}
+
+/// A TCP target of the preflight.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DialTarget {
+    /// The member dialled.
+    pub to: NodeId,
+    /// Where.
+    pub addr: SocketAddr,
+    /// "ephemeral port" or "MASTER_PORT".
+    pub what: String,
+}
+
+/// How the job ended on this node.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Outcome {
+    /// Exit status.
+    pub code: u8,
+    /// One line saying what happened.
+    pub message: String,
+    /// Which kind of end.
+    pub kind: OutcomeKind,
+}
+
+/// Kinds of [`Outcome`].
+#[derive(Clone, Debug, PartialEq)]
+pub enum OutcomeKind {
+    /// Every rank everywhere exited 0.
+    Success,
+    /// The job failed (or was refused, or stopped before launch).
+    Failed,
+    /// A signal stopped it.
+    Stopped,
+    /// No roster formed in time; the report says why (the IO adds what it knows).
+    TimedOut(Box<WaitReport>),
+}
+
+/// A frame for the driver to send.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Transmit {
+    /// Destination.
+    pub to: SocketAddr,
+    /// The frame.
+    pub frame: Frame,
+    /// How it must travel.
+    pub delivery: Delivery,
+}
+
+/// Why a round ended.
+#[derive(Clone, Debug, PartialEq)]
+enum Failure {
+    /// Restartable, with the failed rank's details when a rank failed.
+    Job(String, Option<Box<RankFailure>>),
+    /// A signal: stop, never restart.
+    Signal(String, u8),
+}
+
+enum Phase {
+    Rdzv(Box<Round>),
+    Preflight(Box<Preflight>),
+    Running(Box<Running>),
+    /// Waiting for [`Input::RanksStopped`] before deciding what follows.
+    Stopping(Failure),
+    Closing(Box<Closing>),
+    Finished,
+}
+
+/// One node's job protocol (see the module docs).
+pub struct Node {
+    cfg: NodeConfig,
+    membership: Membership,
+    meta: NodeMeta,
+    view: View,
+    restart: u32,
+    phase: Phase,
+    /// When this node started waiting for its first roster.
+    started: Instant,
+    early: Vec<(NodeId, Message)>,
+    held: Vec<(NodeId, Message)>,
+    aborts: Vec<AbortOut>,
+    /// Nodes named for another `--nnodes` (kept for the timeout after they left).
+    nnodes_named: BTreeMap<NodeId, String>,
+    master: Option<NodeId>,
+    member_fired: Option<Instant>,
+    outbox: VecDeque<Transmit>,
+    events: VecDeque<Event>,
+}
+
+impl std::fmt::Debug for Node {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Node").field("id", &self.cfg.id).field("restart", &self.restart).finish()
+    }
+}
+
+impl Node {
+    /// A node that starts joining through `cfg.seeds` and waiting for its first roster.
+    pub fn new(cfg: NodeConfig, now: Instant) -> Node {
+        let mut meta = cfg.meta.clone();
+        meta.gossip_addr = Some(cfg.addr);
+        meta.state = NodeState::Waiting;
+        meta.restarts = 0;
+        meta.nnodes_min = cfg.rdzv.min_nodes;
+        meta.nnodes_max = cfg.rdzv.max_nodes;
+        let mut membership =
+            Membership::new(cfg.id, cfg.addr, meta.clone(), cfg.membership.clone(), cfg.seed, now);
+        let seeds: Vec<SocketAddr> = cfg.seeds.iter().copied().filter(|s| *s != cfg.addr).collect();
+        membership.add_seeds(&seeds, now);
+        let view = View::new(cfg.id, cfg.addr, &meta);
+        let mut node = Node {
+            phase: Phase::Finished,
+            view,
+            membership,
+            meta,
+            restart: 0,
+            started: now,
+            early: Vec::new(),
+            held: Vec::new(),
+            aborts: Vec::new(),
+            nnodes_named: BTreeMap::new(),
+            master: None,
+            member_fired: None,
+            outbox: VecDeque::new(),
+            events: VecDeque::new(),
+            cfg,
+        };
+        let timeout = node.cfg.rdzv_timeout;
+        node.begin_round(0, timeout, now);
+        node.after(now);
+        node
+    }
+
+    /// This node's id.
+    pub fn id(&self) -> NodeId {
+        self.cfg.id
+    }
+
+    /// This node's address.
+    pub fn addr(&self) -> SocketAddr {
+        self.cfg.addr
+    }
+
+    /// The restart round this node is in.
+    pub fn restart(&self) -> u32 {
+        self.restart
+    }
+
+    /// The master of the current roster (`None` while waiting for one).
+    pub fn master(&self) -> Option<NodeId> {
+        self.master
+    }
+
+    /// The roster of the current round, once agreed.
+    pub fn roster(&self) -> Option<&Roster> {
+        match &self.phase {
+            Phase::Preflight(p) => Some(&p.roster),
+            Phase::Running(r) => Some(&r.roster),
+            _ => None,
+        }
+    }
+
+    /// What this node advertises now.
+    pub fn meta(&self) -> &NodeMeta {
+        &self.meta
+    }
+
+    /// The membership core (read only: members, round-trip times).
+    pub fn membership(&self) -> &Membership {
+        &self.membership
+    }
+
+    /// Everyone known, with status.
+    pub fn members(&self) -> Vec<MemberView> {
+        self.membership.members()
+    }
+
+    /// Whether the job is over on this node ([`Event::Finished`] was emitted).
+    pub fn is_finished(&self) -> bool {
+        matches!(self.phase, Phase::Finished)
+    }
+
+    /// Handles one input at time `now`.
+    pub fn handle(&mut self, input: Input, now: Instant) {
+        match input {
+            Input::Frame { from, node, frame } => match frame {
+                Frame::Gossip(m) => self.membership.handle_message(from, m, now),
+                Frame::Rdzv(m) => self.on_message(from, node, m, now),
+                Frame::Store(msg) => self.events.push_back(Event::Store { from: node, msg }),
+            },
+            Input::HeardFrom(id) => self.membership.heard_from(id, now),
+            Input::Seeds(seeds) => {
+                let seeds: Vec<SocketAddr> = seeds.into_iter().filter(|s| *s != self.cfg.addr).collect();
+                self.membership.add_seeds(&seeds, now);
+            }
+            Input::MasterPort(p) => {
+                self.cfg.master_port = p;
+                if let Phase::Rdzv(r) = &mut self.phase {
+                    r.rdzv.set_master_port(p);
+                }
+            }
+            Input::Leave => self.membership.leave(now),
+            other => self.on_io(other, now),
+        }
+        self.after(now);
+    }
+
+    /// Deadlines passed (call at [`Node::poll_timeout`]).
+    pub fn handle_timeout(&mut self, now: Instant) {
+        if self.membership.poll_timeout().is_some_and(|t| t <= now) {
+            self.member_fired = Some(now);
+            self.membership.handle_timeout(now);
+        }
+        self.resend_aborts(now);
+        self.phase_timeout(now);
+        self.after(now);
+    }
+
+    /// The next frame to send.
+    pub fn poll_transmit(&mut self) -> Option<Transmit> {
+        self.outbox.pop_front()
+    }
+
+    /// The next event.
+    pub fn poll_event(&mut self) -> Option<Event> {
+        self.events.pop_front()
+    }
+
+    /// When [`Node::handle_timeout`] must be called next.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        let member = self.membership.poll_timeout().filter(|t| self.member_fired.is_none_or(|f| *t > f));
+        let aborts = self.aborts.iter().map(|a| a.next).min();
+        let phase = match &self.phase {
+            Phase::Rdzv(r) => r.poll_timeout(),
+            Phase::Preflight(p) => p.poll_timeout(),
+            Phase::Running(r) => r.poll_timeout(),
+            Phase::Closing(c) => c.poll_timeout(),
+            Phase::Stopping(_) | Phase::Finished => None,
+        };
+        [member, aborts, phase].into_iter().flatten().min()
+    }
+
+    // ---- internals shared by the phases ----
+
+    fn log(&mut self, level: Level, text: impl Into<String>) {
+        self.events.push_back(Event::Log(level, text.into()));
+    }
+
+    fn send(&mut self, to: SocketAddr, msg: Message) {
+        self.outbox.push_back(Transmit { to, frame: Frame::Rdzv(msg), delivery: Delivery::Reliable });
+    }
+
+    fn broadcast(&mut self, roster: &Roster, msg: &Message) {
+        for m in roster.members.iter().filter(|m| m.id != self.cfg.id) {
+            self.outbox.push_back(Transmit {
+                to: m.addr,
+                frame: Frame::Rdzv(msg.clone()),
+                delivery: Delivery::Reliable,
+            });
+        }
+    }
+
+    fn set_state(&mut self, state: NodeState, now: Instant) {
+        if self.meta.state == state && self.meta.restarts == self.restart {
+            return;
+        }
+        self.meta.state = state;
+        self.meta.restarts = self.restart;
+        self.view.set_own(&self.meta);
+        self.membership.set_meta(self.meta.clone(), now);
+    }
+
+    /// "node gpu-3 (10.0.0.3)" for a roster member.
+    fn describe(roster: &Roster, id: NodeId) -> String {
+        roster
+            .members
+            .iter()
+            .find(|m| m.id == id)
+            .map(|m| format!("node {} ({})", if m.hostname.is_empty() { "?" } else { &m.hostname }, m.addr.ip()))
+            .unwrap_or_else(|| format!("node {id}"))
+    }
+
+    fn on_message(&mut self, from: SocketAddr, node: NodeId, msg: Message, now: Instant) {
+        match &msg {
+            // Acknowledged whatever the round: the sender stops repeating it.
+            Message::Abort { restart, .. } => self.send(from, Message::AbortAck { restart: *restart }),
+            Message::AbortAck { restart } => {
+                for a in self.aborts.iter_mut().filter(|a| a.restart == *restart) {
+                    a.waiting.remove(&node);
+                }
+                self.aborts.retain(|a| !a.waiting.is_empty());
+                return;
+            }
+            _ => {}
+        }
+        match &mut self.phase {
+            Phase::Rdzv(_) => self.round_message(node, msg, now),
+            Phase::Preflight(_) => self.preflight_message(node, msg, now),
+            Phase::Running(_) => self.running_message(node, msg, now),
+            Phase::Stopping(_) | Phase::Closing(_) | Phase::Finished => self.closing_message(node, msg),
+        }
+    }
+
+    /// Keeps a proposal of a later round for when this node gets there.
+    fn keep_early(&mut self, from: NodeId, msg: Message) {
+        if matches!(&msg, Message::Propose(r) if r.restart > self.restart) && self.early.len() < MAX_EARLY {
+            self.early.push((from, msg));
+        }
+    }
+
+    fn on_io(&mut self, input: Input, now: Instant) {
+        match &self.phase {
+            Phase::Rdzv(_) => self.round_io(input, now),
+            Phase::Preflight(_) => self.preflight_io(input, now),
+            Phase::Running(_) => self.running_io(input, now),
+            Phase::Stopping(_) => {
+                if input == Input::RanksStopped {
+                    self.ranks_stopped(now);
+                }
+            }
+            Phase::Closing(_) | Phase::Finished => {}
+        }
+    }
+
+    fn phase_timeout(&mut self, now: Instant) {
+        match &self.phase {
+            Phase::Rdzv(_) => self.round_timeout(now),
+            Phase::Preflight(_) => self.preflight_timeout(now),
+            Phase::Running(_) => self.running_timeout(now),
+            Phase::Closing(_) => self.closing_timeout(now),
+            Phase::Stopping(_) | Phase::Finished => {}
+        }
+    }
+
+    /// Drains the membership core after any input: its frames go out, its events update
+    /// the view and reach the phase.
+    fn after(&mut self, now: Instant) {
+        loop {
+            while let Some(t) = self.membership.poll_transmit() {
+                self.outbox.push_back(Transmit { to: t.to, frame: Frame::Gossip(t.msg), delivery: t.delivery });
+            }
+            let mut changed = Vec::new();
+            while let Some(ev) = self.membership.poll_event() {
+                self.view.apply(&ev);
+                if let MemberEvent::Down(id) | MemberEvent::Left(id) = &ev {
+                    for a in &mut self.aborts {
+                        a.waiting.remove(id);
+                    }
+                    self.aborts.retain(|a| !a.waiting.is_empty());
+                }
+                changed.push(ev.clone());
+                self.events.push_back(Event::Member(ev));
+            }
+            if changed.is_empty() {
+                break;
+            }
+            for ev in changed {
+                self.on_member(ev, now);
+            }
+        }
+        self.phase_step(now);
+        self.try_finish(now);
+    }
+
+    fn on_member(&mut self, ev: MemberEvent, now: Instant) {
+        match &self.phase {
+            Phase::Rdzv(_) => self.round_member(now),
+            Phase::Preflight(_) => self.preflight_member(ev, now),
+            Phase::Running(_) => self.running_member(ev, now),
+            Phase::Closing(_) => self.closing_member(ev),
+            Phase::Stopping(_) | Phase::Finished => {}
+        }
+    }
+
+    fn phase_step(&mut self, now: Instant) {
+        if let Phase::Rdzv(_) = &self.phase {
+            self.round_step(now);
+        }
+    }
+}
+
+impl Node {
+    /// How long this node has waited for its first roster (for tests and reports).
+    pub fn waited(&self, now: Instant) -> Duration {
+        now.saturating_duration_since(self.started)
+    }
+}

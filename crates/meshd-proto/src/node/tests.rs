@@ -1,0 +1,130 @@
+//! Single-node checks of the core's requests and answers; the multi-node protocol is
+//! tested in the simulator (`sim::node`).
+
+use super::*;
+use crate::membership::MembershipConfig;
+use crate::rendezvous::RdzvConfig;
+
+fn config(max_restarts: u32) -> NodeConfig {
+    let addr: SocketAddr = "10.0.0.1:29400".parse().unwrap();
+    NodeConfig {
+        id: NodeId::from_u128(7),
+        addr,
+        meta: NodeMeta { hostname: "solo".into(), nproc: 2, run_hash: 42, ..NodeMeta::default() },
+        seeds: vec![addr],
+        membership: MembershipConfig::default(),
+        rdzv: RdzvConfig { min_nodes: 1, max_nodes: 1, ..RdzvConfig::default() },
+        rdzv_timeout: Duration::from_secs(30),
+        preflight_timeout: Duration::from_secs(20),
+        max_restarts,
+        master_port: 29500,
+        report: LocalFacts { nproc: 2, iface: "lo".into(), ..LocalFacts::default() },
+        seed: 1,
+        timing: Timing::default(),
+    }
+}
+
+fn events(n: &mut Node) -> Vec<Event> {
+    std::iter::from_fn(|| n.poll_event()).filter(|e| !matches!(e, Event::Member(_) | Event::Log(..))).collect()
+}
+
+/// Runs a single node up to its launch; returns it and the time.
+fn launched(max_restarts: u32) -> (Node, Instant) {
+    let now = Instant::now();
+    let mut n = Node::new(config(max_restarts), now);
+    let ev = events(&mut n);
+    assert!(matches!(&ev[..], [Event::RosterAgreed(_), Event::StartPreflight { master: true, .. }]), "{ev:?}");
+    n.handle(Input::PreflightReady { tcp_port: 4000, nccl_id: None, nccl_note: "no nccl".into(), problems: vec![] }, now);
+    let ev = events(&mut n);
+    assert!(matches!(&ev[..], [Event::Dial { targets, .. }] if targets.is_empty()), "{ev:?}");
+    n.handle(Input::Dialed { probes: vec![], nccl_root: String::new() }, now);
+    let ev = events(&mut n);
+    assert!(matches!(&ev[..], [Event::Launch { verdict, .. }] if verdict.ok), "{ev:?}");
+    n.handle(Input::RanksSpawned, now);
+    assert_eq!(n.meta().state, NodeState::Running);
+    (n, now)
+}
+
+#[test]
+fn one_node_runs_to_success() {
+    let (mut n, now) = launched(0);
+    n.handle(Input::RanksExited, now);
+    let ev = events(&mut n);
+    match &ev[..] {
+        [Event::Finished(o)] => {
+            assert_eq!((o.code, o.kind.clone()), (0, OutcomeKind::Success));
+            assert_eq!(o.message, "job finished: all 2 ranks exited 0");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(n.is_finished());
+}
+
+#[test]
+fn a_failed_rank_restarts_the_round_then_fails_with_its_status() {
+    let (mut n, now) = launched(1);
+    let cause = RankFailure { status: 3, ..RankFailure::default() };
+    n.handle(Input::RankFailed { rank: Some(1), reason: "rank 1 exited 3".into(), cause: Some(Box::new(cause)) }, now);
+    assert_eq!(events(&mut n), vec![Event::StopRanks]);
+    n.handle(Input::RanksStopped, now);
+    let ev = events(&mut n);
+    assert!(matches!(&ev[0], Event::RoundFailed { restart: 0, restarting: true, .. }), "{ev:?}");
+    assert!(ev.iter().any(|e| matches!(e, Event::StartPreflight { .. })), "round 1 forms again: {ev:?}");
+    assert_eq!(n.restart(), 1);
+    n.handle(Input::PreflightReady { tcp_port: 4001, nccl_id: None, nccl_note: String::new(), problems: vec![] }, now);
+    n.handle(Input::Dialed { probes: vec![], nccl_root: String::new() }, now);
+    n.handle(Input::RanksSpawned, now);
+    let _ = events(&mut n);
+    n.handle(Input::RankFailed { rank: Some(0), reason: "rank 0 exited 3".into(), cause: Some(Box::new(RankFailure { status: 3, ..RankFailure::default() })) }, now);
+    n.handle(Input::RanksStopped, now);
+    let fin = events(&mut n).into_iter().find_map(|e| if let Event::Finished(o) = e { Some(o) } else { None });
+    let o = fin.expect("finished after the last restart");
+    assert_eq!((o.code, o.message.as_str()), (3, "job failed: rank 0 exited 3"));
+}
+
+#[test]
+fn a_stop_while_waiting_ends_at_once_with_its_status() {
+    let now = Instant::now();
+    let mut cfg = config(0);
+    cfg.rdzv = RdzvConfig { min_nodes: 2, max_nodes: 2, ..RdzvConfig::default() };
+    let mut n = Node::new(cfg, now);
+    let _ = events(&mut n);
+    n.handle(Input::Stop { what: "interrupted (SIGINT)".into(), code: 130 }, now);
+    let ev = events(&mut n);
+    match &ev[..] {
+        [Event::Finished(o)] => assert_eq!((o.code, o.message.as_str()), (130, "interrupted (SIGINT) while waiting for nodes")),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_lone_node_of_two_times_out_with_a_report() {
+    let start = Instant::now();
+    let mut cfg = config(0);
+    cfg.rdzv = RdzvConfig { min_nodes: 2, max_nodes: 2, ..RdzvConfig::default() };
+    cfg.rdzv_timeout = Duration::from_secs(5);
+    let mut n = Node::new(cfg, start);
+    let mut lines = Vec::new();
+    let mut fin = None;
+    // The core is driven by its own deadlines only; it must end by the timeout.
+    for _ in 0..10_000 {
+        let Some(t) = n.poll_timeout() else { break };
+        n.handle_timeout(t);
+        for e in std::iter::from_fn(|| n.poll_event()) {
+            match e {
+                Event::Waiting(r) => lines.push(r.progress_line(&[], &[])),
+                Event::Finished(o) => fin = Some((t, o)),
+                _ => {}
+            }
+        }
+        if fin.is_some() {
+            break;
+        }
+    }
+    let (at, o) = fin.expect("timed out");
+    assert_eq!(at.duration_since(start), Duration::from_secs(5));
+    assert!(o.message.starts_with("rendezvous timed out after 5s: 1 of 2 nodes present (10.0.0.1 (this node))"), "{}", o.message);
+    assert!(matches!(o.kind, OutcomeKind::TimedOut(_)));
+    assert_eq!(lines.first().map(String::as_str), Some("waiting for nodes: 1/2 present"));
+    assert_eq!(lines.len(), 1, "at 2 s, not again before 7 s: {lines:?}");
+}
