@@ -17,6 +17,8 @@
 //! restarted meshd process would be: the old id is expected to be declared dead and the new
 //! one to join through node 0, the seed of every node.
 
+pub mod node;
+
 use crate::id::NodeId;
 use crate::membership::{Delivery, MemberEvent, MemberStatus, Membership, MembershipConfig, Message};
 use crate::meta::{IfaceAddr, NodeMeta};

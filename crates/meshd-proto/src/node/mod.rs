@@ -294,6 +294,9 @@ pub struct Node {
     aborts: Vec<AbortOut>,
     /// Nodes named for another `--nnodes` (kept for the timeout after they left).
     nnodes_named: BTreeMap<NodeId, String>,
+    /// The latest round in which at least MIN members of this run were seen running, and
+    /// their addresses (the running-job block, see `round`).
+    ran: Option<(u32, std::collections::BTreeSet<std::net::IpAddr>)>,
     master: Option<NodeId>,
     member_fired: Option<Instant>,
     outbox: VecDeque<Transmit>,
@@ -331,6 +334,7 @@ impl Node {
             held: Vec::new(),
             aborts: Vec::new(),
             nnodes_named: BTreeMap::new(),
+            ran: None,
             master: None,
             member_fired: None,
             outbox: VecDeque::new(),

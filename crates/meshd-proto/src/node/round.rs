@@ -181,29 +181,31 @@ impl Node {
             return self.round_step(now);
         }
         let restart = self.restart;
-        let running: Vec<String> = self
+        let running: Vec<(u32, std::net::IpAddr)> = self
             .view
             .others(run)
             .filter(|(_, p)| p.state == NodeState::Running && p.restarts >= restart)
-            .map(|(_, p)| p.addr.ip().to_string())
+            .map(|(_, p)| (p.restarts, p.addr.ip()))
             .collect();
-        let blocked = !running.is_empty() && running.len() >= self.cfg.rdzv.min_nodes.max(1) as usize;
+        if !running.is_empty() && running.len() >= self.cfg.rdzv.min_nodes.max(1) as usize {
+            let round = running.iter().map(|r| r.0).max().unwrap_or(restart);
+            match &mut self.ran {
+                Some((r, addrs)) if *r == round => addrs.extend(running.iter().map(|r| r.1)),
+                Some((r, _)) if *r > round => {}
+                _ => self.ran = Some((round, running.iter().map(|r| r.1).collect())),
+            }
+        }
+        // Sticky: once a roster of this run ran in this round or a later one, this node
+        // never forms one of its own in this round (it may still adopt a later round).
+        let blocked = self.ran.as_ref().is_some_and(|(r, _)| *r >= restart);
         let candidates = if blocked { Vec::new() } else { self.view.candidates(run, restart) };
         let Phase::Rdzv(r) = &mut self.phase else { return };
         let said = r.blocked;
         r.blocked = blocked;
         r.rdzv.handle_candidates(candidates, now);
         if blocked && !said {
-            let shown: Vec<String> = running.iter().take(8).cloned().collect();
-            let more = if running.len() > shown.len() { format!(" and {} more", running.len() - shown.len()) } else { String::new() };
-            self.log(
-                Level::Warn,
-                format!(
-                    "a job of this run is already running on {}{more}: this node does not start a second one; it \
-                     waits and joins that job's next restart round, if there is one",
-                    shown.join(", ")
-                ),
-            );
+            let line = self.ran_words();
+            self.log(Level::Warn, format!("{line}; it waits and joins that job's next restart round, if there is one"));
         }
         // A disagreement is named as soon as it is seen, once per node.
         for (id, why) in self.disagreeing() {
@@ -262,6 +264,18 @@ impl Node {
         }
     }
 
+    /// "a job of this run is running on 10.0.0.1, 10.0.0.2: this node does not start a
+    /// second one".
+    fn ran_words(&self) -> String {
+        let Some((_, addrs)) = &self.ran else { return String::new() };
+        let shown: Vec<String> = addrs.iter().take(8).map(|a| a.to_string()).collect();
+        let more = if addrs.len() > shown.len() { format!(" and {} more", addrs.len() - shown.len()) } else { String::new() };
+        format!(
+            "a job of this run is running on {}{more} (started while this node waited): this node does not start a second one",
+            shown.join(", ")
+        )
+    }
+
     /// Members of this run that answered but cannot join this round, each with why.
     pub(super) fn disagreeing(&self) -> Vec<(NodeId, String)> {
         let mine = nnodes_text(self.cfg.rdzv.min_nodes, self.cfg.rdzv.max_nodes);
@@ -299,16 +313,17 @@ impl Node {
                 gone: Vec::new(),
             };
         };
-        let (present, min, max) = r.rdzv.progress();
+        let (_, min, max) = r.rdzv.progress();
         let run = self.meta.run_hash;
-        let members = self
-            .view
-            .candidates(run, self.restart)
+        let candidates = self.view.candidates(run, self.restart);
+        let present = candidates.len();
+        let members = candidates
             .iter()
             .map(|c| if c.id == self.cfg.id { format!("{} (this node)", c.addr.ip()) } else { c.addr.ip().to_string() })
             .collect();
         let mut why = self.nnodes_named.clone();
         why.extend(self.disagreeing());
+        let ran = self.ran.as_ref().filter(|(r, _)| *r >= self.restart).map(|_| self.ran_words());
         let gone = self
             .view
             .gone
@@ -324,7 +339,7 @@ impl Node {
             settle: self.cfg.rdzv.settle,
             timeout: r.timeout,
             members,
-            disagreeing: why.into_values().collect(),
+            disagreeing: ran.into_iter().chain(why.into_values()).collect(),
             gone,
         }
     }
