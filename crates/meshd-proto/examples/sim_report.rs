@@ -9,7 +9,10 @@
 //!   other node sees it Dead (mean and worst over the trials);
 //! - false Dead: Down verdicts about running nodes during 60 s at 10 % datagram loss;
 //! - B/s/node: mean bytes sent per node per second, steady state without loss (a 120 s
-//!   window: at least one scaled full sync per node at every size) and over the 60 s at 10 % loss.
+//!   window: at least one scaled full sync per node at every size) and over the 60 s at 10 % loss;
+//! - job form: N whole nodes (`sim::node`) of a fixed-size job start at once; time until
+//!   every node launched its ranks (through membership, rendezvous and preflight);
+//! - abort: one node's rank fails; time until every node stopped its ranks.
 
 use meshd_proto::membership::MembershipConfig;
 use meshd_proto::sim::{Sim, SimConfig};
@@ -133,7 +136,7 @@ fn main() {
     );
     println!("network: one-way latency 0.2-1 ms, 10 Gbit/s egress per node\n");
     println!(
-        "{:>5} | {:>9} {:>9} {:>6} | {:>9} {:>9} {:>6} | {:>12} | {:>10} {:>10} | {:>6}",
+        "{:>5} | {:>9} {:>9} {:>6} | {:>9} {:>9} {:>6} | {:>12} | {:>10} {:>10} | {:>8} {:>6} {:>6} {:>6} | {:>6}",
         "N",
         "converge",
         "(worst)",
@@ -144,6 +147,10 @@ fn main() {
         "false Dead",
         "B/s/node",
         "B/s @10%",
+        "job form",
+        "target",
+        "abort",
+        "target",
         "wall"
     );
     for &n in &sizes {
@@ -154,13 +161,22 @@ fn main() {
         let row = measure(n, seed, t);
         let (cm, cw) = stats(&row.converge);
         let (dm, dw) = stats(&row.detect);
-        let (ct, dt) = match n {
-            0..=8 => ("0.6", "2"),
-            9..=64 => ("1.2", "3"),
-            _ => ("3", "5"),
+        let (ct, dt, jt) = match n {
+            0..=8 => ("0.6", "2", "0.5"),
+            9..=64 => ("1.2", "3", "1"),
+            _ => ("3", "5", "3"),
         };
+        let started = Instant::now();
+        let (form, abort) = match meshd_proto::sim::node::job_figures(n, seed) {
+            Ok((f, a)) => (format!("{:.2}", f.as_secs_f64()), format!("{:.3}", a.as_secs_f64())),
+            Err(e) => {
+                eprintln!("{e}");
+                ("timeout".to_string(), "timeout".to_string())
+            }
+        };
+        let wall = row.wall + started.elapsed();
         println!(
-            "{:>5} | {:>9} {:>9} {:>6} | {:>9} {:>9} {:>6} | {:>12} | {:>10.0} {:>10.0} | {:>5.1}s",
+            "{:>5} | {:>9} {:>9} {:>6} | {:>9} {:>9} {:>6} | {:>12} | {:>10.0} {:>10.0} | {:>8} {:>6} {:>6} {:>6} | {:>5.1}s",
             row.n,
             cm,
             cw,
@@ -171,7 +187,11 @@ fn main() {
             row.false_dead,
             row.steady_bps,
             row.lossy_bps,
-            row.wall.as_secs_f64()
+            form,
+            jt,
+            abort,
+            "1",
+            wall.as_secs_f64()
         );
     }
 }

@@ -666,5 +666,36 @@ impl NodeSim {
     }
 }
 
+/// The figures of issue 17, seeded: job formation (N nodes of a fixed-size job start at
+/// once -> every node launched its ranks) and abort propagation (a rank fails on one node
+/// -> every node stopped its ranks), in simulated time on a LAN.
+pub fn job_figures(n: usize, seed: u64) -> Result<(Duration, Duration), String> {
+    let cfg = NodeSimConfig {
+        nodes: n,
+        seed,
+        rdzv: RdzvConfig { min_nodes: n as u32, max_nodes: n as u32, ..RdzvConfig::default() },
+        rdzv_timeout: Duration::from_secs(120),
+        ranks: Ranks::Hang,
+        ..NodeSimConfig::default()
+    };
+    let mut s = NodeSim::new(cfg);
+    s.start_all();
+    if s.run_until(Duration::from_secs(60), |s| s.launches().len() >= n).is_none() {
+        return Err(format!("N={n} seed {seed}: {} of {n} nodes launched within 60 s", s.launches().len()));
+    }
+    let formed = s.launches().iter().map(|l| l.at).max().unwrap_or_default();
+    s.run_for(Duration::from_millis(500));
+    let t0 = s.now();
+    s.input(n / 2, Input::RankFailed { rank: Some(0), reason: "rank failed".into(), cause: None });
+    let reached = s.run_until(Duration::from_secs(30), |s| {
+        s.stops().iter().map(|x| x.node).collect::<BTreeSet<usize>>().len() >= n
+    });
+    if reached.is_none() {
+        return Err(format!("N={n} seed {seed}: the abort did not reach all {n} nodes within 30 s"));
+    }
+    let last = s.stops().iter().map(|x| x.at).max().unwrap_or(t0);
+    Ok((formed, last - t0))
+}
+
 #[cfg(test)]
 mod tests;

@@ -316,24 +316,11 @@ fn a_straggler_of_an_earlier_job_neither_aborts_nor_finishes_the_new_one() {
     }
 }
 
-/// Job formation (all nodes start at once -> every node launched) and abort propagation
-/// (a rank fails -> every other node stopped its ranks), in simulated time.
-pub(crate) fn figures(n: usize, seed: u64) -> (Duration, Duration) {
-    let mut s = NodeSim::new(NodeSimConfig { ranks: Ranks::Hang, rdzv_timeout: secs(120.0), ..fixed(n, seed) });
-    s.start_all();
-    let formed = formation(&mut s, secs(60.0));
-    s.run_for(secs(0.5));
-    let t0 = s.now();
-    s.input(n / 2, Input::RankFailed { rank: Some(0), reason: "rank failed".into(), cause: None });
-    let reached = s.run_until(secs(30.0), |s| {
-        let stopped: BTreeSet<usize> = s.stops().iter().map(|x| x.node).collect();
-        stopped.len() >= n
-    });
-    if reached.is_none() {
-        panic!("seed {seed}: the abort did not reach all {n} nodes");
+fn figures(n: usize, seed: u64) -> (Duration, Duration) {
+    match job_figures(n, seed) {
+        Ok(f) => f,
+        Err(e) => panic!("{e}"),
     }
-    let last = s.stops().iter().map(|x| x.at).max().unwrap_or(t0);
-    (formed, last - t0)
 }
 
 #[test]
