@@ -1,7 +1,7 @@
 //! Custom rendezvous with the meshd library, without the CLI: join a mesh from seeds and a
 //! token, await the agreed roster (master, ranks, addresses), then use the same QUIC
 //! endpoint for a ring allreduce, a broadcast, a barrier and an 8 MiB average whose chunks
-//! go to QUIC without being copied.
+//! go to QUIC without being copied. The node's actor answers the mesh on its own.
 //!
 //! Run the same line for each node (here two nodes on loopback):
 //!
@@ -10,13 +10,12 @@
 //! cargo run --example custom_rendezvous -- 127.0.0.1:29701,127.0.0.1:29702 29702
 //! ```
 
-use meshd::collective::{CollectiveBuffer, RingNet};
-use meshd::mesh::{Mesh, MeshConfig};
+use meshd::collective::CollectiveBuffer;
+use meshd::mesh::MeshConfig;
 use meshd::proto::membership::MembershipConfig;
 use meshd::proto::reduce::{DType, ReduceOp};
-use meshd::proto::rendezvous::RdzvConfig;
 use meshd::transport::auth::Token;
-use std::sync::Arc;
+use meshd::{Node, NodeConfig};
 use std::time::Duration;
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -29,7 +28,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let n = peers.len() as u32;
 
     // 1. Join: any one reachable member is enough; the token authenticates every link.
-    let mut mesh = Mesh::start(MeshConfig {
+    let mut node = Node::spawn(NodeConfig::new(MeshConfig {
         node: meshd::random_node_id(),
         port,
         token: Some(Token::new("example-secret")),
@@ -43,54 +42,35 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         nproc: 1,
         cmd_hash: 0,
         membership: MembershipConfig::default(),
-    })
+    }))
     .await?;
-    let incoming = mesh.transport().take_data_streams().ok_or("data streams taken")?;
 
     // 2. Await the roster: the same on every node, master = lowest address.
-    let rdzv = RdzvConfig { min_nodes: n, max_nodes: n, ..RdzvConfig::default() };
-    let roster = mesh.rendezvous(0, rdzv, 29500, Duration::from_secs(60)).await?;
-    let rank = roster.node_rank(mesh.node()).ok_or("not in roster")?;
-    println!(
-        "node rank {rank} of {}, master {}",
-        roster.members.len(),
-        roster.master().map(|m| m.addr.to_string()).unwrap_or_default()
-    );
+    let roster = node.roster().await?;
+    let rank = roster.node_rank(node.id()).ok_or("not in roster")?;
+    let master = roster.master().map(|m| m.addr.to_string()).unwrap_or_default();
+    println!("node rank {rank} of {}, master {master}", roster.members.len());
 
-    // 3. Use the same QUIC endpoint for a ring allreduce; keep pumping the mesh meanwhile
-    //    so membership probes are answered.
-    let addrs = roster.members.iter().map(|m| m.addr).collect();
-    let mut ring =
-        RingNet::new(mesh.transport().clone(), rank, addrs, Arc::new(tokio::sync::Mutex::new(incoming)));
-    //    Every node issues the same operations with the same ids, in the same order.
-    let work = tokio::spawn(async move {
-        let mut buf: Vec<u8> = (0..1000).flat_map(|_| ((rank + 1) as f32).to_le_bytes()).collect();
-        ring.allreduce(1, &mut buf, DType::F32, ReduceOp::Sum).await?;
-        // Node 0's bytes to everyone (any length), then wait for every node.
-        let mut msg = if rank == 0 { *b"hello from node 0" } else { [0u8; 17] };
-        ring.broadcast(2, &mut msg, 0).await?;
-        ring.barrier(3).await?;
-        // Large buffers: a CollectiveBuffer lends its chunks to QUIC instead of copying
-        // them. 8 MiB of float32 gradients, averaged over the nodes.
-        let mut grads =
-            CollectiveBuffer::from_vec((0..2 << 20).flat_map(|_| (rank as f32).to_le_bytes()).collect());
-        ring.allreduce_buffer(4, &mut grads, DType::F32, ReduceOp::Avg).await?;
-        let g = grads.as_slice();
-        let avg = f32::from_le_bytes([g[0], g[1], g[2], g[3]]);
-        Ok::<_, meshd::collective::CollectiveError>((buf, msg, avg))
-    });
-    tokio::pin!(work);
-    let (buf, msg, avg) = loop {
-        tokio::select! {
-            r = &mut work => break r??,
-            _ = mesh.next(None) => {}
-        }
-    };
-    let first = f32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]);
-    println!("allreduce sum over {} nodes: {first}", roster.members.len());
+    // 3. Collectives on the same QUIC endpoint; every node issues the same operations with
+    //    the same ids, in the same order.
+    let mut ring = node.ring().ok_or("no roster")?;
+    let mut buf: Vec<u8> = (0..1000).flat_map(|_| ((rank + 1) as f32).to_le_bytes()).collect();
+    ring.allreduce(1, &mut buf, DType::F32, ReduceOp::Sum).await?;
+    // Node 0's bytes to everyone (any length), then wait for every node.
+    let mut msg = if rank == 0 { *b"hello from node 0" } else { [0u8; 17] };
+    ring.broadcast(2, &mut msg, 0).await?;
+    ring.barrier(3).await?;
+    // Large buffers: a CollectiveBuffer lends its chunks to QUIC instead of copying them.
+    // 8 MiB of float32 gradients, averaged over the nodes.
+    let mut grads = CollectiveBuffer::from_vec((0..2 << 20).flat_map(|_| (rank as f32).to_le_bytes()).collect());
+    ring.allreduce_buffer(4, &mut grads, DType::F32, ReduceOp::Avg).await?;
+    let g = grads.as_slice();
+    println!("allreduce sum over {} nodes: {}", roster.members.len(), f32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]));
     println!("broadcast from node 0: {}", String::from_utf8_lossy(&msg));
-    println!("8 MiB average of the node ranks: {avg}");
-    meshd::job::finish_together(&mut mesh, &roster, Duration::from_secs(3)).await;
-    mesh.shutdown().await;
+    println!("8 MiB average of the node ranks: {}", f32::from_le_bytes([g[0], g[1], g[2], g[3]]));
+
+    // 4. Done: wait until every node is, then leave.
+    let end = node.finish().await?;
+    println!("{}", end.message);
     Ok(())
 }

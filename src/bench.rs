@@ -4,12 +4,11 @@
 use crate::run::{self, JobArgs};
 use anyhow::{Context, Result, bail};
 use meshd::collective::{CollectiveBuffer, RingNet};
-use meshd::mesh::{Mesh, MeshInput};
-use meshd::proto::membership::MemberEvent;
+use meshd::{Node, NodeConfig};
 use meshd::proto::reduce::{DType, ReduceOp};
 use serde_json::json;
 use std::process::ExitCode;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 #[derive(clap::Subcommand, Debug)]
 pub enum Which {
@@ -245,20 +244,17 @@ async fn sweep(
 pub async fn main(which: Which) -> Result<ExitCode> {
     let Which::Allreduce(a) = which;
     let p = run::prepare(&a.job, &["meshd-bench-allreduce".to_string()])?;
-    let mut mesh = Mesh::start(p.mesh).await?;
-    let incoming = mesh.transport().take_data_streams().context("data streams already taken")?;
-    let master_port = meshd::job::free_tcp_port(mesh.addr().ip()).unwrap_or(29500);
-    let roster = mesh.rendezvous(0, p.job.rdzv.clone(), master_port, p.job.rdzv_timeout).await?;
-    mesh.set_master(roster.master().map(|m| m.id));
-    let rank = roster.node_rank(mesh.node()).context("not in the roster")?;
+    let mut cfg = NodeConfig::new(p.mesh);
+    cfg.rdzv = p.job.rdzv.clone();
+    cfg.rdzv_timeout = p.job.rdzv_timeout;
+    cfg.preflight = p.job.preflight.clone();
+    cfg.make_nccl_id = true;
+    let mut node = Node::spawn(cfg).await?;
+    let roster = node.roster().await?;
+    let rank = roster.node_rank(node.id()).context("not in the roster")?;
     let addrs: Vec<_> = roster.members.iter().map(|m| m.addr).collect();
     let n = addrs.len();
-    let mut ring = RingNet::new(
-        mesh.transport().clone(),
-        rank,
-        addrs.clone(),
-        std::sync::Arc::new(tokio::sync::Mutex::new(incoming)),
-    );
+    let mut ring: RingNet = node.ring().context("no roster")?;
     if let Some(l) = a.lanes {
         ring.lanes = l as usize;
     }
@@ -271,22 +267,13 @@ pub async fn main(which: Which) -> Result<ExitCode> {
     };
     let task = tokio::spawn(sweep(ring, sizes, a.iters, a.ceiling.then_some(a.rounds), a.copy));
     tokio::pin!(task);
-    // Keep the mesh alive (answer probes) while the ring runs; a dead member ends the bench.
-    let (rows, ceiling) = loop {
-        tokio::select! {
-            r = &mut task => break r.context("bench task")??,
-            input = mesh.next(None) => match input {
-                Some(MeshInput::Member(MemberEvent::Down(id) | MemberEvent::Left(id))) if roster.node_rank(id).is_some() => {
-                    bail!("node {id} stopped answering during the benchmark");
-                }
-                None => bail!("the mesh transport stopped"),
-                _ => {}
-            },
-        }
+    // The node's actor answers probes meanwhile; a member that dies ends the round.
+    let (rows, ceiling) = tokio::select! {
+        r = &mut task => r.context("bench task")??,
+        (why, _) = node.failed() => bail!("{why} during the benchmark"),
     };
-    let path = if n > 1 { mesh.transport().path_stats(addrs[(rank + 1) % n]) } else { None };
-    meshd::job::finish_together(&mut mesh, &roster, Duration::from_secs(3)).await;
-    mesh.shutdown().await;
+    let path = if n > 1 { node.transport().path_stats(addrs[(rank + 1) % n]) } else { None };
+    node.finish().await?;
     let factor = if n > 1 { 2.0 * (n as f64 - 1.0) / n as f64 } else { 0.0 };
     if a.json {
         let results: Vec<_> = rows

@@ -3,11 +3,9 @@
 
 use crate::run::{self, JobArgs};
 use anyhow::Result;
-use meshd::job;
-use meshd::mesh::{Mesh, MeshError};
+use meshd::{Node, NodeConfig};
 use serde_json::json;
 use std::process::ExitCode;
-use std::time::Duration;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -20,21 +18,18 @@ pub struct Args {
 
 pub async fn main(a: Args) -> Result<ExitCode> {
     let p = run::prepare(&a.job, &[])?;
-    let mut mesh = Mesh::start(p.mesh).await?;
-    let result = async {
-        let master_port = job::free_tcp_port(mesh.addr().ip()).unwrap_or(29500);
-        let roster = mesh.rendezvous(0, p.job.rdzv.clone(), master_port, p.job.rdzv_timeout).await?;
-        mesh.set_master(roster.master().map(|m| m.id));
-        let (outcome, root) = job::preflight_round(&mut mesh, &roster, &p.job.preflight).await?;
-        let verdict = outcome.verdict;
-        job::finish_together(&mut mesh, &roster, Duration::from_secs(3)).await;
-        drop(root);
-        Ok::<_, MeshError>((roster, verdict))
-    }
-    .await;
-    let iface = mesh.choice().clone();
-    mesh.shutdown().await;
+    let mut cfg = NodeConfig::new(p.mesh);
+    cfg.rdzv = p.job.rdzv.clone();
+    cfg.rdzv_timeout = p.job.rdzv_timeout;
+    cfg.preflight = p.job.preflight.clone();
+    cfg.make_nccl_id = true;
+    let mut node = Node::spawn(cfg).await?;
+    let iface = node.choice().clone();
+    let result = node.verdict().await;
+    // Every node says Done and waits for the others (the preflight's work is all there is).
+    let end = node.finish().await;
     let (roster, verdict) = result?;
+    end?;
     let master = roster.master().map(|m| m.addr.ip().to_string()).unwrap_or_default();
     if a.json {
         let checks: Vec<_> = verdict

@@ -536,16 +536,14 @@ pub async fn main(a: Args, signals: Signals) -> Result<ExitCode> {
     tracing::debug!("command of every rank: {}", show_cmd(&cmd));
     let p = prepare(&a.job, &cmd)?;
     let mut sig = signals.clone();
-    let mut mesh = tokio::select! {
+    let mesh = tokio::select! {
         m = Mesh::start(p.mesh) => m?,
         s = sig.recv() => {
             tracing::error!("{} while joining the mesh", s.describe());
             return Ok(ExitCode::from(s.exit_code()));
         }
     };
-    let outcome = job::run(&mut mesh, &p.job, &p.run_id, &signals).await;
-    mesh.shutdown().await;
-    let outcome = outcome?;
+    let outcome = job::run(mesh, &p.job, &p.run_id, &signals).await?;
     if outcome.code == 0 {
         tracing::info!("{}", outcome.message);
     } else {

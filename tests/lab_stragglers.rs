@@ -7,11 +7,13 @@ mod hostile;
 mod lab;
 
 use lab::{Lab, meshd};
-use meshd::mesh::{Mesh, MeshConfig};
-use meshd::proto::NodeState;
-use meshd::proto::membership::MembershipConfig;
+use meshd::mesh::stable_hash;
+use meshd::proto::membership::{Delivery, Membership, MembershipConfig};
 use meshd::proto::rendezvous::Message;
+use meshd::proto::wire::Frame;
+use meshd::proto::{NodeMeta, NodeState};
 use meshd::transport::auth::Token;
+use meshd::transport::{Transport, TransportConfig, TransportEvent};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -23,33 +25,38 @@ fn a_straggler_of_an_earlier_job_neither_aborts_nor_finishes_the_new_one() {
     let mut lab = Lab::new(3);
     let job_hosts: Vec<SocketAddr> =
         [0, 1].iter().map(|i| format!("{}:29400", lab.hosts[*i].eth1).parse().expect("addr")).collect();
-    let seeds: Vec<(String, SocketAddr)> = job_hosts.iter().map(|a| (a.ip().to_string(), *a)).collect();
     // The straggler: host 2, the lab's token, the default run id, a job of its own under way.
+    let straggler_addr: SocketAddr = format!("{}:29400", lab.hosts[2].eth1).parse().expect("addr");
+    // The straggler: a member of the same run that says it is Running, driven by hand (the
+    // membership core over a transport), sending Abort and Done of round 0 to the new job.
     let straggler = hostile::in_netns(&lab.hosts[2].ns, move || {
         hostile::rt().block_on(async move {
-            let mut mesh = Mesh::start(MeshConfig {
-                node: meshd::random_node_id(),
-                port: 29400,
-                token: Some(Token::new("lab-default-token")),
-                run_id: "meshd-default".into(),
-                peers: seeds,
-                unresolved: Vec::new(),
-                resolve_timeout: Duration::from_secs(10),
-                min_nodes: 2,
-                max_nodes: 2,
-                iface: None,
+            let me = meshd::random_node_id();
+            let run_hash = stable_hash(&[b"meshd-default"]);
+            let mut tc = TransportConfig::new(me, 29400);
+            tc.token = Some(Token::new("lab-default-token"));
+            tc.run_hash = run_hash;
+            let (transport, mut events) = Transport::bind(tc).expect("straggler transport");
+            let meta = NodeMeta {
+                gossip_addr: Some(straggler_addr),
+                hostname: "straggler".into(),
                 nproc: 1,
-                cmd_hash: 0,
-                membership: MembershipConfig::default(),
-            })
-            .await
-            .expect("straggler mesh");
-            mesh.set_state(NodeState::Running, 0);
-            let me = mesh.node();
+                run_hash,
+                state: NodeState::Running,
+                nnodes_min: 2,
+                nnodes_max: 2,
+                ..NodeMeta::default()
+            };
+            let mut members =
+                Membership::new(me, straggler_addr, meta, MembershipConfig::default(), 7, Instant::now());
+            members.add_seeds(&job_hosts, Instant::now());
             let end = Instant::now() + Duration::from_secs(12);
             let mut sent = 0u32;
             let mut next = Instant::now() + Duration::from_secs(2);
             while Instant::now() < end {
+                while let Some(t) = members.poll_transmit() {
+                    transport.send(t.to, &Frame::Gossip(t.msg), t.delivery == Delivery::Reliable);
+                }
                 if Instant::now() >= next {
                     for a in &job_hosts {
                         let abort = Message::Abort {
@@ -60,15 +67,29 @@ fn a_straggler_of_an_earlier_job_neither_aborts_nor_finishes_the_new_one() {
                             reason: "STRAGGLER of an earlier job stops everything".into(),
                             cause: None,
                         };
-                        mesh.send(*a, abort);
-                        mesh.send(*a, Message::Done { restart: 0 });
+                        transport.send(*a, &Frame::Rdzv(abort), true);
+                        transport.send(*a, &Frame::Rdzv(Message::Done { restart: 0 }), true);
                         sent += 1;
                     }
                     next = Instant::now() + Duration::from_millis(200);
                 }
-                let _ = mesh.next(Some(next.min(end))).await;
+                let wake = members.poll_timeout().unwrap_or(next).min(next).max(Instant::now());
+                tokio::select! {
+                    ev = events.recv() => match ev {
+                        Some(TransportEvent::Frame { from, frame: Frame::Gossip(m), .. }) => {
+                            members.handle_message(from, m, Instant::now())
+                        }
+                        Some(_) => {}
+                        None => break,
+                    },
+                    _ = tokio::time::sleep_until(wake.into()) => members.handle_timeout(Instant::now()),
+                }
             }
-            mesh.shutdown().await;
+            members.leave(Instant::now());
+            while let Some(t) = members.poll_transmit() {
+                transport.send(t.to, &Frame::Gossip(t.msg), t.delivery == Delivery::Reliable);
+            }
+            transport.shutdown().await;
             sent
         })
     });

@@ -91,18 +91,16 @@ fn in_place_requests_that_cannot_be_served_are_refused_with_the_cause() {
 #[test]
 fn rust_library_allreduce_broadcast_barrier() {
     use meshd::collective::{CollectiveBuffer, RingNet};
-    use meshd::mesh::{Mesh, MeshConfig};
+    use meshd::mesh::MeshConfig;
     use meshd::proto::membership::MembershipConfig;
     use meshd::proto::reduce::{DType, ReduceOp};
-    use meshd::proto::rendezvous::RdzvConfig;
     use meshd::transport::auth::Token;
-    use std::sync::Arc;
 
     async fn node(port: u16) -> (usize, Vec<u8>, Vec<u8>, Vec<u8>) {
         let peers = (29711..=29713)
             .map(|p| (format!("127.0.0.1:{p}"), std::net::SocketAddr::from(([127, 0, 0, 1], p))))
             .collect();
-        let mut mesh = Mesh::start(MeshConfig {
+        let mut node = meshd::Node::spawn(meshd::NodeConfig::new(MeshConfig {
             node: meshd::random_node_id(),
             port,
             token: Some(Token::new("library-test")),
@@ -116,16 +114,12 @@ fn rust_library_allreduce_broadcast_barrier() {
             nproc: 1,
             cmd_hash: 0,
             membership: MembershipConfig::default(),
-        })
+        }))
         .await
-        .expect("mesh");
-        let incoming = mesh.transport().take_data_streams().expect("data streams");
-        let rdzv = RdzvConfig { min_nodes: 3, max_nodes: 3, ..RdzvConfig::default() };
-        let roster = mesh.rendezvous(0, rdzv, 29500, Duration::from_secs(60)).await.expect("roster");
-        let rank = roster.node_rank(mesh.node()).expect("in the roster");
-        let addrs = roster.members.iter().map(|m| m.addr).collect();
-        let mut ring =
-            RingNet::new(mesh.transport().clone(), rank, addrs, Arc::new(tokio::sync::Mutex::new(incoming)));
+        .expect("node");
+        let roster = node.roster().await.expect("roster");
+        let rank = roster.node_rank(node.id()).expect("in the roster");
+        let mut ring: RingNet = node.ring().expect("ring");
         let work = tokio::spawn(async move {
             let mut sum: Vec<u8> =
                 (0..1001).flat_map(|i| ((rank + 1) as f32 * i as f32).to_le_bytes()).collect();
@@ -277,15 +271,10 @@ fn rust_library_allreduce_broadcast_barrier() {
             assert!(after == want, "node {rank}: the allreduce after 70 abandoned operations");
             Ok::<_, meshd::collective::CollectiveError>((sum, msg, big))
         });
-        tokio::pin!(work);
-        let (sum, msg, big) = loop {
-            tokio::select! {
-                r = &mut work => break r.expect("task").expect("collectives"),
-                _ = mesh.next(None) => {}
-            }
-        };
-        meshd::job::finish_together(&mut mesh, &roster, Duration::from_secs(3)).await;
-        mesh.shutdown().await;
+        // The node's actor answers probes on its own meanwhile.
+        let (sum, msg, big) = work.await.expect("task").expect("collectives");
+        let end = node.finish().await.expect("finish");
+        assert_eq!(end.code, 0, "{}", end.message);
         (rank, sum, msg, big)
     }
 

@@ -1,12 +1,15 @@
-//! `meshd run`'s job loop: rendezvous, spawn the local ranks with torchrun's environment,
-//! supervise, and stop everything everywhere when any part fails.
+//! `meshd run`'s IO edges: the ranks of each round with torchrun's environment, the local
+//! service and tunnel beside them, their exits, stalls and stops, and the root cause
+//! printed when a rank failed. The protocol (rendezvous, preflight, Done, Abort, restart
+//! rounds) is the `Node` core's (`meshd_proto::node`); the actor ([`crate::node`]) runs
+//! both.
 //!
 //! Failure paths, each ending every rank on every node within seconds:
 //! - a local rank exits non-zero: this node broadcasts `Abort` and stops its ranks;
 //! - an `Abort` arrives: stop local ranks;
 //! - a roster member is declared dead: broadcast `Abort`; one that leaves gracefully before
-//!   saying `Done` is blamed only if no `Abort` follows within [`LEFT_GRACE`] (a node that
-//!   got an `Abort` leaves at once, and its `Left` may overtake that `Abort` to us);
+//!   saying `Done` is blamed only if no `Abort` follows within the core's left grace (a
+//!   node that got an `Abort` leaves at once, and its `Left` may overtake that `Abort`);
 //! - SIGINT/SIGTERM: broadcast `Abort`, stop, exit 130/143 (never restarted).
 //!
 //! Success: every local rank exited 0, this node says `Done` (repeated until every member
@@ -14,17 +17,20 @@
 
 use crate::collective::RingNet;
 use crate::collective::service::{self, Service, ServiceConfig};
-use crate::mesh::{Mesh, MeshError, MeshInput};
-use crate::nccl_root::NcclRoot;
-use crate::preflight::{self, PreflightInput};
-use crate::signals::{Signals, Stop};
+use crate::mesh::{Mesh, MeshError};
+use crate::node::actor::{Actor, Edges, NcclPolicy, Wake};
+use crate::preflight::PreflightInput;
+use crate::signals::Signals;
 use crate::supervisor::{self, RankSpec, Supervisor};
-use meshd_proto::membership::MemberEvent;
-use meshd_proto::rendezvous::{Message, RankFailure, RdzvConfig, Roster};
-use meshd_proto::{NodeId, NodeState};
-use std::collections::BTreeSet;
+use crate::transport::DataStream;
+use meshd_proto::NodeId;
+use meshd_proto::node::{self as core, Input};
+use meshd_proto::preflight::Verdict;
+use meshd_proto::rendezvous::{RankFailure, RdzvConfig, Roster};
+use meshd_proto::wire::StoreMsg;
 use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tracing::{error, info, warn};
 
@@ -246,17 +252,6 @@ pub fn slurm_rank_env(roster: &Roster, node_rank: usize, local_rank: u32) -> Vec
     .collect()
 }
 
-/// How long a roster member's graceful leave (without `Done`) waits for the `Abort` that
-/// usually explains it before the member itself is blamed.
-pub const LEFT_GRACE: Duration = Duration::from_secs(2);
-
-enum Failure {
-    /// A failure that may be restarted (with the failed rank's details when a rank failed).
-    Job(String, Option<Box<RankFailure>>),
-    /// A signal: stop, never restart.
-    Signal(String, u8),
-}
-
 /// When each launch phase of a round began and ended on this node.
 struct Phases {
     /// Round 0 only: when the mesh started and when it had its interface and port.
@@ -325,26 +320,16 @@ fn cpu_seconds() -> f64 {
     (process_cpu() - start).max(0.0)
 }
 
-/// The outcome of a stop request that came while no rank ran.
-fn stopped(s: Stop, when: &str) -> JobOutcome {
-    JobOutcome { code: s.exit_code(), message: format!("{} {when}", s.describe()) }
-}
+/// Store frames kept until the round's service starts (bounded).
+const MAX_STORE_BACKLOG: usize = 4096;
 
-/// Runs the job on this node until it ends everywhere. Every wait also ends on a stop
-/// request from `signals` (exit 130 for SIGINT, 143 for SIGTERM, after stopping the ranks).
-pub async fn run(
-    mesh: &mut Mesh,
-    cfg: &JobConfig,
-    run_id: &str,
-    signals: &Signals,
-) -> Result<JobOutcome, MeshError> {
-    let mut sig = signals.clone();
-    let mut restart = 0u32;
+/// Runs the job on this node until it ends everywhere, then leaves the mesh. Every wait
+/// also ends on a stop request from `signals` (exit 130 for SIGINT, 143 for SIGTERM, after
+/// stopping the ranks).
+pub async fn run(mesh: Mesh, cfg: &JobConfig, run_id: &str, signals: &Signals) -> Result<JobOutcome, MeshError> {
     // Bulk data streams of the QUIC ring, shared by every restart round's service.
-    let incoming = std::sync::Arc::new(tokio::sync::Mutex::new(
-        mesh.transport()
-            .take_data_streams()
-            .ok_or_else(|| MeshError::Iface("data streams already taken".into()))?,
+    let incoming = Arc::new(tokio::sync::Mutex::new(
+        mesh.transport().take_data_streams().ok_or_else(|| MeshError::Iface("data streams already taken".into()))?,
     ));
     // Per-round files: error files always, output files with --log-dir (or --redirects).
     let redirected = cfg.output.redirects_any() && cfg.log_dir.is_none();
@@ -356,35 +341,96 @@ pub async fn run(
             Some(d)
         }
         Err(e) => {
-            warn!(
-                "cannot create a directory for the ranks' error files: {e}; TORCHELASTIC_ERROR_FILE is not set"
-            );
+            warn!("cannot create a directory for the ranks' error files: {e}; TORCHELASTIC_ERROR_FILE is not set");
             None
         }
     };
     // Tunnel mode: peers' tunnel streams, and the counters, shared by every round.
     let tunnel_in = crate::tunnel::incoming(mesh.transport());
-    let tunnel_stats = std::sync::Arc::new(crate::tunnel::TunnelStats::default());
-    loop {
-        let master_port = cfg
+    let tunnel_stats = Arc::new(crate::tunnel::TunnelStats::default());
+    let mut io = JobIo {
+        cfg: cfg.clone(),
+        run_id: run_id.to_string(),
+        sig: signals.clone(),
+        stop_seen: false,
+        forwarded: signals.forwarded(),
+        incoming,
+        dirs,
+        redirected,
+        tunnel_in,
+        tunnel_stats,
+        mesh_started: Some(mesh.started()),
+        round_began: Instant::now(),
+        roster_at: Instant::now(),
+        preflight_began: Instant::now(),
+        round: None,
+        backlog: Vec::new(),
+        transport: mesh.transport().clone(),
+        addr: mesh.addr(),
+        iface: mesh.choice().name.clone(),
+    };
+    let master_port = io.round_began(mesh.addr().ip());
+    let core_cfg = crate::node::core_config(&mesh, &cfg.rdzv, cfg.rdzv_timeout, cfg.max_restarts, &cfg.preflight, master_port);
+    let node = core::Node::new(core_cfg, Instant::now());
+    let nccl = NcclPolicy { make: true, note: cfg.preflight.nccl_note.clone() };
+    let actor = Actor::new(mesh, node, nccl, cfg.preflight.connect_timeout);
+    let o = actor.run(Edges::Job(Box::new(io))).await?;
+    Ok(JobOutcome { code: o.code, message: o.message })
+}
+
+/// One launched round on this node.
+struct Round {
+    roster: Roster,
+    node_rank: usize,
+    here: String,
+    sup: Option<Supervisor>,
+    svc: Option<Service>,
+    tunnel: Option<crate::tunnel::Tunnel>,
+    round_dir: Option<PathBuf>,
+    /// Every local rank exited 0.
+    local_done: bool,
+}
+
+/// The job's IO edges, driven by the actor.
+pub(crate) struct JobIo {
+    cfg: JobConfig,
+    run_id: String,
+    sig: Signals,
+    /// A stop request was handed to the core (later ones change nothing).
+    stop_seen: bool,
+    forwarded: Option<tokio::sync::broadcast::Receiver<i32>>,
+    incoming: Arc<tokio::sync::Mutex<tokio::sync::mpsc::Receiver<DataStream>>>,
+    dirs: Option<cause::LogDirs>,
+    redirected: bool,
+    tunnel_in: Option<crate::tunnel::Incoming>,
+    tunnel_stats: Arc<crate::tunnel::TunnelStats>,
+    /// Round 0 only: when the mesh started and when it had its interface and port.
+    mesh_started: Option<(Instant, Instant)>,
+    round_began: Instant,
+    roster_at: Instant,
+    preflight_began: Instant,
+    round: Option<Round>,
+    backlog: Vec<(StoreMsg, u32)>,
+    transport: crate::transport::Transport,
+    addr: SocketAddr,
+    iface: String,
+}
+
+impl JobIo {
+    /// A round begins: MASTER_PORT to offer (`--master-port` when free on this node).
+    pub(crate) fn round_began(&mut self, ip: IpAddr) -> u16 {
+        self.round_began = Instant::now();
+        self.cfg
             .master_port
-            .filter(|p| TcpListener::bind(SocketAddr::new(mesh.addr().ip(), *p)).is_ok())
-            .or_else(|| free_tcp_port(mesh.addr().ip()).ok())
-            .unwrap_or(29500);
-        let round_began = Instant::now();
-        let roster = tokio::select! {
-            r = mesh.rendezvous(restart, cfg.rdzv.clone(), master_port, cfg.rdzv_timeout) => r?,
-            s = sig.recv() => {
-                let when = if restart > 0 { format!("while waiting for nodes (restart round {restart})") } else { "while waiting for nodes".into() };
-                return Ok(stopped(s, &when));
-            }
-        };
-        restart = roster.restart;
-        let roster_at = Instant::now();
-        mesh.set_master(roster.master().map(|m| m.id));
-        let Some(node_rank) = roster.node_rank(mesh.node()) else {
-            return Ok(JobOutcome { code: 1, message: "not part of the agreed roster".into() });
-        };
+            .filter(|p| TcpListener::bind(SocketAddr::new(ip, *p)).is_ok())
+            .or_else(|| free_tcp_port(ip).ok())
+            .unwrap_or(29500)
+    }
+
+    pub(crate) fn roster_agreed(&mut self, roster: &Roster, me: NodeId) {
+        self.roster_at = Instant::now();
+        self.preflight_began = Instant::now();
+        let Some(node_rank) = roster.node_rank(me) else { return };
         let master = &roster.members[0];
         info!(
             "roster agreed: {}, world size {}, master {} ({}), this node is node rank {node_rank}{}",
@@ -392,40 +438,18 @@ pub async fn run(
             roster.world_size(),
             master.addr.ip(),
             master.hostname,
-            if restart > 0 { format!(", restart {restart}") } else { String::new() }
+            if roster.restart > 0 { format!(", restart {}", roster.restart) } else { String::new() }
         );
-        let flags = (cfg.expect_node_rank, cfg.expect_master_addr.as_deref(), cfg.master_port);
-        for w in cross_check(flags.0, flags.1, flags.2, &roster, node_rank) {
+        let flags = (self.cfg.expect_node_rank, self.cfg.expect_master_addr.as_deref(), self.cfg.master_port);
+        for w in cross_check(flags.0, flags.1, flags.2, roster, node_rank) {
             warn!("{w}");
         }
-        let preflight_began = Instant::now();
-        let preflight = tokio::select! {
-            r = preflight_round(mesh, &roster, &cfg.preflight) => r,
-            s = sig.recv() => {
-                // Tell the others, so that none of them launches without this node.
-                let reason = format!("{} on {} during the preflight", s.describe(), describe_member(&roster, mesh.node()));
-                abort(mesh, &roster, None, &reason, None);
-                let linger = Instant::now() + Duration::from_millis(300);
-                while mesh.next(Some(linger)).await.is_some_and(|i| !matches!(i, MeshInput::Tick)) {}
-                return Ok(JobOutcome { code: s.exit_code(), message: reason });
-            }
-        };
-        let (outcome, nccl_root) = match preflight {
-            Ok(v) => v,
-            Err(MeshError::Aborted(reason)) => {
-                // Tell the others, so that none of them launches without this node, and keep
-                // answering a moment so the message gets out.
-                abort(mesh, &roster, None, &reason, None);
-                let linger = Instant::now() + Duration::from_millis(400);
-                while mesh.next(Some(linger)).await.is_some_and(|i| !matches!(i, MeshInput::Tick)) {}
-                return Ok(JobOutcome { code: 1, message: format!("job stopped before launch: {reason}") });
-            }
-            Err(e) => return Err(e),
-        };
-        let verdict = outcome.verdict;
+    }
+
+    pub(crate) fn verdict(&mut self, verdict: &Verdict) {
         for c in verdict.checks.iter().filter(|c| !c.ok) {
             if c.name == "tcp" && verdict.ok {
-                // Said once, in words, by the warning below; the errors at debug.
+                // Said once, in words, by the warning at launch; the errors at debug.
                 tracing::debug!("preflight {}: {}", c.name, c.detail);
             } else if c.fatal {
                 error!("preflight {}: {}", c.name, c.detail);
@@ -433,26 +457,19 @@ pub async fn run(
                 warn!("preflight {}: {}", c.name, c.detail);
             }
         }
-        if !verdict.ok {
-            let failed: Vec<String> = verdict
-                .checks
-                .iter()
-                .filter(|c| !c.ok && c.fatal)
-                .map(|c| format!("{} {}", c.name, c.detail))
-                .collect();
-            let forced_nccl = cfg.preflight.forced.as_deref() == Some("nccl");
-            let why = if failed.is_empty() && forced_nccl {
-                "--collective nccl was forced but TCP between the nodes fails".to_string()
-            } else {
-                failed.join("; ")
-            };
-            finish_together(mesh, &roster, Duration::from_secs(3)).await;
-            return Ok(JobOutcome { code: 1, message: format!("launch refused by the preflight: {why}") });
-        }
+    }
+
+    /// Starts the round's service, tunnel and ranks.
+    pub(crate) async fn launch(&mut self, mesh: &Mesh, roster: &Roster, verdict: &Verdict, nccl_id: Option<&[u8]>) -> Input {
+        let me = mesh.node();
+        let Some(node_rank) = roster.node_rank(me) else {
+            return Input::SpawnFailed("not part of the agreed roster".into());
+        };
+        let restart = roster.restart;
         let user_has = |k: &str| std::env::var_os(k).is_some();
-        let iface = mesh.choice().name.clone();
+        let iface = self.iface.clone();
         let addrs: Vec<SocketAddr> = roster.members.iter().map(|m| m.addr).collect();
-        let ring = RingNet::new(mesh.transport().clone(), node_rank, addrs.clone(), incoming.clone());
+        let ring = RingNet::new(self.transport.clone(), node_rank, addrs.clone(), self.incoming.clone());
         if let Some(w) = verdict.tcp_warning(&iface) {
             warn!("{w}");
         }
@@ -466,75 +483,71 @@ pub async fn run(
         } else {
             info!("preflight passed; collective: {}", verdict.collective_line());
         }
-        let activity = std::sync::Arc::new(supervisor::output::Activity::default());
+        let activity = Arc::new(supervisor::output::Activity::default());
         let svc_cfg = ServiceConfig {
-            path: service::default_path(run_id, mesh.addr().port()),
+            path: service::default_path(&self.run_id, self.addr.port()),
             local_world: roster.members[node_rank].nproc,
             first_global: roster.first_global_rank(node_rank),
             world: roster.world_size(),
             restart,
-            others: addrs.iter().copied().filter(|a| *a != mesh.addr()).collect(),
+            others: addrs.iter().copied().filter(|a| *a != self.addr).collect(),
             activity: Some(activity.clone()),
         };
-        let svc = match Service::start(svc_cfg.clone(), ring, mesh.transport().clone()) {
+        let svc = match Service::start(svc_cfg.clone(), ring, self.transport.clone()) {
             Ok(s) => Some(s),
             Err(e) => {
-                warn!(
-                    "cannot start the local service at {}: {e}; MESHD_SOCKET is not set",
-                    svc_cfg.path.display()
-                );
+                warn!("cannot start the local service at {}: {e}; MESHD_SOCKET is not set", svc_cfg.path.display());
                 None
             }
         };
+        if let Some(s) = &svc {
+            for (m, r) in std::mem::take(&mut self.backlog) {
+                s.remote_store(m, r);
+            }
+        }
         let first = roster.first_global_rank(node_rank);
         let globals: Vec<u32> = (0..roster.members[node_rank].nproc).map(|l| first + l).collect();
-        let round_dir = dirs.as_ref().map(|d| d.round(restart, &globals));
-        let mut tunnel = (verdict.collective == "tunnel")
+        let round_dir = self.dirs.as_ref().map(|d| d.round(restart, &globals));
+        let tunnel = (verdict.collective == "tunnel")
             .then(|| {
                 crate::tunnel::start_for_round(
-                    &roster,
+                    roster,
                     node_rank,
                     svc.as_ref().map(|s| s.path()),
-                    mesh.transport(),
-                    tunnel_in.as_ref(),
-                    &tunnel_stats,
+                    &self.transport,
+                    self.tunnel_in.as_ref(),
+                    &self.tunnel_stats,
                 )
             })
             .flatten();
         let ranks: Vec<RankSpec> = (0..roster.members[node_rank].nproc)
             .map(|l| {
                 let mut env = rank_env(
-                    &roster,
+                    roster,
                     node_rank,
                     l,
                     &iface,
-                    mesh.addr().ip(),
-                    run_id,
-                    cfg.max_restarts,
+                    self.addr.ip(),
+                    &self.run_id,
+                    self.cfg.max_restarts,
                     &verdict.collective,
                     &user_has,
                 );
-                if cfg.role != "default" {
-                    set_env(&mut env, "ROLE_NAME", cfg.role.clone());
+                if self.cfg.role != "default" {
+                    set_env(&mut env, "ROLE_NAME", self.cfg.role.clone());
                 }
                 // As torchrun: each rank's own error file, for torch's @record.
                 if let Some(d) = &round_dir {
-                    set_env(
-                        &mut env,
-                        "TORCHELASTIC_ERROR_FILE",
-                        cause::error_file(d, first + l).display().to_string(),
-                    );
+                    set_env(&mut env, "TORCHELASTIC_ERROR_FILE", cause::error_file(d, first + l).display().to_string());
                 }
                 // Python dumps every thread's stack on SIGABRT (what --stall-timeout sends) and
                 // on a crash; under --log-dir, PyTorch's NCCL flight recorder dumps there on a
                 // collective timeout.
-                let mut defaults =
-                    vec![("PYTHONUNBUFFERED", "1".to_string()), ("PYTHONFAULTHANDLER", "1".to_string())];
-                if let Some(d) = round_dir.as_ref().filter(|_| dirs.as_ref().is_some_and(|d| d.user)) {
+                let mut defaults = vec![("PYTHONUNBUFFERED", "1".to_string()), ("PYTHONFAULTHANDLER", "1".to_string())];
+                if let Some(d) = round_dir.as_ref().filter(|_| self.dirs.as_ref().is_some_and(|d| d.user)) {
                     defaults.push(("TORCH_NCCL_DUMP_ON_TIMEOUT", "1".into()));
                     defaults.push(("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000".into()));
-                    defaults
-                        .push(("TORCH_FR_DUMP_TEMP_FILE", d.join("nccl_trace_rank_").display().to_string()));
+                    defaults.push(("TORCH_FR_DUMP_TEMP_FILE", d.join("nccl_trace_rank_").display().to_string()));
                 }
                 for (k, v) in defaults {
                     if !user_has(k) {
@@ -547,195 +560,188 @@ pub async fn run(
                 if let Some(t) = &tunnel {
                     env.extend(t.env(std::env::var("LD_PRELOAD").ok().as_deref()));
                 }
-                if let Some(id) = &outcome.nccl_id {
-                    env.push((
-                        "MESHD_NCCL_UNIQUE_ID".into(),
-                        id.iter().map(|b| format!("{b:02x}")).collect(),
-                    ));
+                if let Some(id) = nccl_id {
+                    env.push(("MESHD_NCCL_UNIQUE_ID".into(), id.iter().map(|b| format!("{b:02x}")).collect()));
                 }
-                RankSpec { global: roster.first_global_rank(node_rank) + l, local: l, env }
+                RankSpec { global: first + l, local: l, env }
             })
             .collect();
-        let files = dirs.as_ref().is_some_and(|d| d.user) || redirected;
+        let files = self.dirs.as_ref().is_some_and(|d| d.user) || self.redirected;
         let round_out = supervisor::RoundOutput {
             dir: round_dir.clone().filter(|_| files),
-            spec: cfg.output.clone(),
+            spec: self.cfg.output.clone(),
             activity: Some(activity.clone()),
         };
         let spawn_began = Instant::now();
-        let failure = match Supervisor::spawn(&cfg.cmd, &ranks, &round_out).await {
-            Ok(mut sup) => {
-                mesh.set_state(NodeState::Running, restart);
+        let here = describe_member(roster, me);
+        let mut round =
+            Round { roster: roster.clone(), node_rank, here, sup: None, svc, tunnel, round_dir, local_done: false };
+        let input = match Supervisor::spawn(&self.cfg.cmd, &ranks, &round_out).await {
+            Ok(sup) => {
+                round.sup = Some(sup);
                 let phases = Phases {
-                    mesh: (restart == 0).then(|| mesh.started()),
-                    round_began,
-                    roster_at,
-                    preflight_began,
+                    mesh: if restart == 0 { self.mesh_started.take() } else { None },
+                    round_began: self.round_began,
+                    roster_at: self.roster_at,
+                    preflight_began: self.preflight_began,
                     spawn_began,
                     spawned_at: Instant::now(),
                 };
                 info!("{}", phases.line(ranks.len(), restart));
-                let f = supervise(
-                    mesh,
-                    &roster,
-                    &mut sup,
-                    svc.as_ref(),
-                    &mut sig,
-                    round_dir.as_deref(),
-                    cfg.stall_timeout,
-                )
-                .await;
-                sup.stop(cfg.grace).await;
-                if let Some(t) = tunnel.take() {
-                    crate::tunnel::report(t.stats());
-                }
-                drop(svc);
-                drop(nccl_root);
-                f
+                Input::RanksSpawned
             }
-            Err(e) => {
-                let reason =
-                    format!("node {} ({}): {e}", roster.members[node_rank].hostname, mesh.addr().ip());
-                abort(mesh, &roster, None, &reason, None);
-                Some(Failure::Job(reason, None))
+            Err(e) => Input::SpawnFailed(e.to_string()),
+        };
+        self.round = Some(round);
+        input
+    }
+
+    /// Stops the round's ranks (SIGTERM, grace, SIGKILL) and what ran beside them.
+    pub(crate) async fn stop(&mut self) {
+        let Some(mut r) = self.round.take() else { return };
+        if let Some(s) = r.sup.as_mut() {
+            s.stop(self.cfg.grace).await;
+        }
+        if let Some(t) = r.tunnel.take() {
+            crate::tunnel::report(t.stats());
+        }
+        drop(r.svc.take());
+        // Kept for the cause's error file path.
+        self.round = Some(Round { sup: None, ..r });
+    }
+
+    pub(crate) fn forward(&mut self, signal: i32, from: Option<&str>) {
+        let name = crate::signals::signal_name(signal);
+        match from {
+            None => info!("{name} received: forwarding it to every rank on every node"),
+            Some(who) => info!("{name} from {who}: forwarding it to this node's ranks"),
+        }
+        if let Some(s) = self.round.as_ref().and_then(|r| r.sup.as_ref()) {
+            s.signal_all(signal);
+        }
+    }
+
+    pub(crate) fn store(&mut self, msg: StoreMsg, restart: u32) {
+        match self.round.as_ref().and_then(|r| r.svc.as_ref()) {
+            Some(s) => s.remote_store(msg, restart),
+            // A faster node's ranks may already use the store: keep it for the service.
+            None if self.backlog.len() < MAX_STORE_BACKLOG => self.backlog.push((msg, restart)),
+            None => {}
+        }
+    }
+
+    /// Every node says why, once the ranks' last output is out.
+    pub(crate) async fn round_failed(&mut self, cause: Option<&RankFailure>) {
+        self.round = None;
+        let Some(c) = cause else { return };
+        supervisor::output::flush().await;
+        eprint!("{}", cause::block(c));
+        if let Some(d) = self.dirs.as_ref().filter(|d| d.user) {
+            // Written whole then renamed: nodes sharing the directory write the same file.
+            let p = d.base().join("error.json");
+            let tmp = d.base().join(format!(".error.json.{}", std::process::id()));
+            if let Err(e) = std::fs::write(&tmp, cause::error_json(c)).and_then(|_| std::fs::rename(&tmp, &p)) {
+                warn!("cannot write {}: {e}", p.display());
+            }
+        }
+    }
+
+    /// The next rank exit, stall, forwarded signal or stop request.
+    pub(crate) async fn next(&mut self) -> Wake {
+        let stall_t = self.cfg.stall_timeout;
+        let (sup, activity) = match self.round.as_mut() {
+            Some(r) if !r.local_done => {
+                let act = r.sup.as_ref().map(|s| s.activity());
+                (r.sup.as_mut(), act)
+            }
+            _ => (None, None),
+        };
+        let stall_at = stall_t.zip(activity.as_ref()).map(|(t, a)| a.last() + t);
+        let running = sup.is_some();
+        let exit = async {
+            match sup {
+                Some(s) => s.next_exit().await,
+                None => std::future::pending().await,
             }
         };
-        if let Some(Failure::Job(_, Some(c))) = &failure {
-            // Every node says why, once the ranks' last output is out.
-            supervisor::output::flush().await;
-            eprint!("{}", cause::block(c));
-            if let Some(d) = dirs.as_ref().filter(|d| d.user) {
-                // Written whole then renamed: nodes sharing the directory write the same file.
-                let p = d.base().join("error.json");
-                let tmp = d.base().join(format!(".error.json.{}", std::process::id()));
-                if let Err(e) =
-                    std::fs::write(&tmp, cause::error_json(c)).and_then(|_| std::fs::rename(&tmp, &p))
-                {
-                    warn!("cannot write {}: {e}", p.display());
+        let fwd = async {
+            match self.forwarded.as_mut() {
+                Some(f) if running => f.recv().await.ok(),
+                _ => std::future::pending().await,
+            }
+        };
+        let stop = async {
+            if self.stop_seen {
+                std::future::pending::<()>().await;
+            }
+            self.sig.recv().await
+        };
+        tokio::select! {
+            s = stop => {
+                self.stop_seen = true;
+                Wake::Input(Input::Stop { what: s.describe().to_string(), code: s.exit_code() })
+            }
+            Some(n) = fwd => Wake::Input(Input::Signal(n)),
+            e = exit => self.on_exit(e),
+            _ = tokio::time::sleep_until(stall_at.unwrap_or_else(Instant::now).into()), if stall_at.is_some() => {
+                let t = stall_t.unwrap_or_default();
+                if activity.is_some_and(|a| a.last().elapsed() < t) {
+                    return Wake::Nothing;
                 }
+                self.on_stall(t).await
             }
         }
-        match failure {
-            None => {
-                return Ok(JobOutcome {
-                    code: 0,
-                    message: match roster.world_size() {
-                        1 => "job finished: the rank exited 0".to_string(),
-                        n => format!("job finished: all {n} ranks exited 0"),
-                    },
-                });
+    }
+
+    fn on_exit(&mut self, e: Option<supervisor::RankExit>) -> Wake {
+        let Some(r) = self.round.as_mut() else { return Wake::Nothing };
+        let Some(sup) = r.sup.as_ref() else { return Wake::Nothing };
+        match e {
+            Some(e) if e.status.success() && sup.running() == 0 => {
+                r.local_done = true;
+                Wake::Input(Input::RanksExited)
             }
-            Some(Failure::Signal(m, code)) => return Ok(JobOutcome { code, message: m }),
-            Some(Failure::Job(m, _)) if restart < cfg.max_restarts => {
-                restart += 1;
-                let left = cfg.max_restarts - restart;
-                warn!(
-                    "{m}; restart round {restart} of {}: restarting all ranks on every node ({left} {} left after this one)",
-                    cfg.max_restarts,
-                    if left == 1 { "restart" } else { "restarts" }
+            Some(e) if e.status.success() => Wake::Nothing,
+            Some(e) => {
+                let reason = format!(
+                    "rank {} (local rank {}) on {} {}",
+                    e.global,
+                    e.local,
+                    r.here,
+                    supervisor::describe(&e.status)
                 );
-                mesh.set_state(NodeState::Waiting, restart);
-                mesh.set_master(None);
+                let c = rank_failure(self.addr, &r.roster, r.node_rank, &e, &sup.tail(e.global), r.round_dir.as_deref());
+                r.local_done = true;
+                Wake::Input(Input::RankFailed { rank: Some(e.global), reason, cause: Some(Box::new(c)) })
             }
-            Some(Failure::Job(m, c)) => {
-                mesh.set_state(NodeState::Failed, restart);
-                let code = c.map_or(1, |c| c.status);
-                return Ok(JobOutcome { code, message: format!("job failed: {m}") });
-            }
+            None => Wake::Nothing,
         }
     }
-}
 
-/// The preflight of one round; the master first creates the round's NCCL id in a root
-/// process that must outlive every rank's init (keep the returned [`NcclRoot`] until the
-/// round ends).
-pub async fn preflight_round(
-    mesh: &mut Mesh,
-    roster: &Roster,
-    input: &PreflightInput,
-) -> Result<(preflight::Outcome, Option<NcclRoot>), MeshError> {
-    let mut pin = input.clone();
-    let is_master = roster.master().map(|m| m.id) == Some(mesh.node());
-    let root = if is_master && pin.nccl_note.is_empty() {
-        match NcclRoot::spawn(&mesh.choice().name, Duration::from_secs(20)).await {
-            Ok(r) => {
-                pin.nccl_id = Some(r.id.clone());
-                Some(r)
-            }
-            Err(e) => {
-                warn!("no NCCL unique id: {e}");
-                pin.nccl_note = e;
-                None
-            }
-        }
-    } else {
-        None
-    };
-    let outcome = preflight::run(mesh, roster, &pin, Duration::from_secs(20)).await?;
-    Ok((outcome, root))
-}
-
-/// Says `Done` and waits (bounded) until every roster member said it too, so that no node
-/// leaves while another still needs its last message.
-pub async fn finish_together(mesh: &mut Mesh, roster: &Roster, limit: Duration) {
-    let deadline = Instant::now() + limit;
-    let me = mesh.node();
-    let mut done: BTreeSet<NodeId> = [me].into_iter().collect();
-    let everyone: BTreeSet<NodeId> = roster.members.iter().map(|m| m.id).collect();
-    mesh.broadcast(roster, Message::Done { restart: roster.restart });
-    let mut resend = Instant::now() + Duration::from_millis(300);
-    while done != everyone && Instant::now() < deadline {
-        match mesh.next(Some(resend.min(deadline))).await {
-            None => return,
-            Some(MeshInput::Rdzv(from, Message::Done { restart }))
-                if restart == roster.restart && everyone.contains(&from) =>
-            {
-                done.insert(from);
-            }
-            Some(MeshInput::Member(MemberEvent::Down(id) | MemberEvent::Left(id))) => {
-                done.insert(id);
-            }
-            Some(MeshInput::Tick) => {
-                mesh.broadcast(roster, Message::Done { restart: roster.restart });
-                resend = Instant::now() + Duration::from_millis(300);
-            }
-            _ => {}
-        }
+    async fn on_stall(&mut self, t: Duration) -> Wake {
+        let Some(r) = self.round.as_mut() else { return Wake::Nothing };
+        let Some(sup) = r.sup.as_mut() else { return Wake::Nothing };
+        let c = stalled(self.addr, &r.roster, r.node_rank, sup, t).await;
+        r.local_done = true;
+        let reason =
+            format!("{}: no rank on {} wrote output or called meshd for {t:?} (--stall-timeout)", c.message, r.here);
+        Wake::Input(Input::RankFailed { rank: Some(c.rank), reason, cause: Some(Box::new(c)) })
     }
-    // Keep answering a moment so our last Done reaches everyone.
-    let linger = Instant::now() + Duration::from_millis(400);
-    while mesh.next(Some(linger)).await.is_some_and(|i| !matches!(i, MeshInput::Tick)) {}
-}
-
-fn abort(mesh: &mut Mesh, roster: &Roster, rank: Option<u32>, reason: &str, cause: Option<Box<RankFailure>>) {
-    let me = mesh.node();
-    let hostname = roster.members.iter().find(|m| m.id == me).map(|m| m.hostname.clone()).unwrap_or_default();
-    let msg = Message::Abort {
-        restart: roster.restart,
-        node: me,
-        hostname,
-        rank,
-        reason: reason.to_string(),
-        cause,
-    };
-    mesh.broadcast(roster, msg);
-    mesh.set_state(NodeState::Failed, roster.restart);
 }
 
 /// The details of a local rank that failed: where it ran, how it ended, and why (its error
 /// file, else its last stderr lines).
 fn rank_failure(
-    mesh: &Mesh,
+    addr: SocketAddr,
     roster: &Roster,
+    node_rank: usize,
     e: &supervisor::RankExit,
     tail: &[String],
     round_dir: Option<&std::path::Path>,
 ) -> RankFailure {
-    let me = mesh.node();
-    let node_rank = roster.node_rank(me).unwrap_or(0);
     let mut f = RankFailure {
         host: roster.members.get(node_rank).map(|m| m.hostname.clone()).unwrap_or_default(),
-        addr: mesh.addr().ip().to_string(),
+        addr: addr.ip().to_string(),
         node_rank: node_rank as u32,
         rank: e.global,
         local_rank: e.local,
@@ -752,13 +758,7 @@ fn rank_failure(
 /// This node's ranks stalled: each gets SIGABRT (with PYTHONFAULTHANDLER=1, Python prints
 /// every thread's stack to stderr, then dies), and their last stderr lines become the root
 /// cause. Exit status 124, as `timeout`'s.
-async fn stalled(
-    mesh: &Mesh,
-    roster: &Roster,
-    sup: &mut Supervisor,
-    t: Duration,
-    round_dir: Option<&std::path::Path>,
-) -> RankFailure {
+async fn stalled(addr: SocketAddr, roster: &Roster, node_rank: usize, sup: &mut Supervisor, t: Duration) -> RankFailure {
     let ranks: Vec<(u32, u32, i32)> = sup.ranks().to_vec();
     warn!(
         "no rank wrote output or called meshd for {t:?} (--stall-timeout): sending SIGABRT to {} for their Python stacks",
@@ -772,8 +772,6 @@ async fn stalled(
             _ => break,
         }
     }
-    let me = mesh.node();
-    let node_rank = roster.node_rank(me).unwrap_or(0);
     let mut stacks = String::new();
     for (g, _, _) in &ranks {
         stacks.push_str(&format!("rank {g}:\n"));
@@ -784,10 +782,9 @@ async fn stalled(
         }
     }
     let (g, l) = ranks.first().map(|r| (r.0, r.1)).unwrap_or_default();
-    let _ = round_dir;
     RankFailure {
         host: roster.members.get(node_rank).map(|m| m.hostname.clone()).unwrap_or_default(),
-        addr: mesh.addr().ip().to_string(),
+        addr: addr.ip().to_string(),
         node_rank: node_rank as u32,
         rank: g,
         local_rank: l,
@@ -810,161 +807,6 @@ fn describe_member(roster: &Roster, id: NodeId) -> String {
         .find(|m| m.id == id)
         .map(|m| format!("node {} ({})", if m.hostname.is_empty() { "?" } else { &m.hostname }, m.addr.ip()))
         .unwrap_or_else(|| format!("node {id}"))
-}
-
-async fn supervise(
-    mesh: &mut Mesh,
-    roster: &Roster,
-    sup: &mut Supervisor,
-    svc: Option<&Service>,
-    sig: &mut Signals,
-    round_dir: Option<&std::path::Path>,
-    stall_timeout: Option<Duration>,
-) -> Option<Failure> {
-    let me = mesh.node();
-    let mut forwarded = sig.forwarded();
-    let activity = sup.activity();
-    let here = describe_member(roster, me);
-    let mut done: BTreeSet<NodeId> = BTreeSet::new();
-    let mut local_done = false;
-    let mut resend = Instant::now();
-    let everyone: BTreeSet<NodeId> = roster.members.iter().map(|m| m.id).collect();
-    // A member that left without saying Done, and when to blame it if no Abort comes.
-    let mut left: Option<(NodeId, Instant)> = None;
-    loop {
-        if let Some((id, at)) = left {
-            if done.contains(&id) {
-                left = None;
-            } else if Instant::now() >= at {
-                let reason = format!("{} left the mesh before the job finished", describe_member(roster, id));
-                error!("{reason}; stopping the job on every node");
-                abort(mesh, roster, None, &reason, None);
-                return Some(Failure::Job(reason, None));
-            }
-        }
-        if local_done && done == everyone {
-            if everyone.len() == 1 {
-                return None;
-            }
-            // Keep answering a moment so our last Done reaches everyone.
-            let linger = Instant::now() + Duration::from_millis(600);
-            mesh.broadcast(roster, Message::Done { restart: roster.restart });
-            while mesh.next(Some(linger)).await.is_some_and(|i| !matches!(i, MeshInput::Tick)) {}
-            return None;
-        }
-        let mut tick = if local_done {
-            resend + Duration::from_millis(500)
-        } else {
-            Instant::now() + Duration::from_secs(3600)
-        };
-        if let Some((_, at)) = left {
-            tick = tick.min(at);
-        }
-        let stall_at = stall_timeout.map(|t| activity.last() + t);
-        tokio::select! {
-            _ = tokio::time::sleep_until(stall_at.unwrap_or_else(Instant::now).into()), if stall_at.is_some() && !local_done => {
-                let t = stall_timeout.unwrap_or_default();
-                if activity.last().elapsed() < t {
-                    continue;
-                }
-                let c = Box::new(stalled(mesh, roster, sup, t, round_dir).await);
-                let reason = format!("{}: no rank on {here} wrote output or called meshd for {t:?} (--stall-timeout)", c.message);
-                error!("{reason}; stopping the job on every node");
-                abort(mesh, roster, Some(c.rank), &reason, Some(c.clone()));
-                return Some(Failure::Job(reason, Some(c)));
-            }
-            n = async { match forwarded.as_mut() { Some(f) => f.recv().await.ok(), None => std::future::pending().await } } => {
-                if let Some(n) = n {
-                    info!("{} received: forwarding it to every rank on every node", crate::signals::signal_name(n));
-                    sup.signal_all(n);
-                    let hostname = roster.members.iter().find(|m| m.id == me).map(|m| m.hostname.clone()).unwrap_or_default();
-                    mesh.broadcast(roster, Message::Signal { restart: roster.restart, signal: n, hostname });
-                }
-            }
-            exit = sup.next_exit(), if !local_done => {
-                match exit {
-                    Some(e) if e.status.success() && sup.running() == 0 => {
-                        local_done = true;
-                        done.insert(me);
-                        mesh.set_state(NodeState::Done, roster.restart);
-                        mesh.broadcast(roster, Message::Done { restart: roster.restart });
-                        resend = Instant::now();
-                    }
-                    Some(e) if e.status.success() => {}
-                    Some(e) => {
-                        let reason = format!("rank {} (local rank {}) on {here} {}", e.global, e.local, supervisor::describe(&e.status));
-                        error!("{reason}; stopping the job on every node");
-                        let c = Box::new(rank_failure(mesh, roster, &e, &sup.tail(e.global), round_dir));
-                        abort(mesh, roster, Some(e.global), &reason, Some(c.clone()));
-                        return Some(Failure::Job(reason, Some(c)));
-                    }
-                    None => {}
-                }
-            }
-            input = mesh.next(Some(tick)) => {
-                match input {
-                    None => return Some(Failure::Job("the mesh transport stopped".into(), None)),
-                    // Lifecycle messages count only from this round's roster: a straggler of an
-                    // earlier job with the same run id (an earlier srun step) neither stops
-                    // this one nor, with its Done, keeps it from finishing.
-                    Some(MeshInput::Rdzv(from, Message::Abort { restart, reason, cause, .. })) if restart == roster.restart && everyone.contains(&from) => {
-                        error!("job stopped by {}: {reason}", describe_member(roster, from));
-                        mesh.set_state(NodeState::Failed, roster.restart);
-                        return Some(Failure::Job(reason, cause));
-                    }
-                    Some(MeshInput::Rdzv(from, Message::Done { restart })) if restart == roster.restart && everyone.contains(&from) => {
-                        done.insert(from);
-                    }
-                    // Only the signals meshd forwards: a peer cannot make ranks die this way.
-                    Some(MeshInput::Rdzv(from, Message::Signal { restart, signal, .. }))
-                        if restart == roster.restart
-                            && everyone.contains(&from)
-                            && [libc::SIGUSR1, libc::SIGUSR2].contains(&signal) =>
-                    {
-                        info!(
-                            "{} from {}: forwarding it to this node's ranks",
-                            crate::signals::signal_name(signal),
-                            describe_member(roster, from)
-                        );
-                        if !local_done {
-                            sup.signal_all(signal);
-                        }
-                    }
-                    Some(MeshInput::Rdzv(from, m @ Message::Propose(_))) => mesh.defer(from, m),
-                    Some(MeshInput::Store(_, m)) => {
-                        if let Some(s) = svc {
-                            s.remote_store(m, roster.restart);
-                        }
-                    }
-                    Some(MeshInput::Member(MemberEvent::Left(id))) if everyone.contains(&id) && !done.contains(&id) && left.is_none() => {
-                        // Usually a node stopping on an Abort that is still on its way here.
-                        info!(
-                            "{} left the mesh before saying it was done; waiting up to {:?} for its reason before stopping the job",
-                            describe_member(roster, id),
-                            LEFT_GRACE
-                        );
-                        left = Some((id, Instant::now() + LEFT_GRACE));
-                    }
-                    Some(MeshInput::Member(MemberEvent::Down(id))) if everyone.contains(&id) && !done.contains(&id) => {
-                        let reason = format!("{} stopped answering (declared dead by the mesh)", describe_member(roster, id));
-                        error!("{reason}; stopping the job on every node");
-                        abort(mesh, roster, None, &reason, None);
-                        return Some(Failure::Job(reason, None));
-                    }
-                    Some(MeshInput::Tick) if local_done => {
-                        mesh.broadcast(roster, Message::Done { restart: roster.restart });
-                        resend = Instant::now();
-                    }
-                    _ => {}
-                }
-            }
-            s = sig.recv() => {
-                let reason = format!("{} on {here}", s.describe());
-                abort(mesh, roster, None, &reason, None);
-                return Some(Failure::Signal(reason, s.exit_code()));
-            }
-        }
-    }
 }
 
 pub mod cause;

@@ -4,7 +4,13 @@
 //! - [`interfaces`]: enumerate and classify interfaces, choose the one that reaches peers.
 //! - [`transport`]: one quinn endpoint on one UDP port, token authentication bound to TLS.
 //! - [`peers`]: the `--peers` syntax (`host[:port]` lists, `@file`, `dns:NAME`, SLURM).
-//! - [`node`]: the actor that owns membership and rendezvous over the transport.
+//! - [`mesh`]: interface choice, the UDP port, background name resolution (the mesh's IO).
+//! - [`node`]: the actor that owns the `Node` core over the transport, and the library handle.
+//! - [`job`]: `meshd run`'s IO edges: ranks with torchrun's environment, stops, causes.
+//! - [`preflight`]: the preflight's TCP listeners and dials.
+//! - [`collective`]: the QUIC ring and the node-local service.
+//! - [`tunnel`]: the ranks' TCP through meshd's port.
+//! - [`nccl_root`]: the NCCL id's root process.
 //! - [`supervisor`]: spawning ranks with torchrun's environment, teardown.
 //! - [`signals`]: SIGINT/SIGTERM watched once, so that every wait of a job ends on them.
 
@@ -13,6 +19,7 @@ pub mod interfaces;
 pub mod job;
 pub mod mesh;
 pub mod nccl_root;
+pub mod node;
 pub mod peers;
 pub mod preflight;
 pub mod signals;
@@ -22,6 +29,7 @@ pub mod tunnel;
 
 pub use meshd_proto as proto;
 pub use meshd_proto::plural;
+pub use node::{Node, NodeConfig, NodeHandle};
 
 /// A fresh random node id (from the system's secure random source).
 pub fn random_node_id() -> proto::NodeId {

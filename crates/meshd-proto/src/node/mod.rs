@@ -161,6 +161,8 @@ pub enum Event {
         /// The round's NCCL id (probe its root too).
         nccl_id: Option<Vec<u8>>,
     },
+    /// The preflight's verdict (before [`Event::Launch`], or before the refusal).
+    Preflight(Verdict),
     /// Start the local ranks; answer [`Input::RanksSpawned`] or [`Input::SpawnFailed`].
     Launch {
         /// The roster.

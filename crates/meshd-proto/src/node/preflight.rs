@@ -6,7 +6,7 @@
 //! the launch everywhere.
 
 use super::lifecycle::{Closing, Running};
-use super::{DialTarget, Event, Input, Level, Node, Outcome, OutcomeKind, Phase};
+use super::{DialTarget, Event, Input, Node, Outcome, OutcomeKind, Phase};
 use crate::id::NodeId;
 use crate::membership::MemberEvent;
 use crate::meta::NodeState;
@@ -41,7 +41,8 @@ pub(super) struct Preflight {
 
 impl Preflight {
     pub fn poll_timeout(&self) -> Option<Instant> {
-        (self.stage != Stage::Dialing).then_some(self.deadline)
+        // Binding and dialing wait for the IO, whose own limits end them.
+        matches!(self.stage, Stage::Ports | Stage::Reports).then_some(self.deadline)
     }
 }
 
@@ -200,17 +201,7 @@ impl Node {
             let verdict = preflight::evaluate(&p.roster, &p.reports, self.cfg.report.forced.as_deref());
             let roster = p.roster.clone();
             let nccl_id = p.nccl_id.clone();
-            for c in verdict.checks.iter().filter(|c| !c.ok) {
-                let level = if c.name == "tcp" && verdict.ok {
-                    // Said once, in words, by the IO's tunnel warning.
-                    Level::Debug
-                } else if c.fatal {
-                    Level::Error
-                } else {
-                    Level::Warn
-                };
-                self.log(level, format!("preflight {}: {}", c.name, c.detail));
-            }
+            self.events.push_back(Event::Preflight(verdict.clone()));
             if verdict.ok {
                 self.events.push_back(Event::Launch { roster: roster.clone(), verdict, nccl_id });
                 self.phase = Phase::Running(Box::new(Running::new(roster)));

@@ -39,7 +39,7 @@ fn launched(max_restarts: u32) -> (Node, Instant) {
     assert!(matches!(&ev[..], [Event::Dial { targets, .. }] if targets.is_empty()), "{ev:?}");
     n.handle(Input::Dialed { probes: vec![], nccl_root: String::new() }, now);
     let ev = events(&mut n);
-    assert!(matches!(&ev[..], [Event::Launch { verdict, .. }] if verdict.ok), "{ev:?}");
+    assert!(matches!(&ev[..], [Event::Preflight(_), Event::Launch { verdict, .. }] if verdict.ok), "{ev:?}");
     n.handle(Input::RanksSpawned, now);
     assert_eq!(n.meta().state, NodeState::Running);
     (n, now)

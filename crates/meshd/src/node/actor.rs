@@ -1,0 +1,442 @@
+//! The actor: the one loop over the transport's events, the core's timer, the IO edges'
+//! results, the supervisor, signals and the library handle's commands. It owns the
+//! `Node` core and the mesh's IO; after every input it sends the core's frames and carries
+//! out its requests.
+
+use super::library::{Command, Library};
+use crate::job::JobIo;
+use crate::mesh::report::AuthRefusals;
+use crate::mesh::{Mesh, MeshError};
+use crate::nccl_root::NcclRoot;
+use crate::preflight::{self, Listeners};
+use crate::transport::TransportEvent;
+use meshd_proto::NodeId;
+use meshd_proto::membership::Delivery;
+use meshd_proto::node::{self as core, Event, Input, Level, Node, Outcome, OutcomeKind};
+use meshd_proto::wire::{StatusMember, StatusReply};
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+use tracing::{Instrument, debug, error, info, warn};
+
+/// How long a node that leaves keeps its endpoint open for the leave to go out.
+const LEAVE_LINGER: Duration = Duration::from_millis(50);
+
+/// What the actor does besides the protocol: run a job's ranks (`meshd run`), or serve a
+/// library handle.
+pub(crate) enum Edges {
+    Job(Box<JobIo>),
+    Library(Library),
+}
+
+/// What an edge woke the actor with.
+pub(crate) enum Wake {
+    Input(Input),
+    Command(Command),
+    Nothing,
+}
+
+/// Results of the preflight's IO tasks.
+enum EdgeDone {
+    Bound { restart: u32, result: Result<(u16, Listeners, Vec<meshd_proto::preflight::TcpProbe>), String>, root: Option<NcclRoot>, id: Option<Vec<u8>>, note: String },
+    Dialed { restart: u32, probes: Vec<meshd_proto::preflight::TcpProbe>, nccl_root: String },
+}
+
+/// Whether this node makes the round's NCCL id when it is master, and why not.
+#[derive(Clone, Debug)]
+pub(crate) struct NcclPolicy {
+    /// Make one (only a meshd binary can: the root process is `meshd __nccl-root`).
+    pub make: bool,
+    /// Why there is none (libnccl missing, a library node).
+    pub note: String,
+}
+
+pub(crate) struct Actor {
+    pub mesh: Mesh,
+    pub core: Node,
+    rx_seen: BTreeMap<NodeId, u64>,
+    auth: AuthRefusals,
+    status_at: Instant,
+    edge_tx: mpsc::UnboundedSender<EdgeDone>,
+    edge_rx: mpsc::UnboundedReceiver<EdgeDone>,
+    listeners: Option<Listeners>,
+    nccl_root: Option<NcclRoot>,
+    nccl: NcclPolicy,
+    connect_timeout: Duration,
+    node_span: tracing::Span,
+    round_span: tracing::Span,
+}
+
+impl Actor {
+    pub fn new(mesh: Mesh, core: Node, nccl: NcclPolicy, connect_timeout: Duration) -> Actor {
+        let (edge_tx, edge_rx) = mpsc::unbounded_channel();
+        let node_span = tracing::debug_span!("node", id = %mesh.node(), addr = %mesh.addr());
+        let round_span = tracing::debug_span!(parent: &node_span, "round", restart = 0u32);
+        Actor {
+            mesh,
+            core,
+            rx_seen: BTreeMap::new(),
+            auth: AuthRefusals::default(),
+            status_at: Instant::now(),
+            edge_tx,
+            edge_rx,
+            listeners: None,
+            nccl_root: None,
+            nccl,
+            connect_timeout,
+            node_span,
+            round_span,
+        }
+    }
+
+    /// Runs until the job is over on this node; leaves the mesh and closes the endpoint.
+    pub async fn run(mut self, mut edges: Edges) -> Result<Outcome, MeshError> {
+        self.publish_status();
+        let end = loop {
+            if let Some(end) = self.drain(&mut edges).await {
+                break end;
+            }
+            let wake = self.core.poll_timeout();
+            let status_at = self.status_at + Duration::from_secs(1);
+            let timer = async move {
+                match wake {
+                    Some(w) => tokio::time::sleep_until(w.into()).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                ev = self.mesh.events.recv() => match ev {
+                    None => break Err(MeshError::Closed),
+                    Some(ev) => self.on_transport(ev),
+                },
+                Some(found) = self.mesh.resolved.recv() => self.add_resolved(found),
+                Some(done) = self.edge_rx.recv() => self.on_edge(done),
+                _ = timer => {
+                    let now = Instant::now();
+                    self.feed_liveness(now);
+                    self.core.handle_timeout(now);
+                }
+                w = edges.next() => match w {
+                    Wake::Input(i) => self.core.handle(i, Instant::now()),
+                    Wake::Command(c) => {
+                        if let Some(end) = self.on_command(c) {
+                            break end;
+                        }
+                    }
+                    Wake::Nothing => {}
+                },
+                _ = tokio::time::sleep_until(status_at.into()) => {
+                    self.publish_status();
+                    if let Edges::Library(l) = &mut edges {
+                        l.members(self.core.members());
+                    }
+                }
+            }
+        };
+        self.leave().await;
+        if let (Edges::Library(l), Ok(o)) = (&mut edges, &end) {
+            l.finished(o.clone());
+        }
+        if let (Edges::Library(l), Err(e)) = (&mut edges, &end) {
+            l.finished(Outcome { code: 1, message: e.to_string(), kind: OutcomeKind::Failed });
+        }
+        end
+    }
+
+    async fn leave(&mut self) {
+        self.core.handle(core::Input::Leave, Instant::now());
+        self.send_transmits();
+        // A moment for the leave to reach the others; alone there is nobody to tell.
+        if !self.mesh.transport().connected().is_empty() {
+            tokio::time::sleep(LEAVE_LINGER).await;
+        }
+        self.mesh.transport().shutdown().await;
+    }
+
+    fn send_transmits(&mut self) {
+        while let Some(t) = self.core.poll_transmit() {
+            self.mesh.transport().send(t.to, &t.frame, t.delivery == Delivery::Reliable);
+        }
+    }
+
+    /// Sends the core's frames and carries out its events, one at a time (frames first, so
+    /// that an Abort is out before the ranks' stop is awaited). `Some`: the job is over.
+    async fn drain(&mut self, edges: &mut Edges) -> Option<Result<Outcome, MeshError>> {
+        loop {
+            self.send_transmits();
+            let ev = self.core.poll_event()?;
+            let span = self.round_span.clone();
+            if let Some(end) = self.on_event(ev, edges).instrument(span).await {
+                self.send_transmits();
+                return Some(end);
+            }
+        }
+    }
+
+    async fn on_event(&mut self, ev: Event, edges: &mut Edges) -> Option<Result<Outcome, MeshError>> {
+        match ev {
+            Event::Member(_) => {
+                self.publish_status();
+                if let Edges::Library(l) = edges {
+                    l.members(self.core.members());
+                }
+            }
+            Event::Log(level, text) => match level {
+                Level::Debug => debug!("{text}"),
+                Level::Info => info!("{text}"),
+                Level::Warn => warn!("{text}"),
+                Level::Error => error!("{text}"),
+            },
+            Event::Waiting(report) => {
+                let members = self.core.members();
+                let missing: Vec<String> = self
+                    .mesh
+                    .silent_peers(&members, &self.auth)
+                    .into_iter()
+                    .chain(self.mesh.unresolved.iter().map(|l| format!("{l} (not resolved yet)")))
+                    .collect();
+                info!("{}", report.progress_line(&missing, &self.auth.words()));
+            }
+            Event::RoundBegan { restart } => {
+                self.round_span = tracing::debug_span!(parent: &self.node_span, "round", restart);
+                self.listeners = None;
+                self.nccl_root = None;
+                let port = match edges {
+                    Edges::Job(j) => j.round_began(self.mesh.addr().ip()),
+                    Edges::Library(_) => crate::job::free_tcp_port(self.mesh.addr().ip()).unwrap_or(29500),
+                };
+                self.core.handle(Input::MasterPort(port), Instant::now());
+            }
+            Event::RosterAgreed(roster) => {
+                self.publish_status();
+                if let Edges::Job(j) = edges {
+                    j.roster_agreed(&roster, self.mesh.node());
+                }
+            }
+            Event::StartPreflight { roster, master } => self.start_preflight(&roster, master),
+            Event::Dial { targets, nccl_id } => {
+                let master = self.core.roster().and_then(|r| r.master()).map(|m| m.id);
+                let (tx, limit, restart) = (self.edge_tx.clone(), self.connect_timeout, self.core.restart());
+                tokio::spawn(async move {
+                    let (probes, nccl_root) = preflight::dial_all(targets, nccl_id, master, limit).await;
+                    let _ = tx.send(EdgeDone::Dialed { restart, probes, nccl_root });
+                });
+            }
+            Event::Preflight(verdict) => {
+                self.listeners = None;
+                match edges {
+                    Edges::Job(j) => j.verdict(&verdict),
+                    Edges::Library(l) => l.verdict(self.core.roster().cloned(), verdict),
+                }
+            }
+            Event::Launch { roster, verdict, nccl_id } => {
+                let input = match edges {
+                    Edges::Job(j) => j.launch(&self.mesh, &roster, &verdict, nccl_id.as_deref()).await,
+                    Edges::Library(l) => {
+                        l.launched(roster);
+                        Input::RanksSpawned
+                    }
+                };
+                self.core.handle(input, Instant::now());
+            }
+            Event::StopRanks => {
+                if let Edges::Job(j) = edges {
+                    j.stop().await;
+                }
+                self.core.handle(Input::RanksStopped, Instant::now());
+            }
+            Event::ForwardSignal { signal, from } => {
+                if let Edges::Job(j) = edges {
+                    j.forward(signal, from.as_deref());
+                }
+            }
+            Event::Store { msg, .. } => {
+                if let Edges::Job(j) = edges {
+                    j.store(msg, self.core.restart());
+                }
+            }
+            Event::RoundFailed { reason, cause, restarting, .. } => {
+                self.nccl_root = None;
+                match edges {
+                    Edges::Job(j) => j.round_failed(cause.as_deref()).await,
+                    Edges::Library(l) => l.round_failed(reason, restarting),
+                }
+            }
+            Event::Finished(o) => {
+                self.nccl_root = None;
+                return Some(match &o.kind {
+                    OutcomeKind::TimedOut(report) => {
+                        let members = self.core.members();
+                        let missing = self.mesh.silent_peers(&members, &self.auth);
+                        let msg = report.timeout_message(
+                            &self.auth.clauses(),
+                            &missing,
+                            self.mesh.addr().port(),
+                            &self.mesh.unresolved,
+                        );
+                        Err(MeshError::Timeout(msg))
+                    }
+                    _ => Ok(o),
+                });
+            }
+        }
+        None
+    }
+
+    fn start_preflight(&mut self, roster: &meshd_proto::rendezvous::Roster, master: bool) {
+        let (tx, restart, me, ip) = (self.edge_tx.clone(), self.core.restart(), self.mesh.node(), self.mesh.addr().ip());
+        let master_port = master.then_some(roster.master_port);
+        let make_id = master && self.nccl.make && self.nccl.note.is_empty();
+        let mut note = if master { self.nccl.note.clone() } else { String::new() };
+        let iface = self.mesh.choice().name.clone();
+        tokio::spawn(async move {
+            // The master first creates the round's NCCL id in a root process that must
+            // outlive every rank's init (kept until the round ends).
+            let root = if make_id {
+                match NcclRoot::spawn(&iface, Duration::from_secs(20)).await {
+                    Ok(r) => Some(r),
+                    Err(e) => {
+                        warn!("no NCCL unique id: {e}");
+                        note = e;
+                        None
+                    }
+                }
+            } else {
+                None
+            };
+            let id = root.as_ref().map(|r| r.id.clone());
+            let result = preflight::bind(me, ip, master_port).await;
+            let _ = tx.send(EdgeDone::Bound { restart, result, root, id, note });
+        });
+    }
+
+    fn on_edge(&mut self, done: EdgeDone) {
+        let now = Instant::now();
+        match done {
+            EdgeDone::Bound { restart, result, root, id, note } if restart == self.core.restart() => match result {
+                Ok((tcp_port, listeners, problems)) => {
+                    self.listeners = Some(listeners);
+                    self.nccl_root = root;
+                    self.core.handle(Input::PreflightReady { tcp_port, nccl_id: id, nccl_note: note, problems }, now);
+                }
+                Err(e) => self.core.handle(Input::PreflightFailed(e), now),
+            },
+            EdgeDone::Dialed { restart, probes, nccl_root } if restart == self.core.restart() => {
+                self.core.handle(Input::Dialed { probes, nccl_root }, now)
+            }
+            _ => {}
+        }
+    }
+
+    fn on_transport(&mut self, ev: TransportEvent) {
+        let now = Instant::now();
+        match ev {
+            TransportEvent::Frame { from, node, frame } => self.core.handle(Input::Frame { from, node, frame }, now),
+            TransportEvent::AuthFailed { addr, reason } => self.auth.record(addr, reason),
+            TransportEvent::PeerUp { addr, observed, .. } => {
+                if let Some(o) = observed.filter(|o| o.ip() != self.mesh.addr().ip()) {
+                    warn!(peer = %addr, "peer sees this node as {} but it advertises {} (NAT?)", o.ip(), self.mesh.addr().ip());
+                }
+            }
+        }
+    }
+
+    fn on_command(&mut self, c: Command) -> Option<Result<Outcome, MeshError>> {
+        let now = Instant::now();
+        match c {
+            Command::Abort(reason) => self.core.handle(Input::Abort(reason), now),
+            Command::Finish => self.core.handle(Input::RanksExited, now),
+            Command::Shutdown => {
+                return Some(Ok(Outcome { code: 0, message: "shut down".into(), kind: OutcomeKind::Stopped }));
+            }
+        }
+        None
+    }
+
+    /// Names that resolved after start: new seeds (this node's own address is skipped).
+    fn add_resolved(&mut self, found: Vec<(String, SocketAddr)>) {
+        let mut seeds = Vec::new();
+        for (label, addr) in found {
+            self.mesh.unresolved.retain(|l| *l != label);
+            if self.mesh.cfg.peers.iter().any(|(_, a)| *a == addr) {
+                continue;
+            }
+            self.mesh.cfg.peers.push((label.clone(), addr));
+            let me = addr.port() == self.mesh.addr().port()
+                && (addr.ip().is_loopback() || self.mesh.ifs.iter().any(|i| i.has(addr.ip())));
+            if !me {
+                info!("{label} resolved to {}: joining through it too", addr.ip());
+                seeds.push(addr);
+            }
+        }
+        if !seeds.is_empty() {
+            self.core.handle(Input::Seeds(seeds), Instant::now());
+        }
+    }
+
+    /// Tells the core which members' links received packets since the last look (probe
+    /// answers can queue behind bulk data; the link's own traffic does not lie).
+    fn feed_liveness(&mut self, now: Instant) {
+        let counts: BTreeMap<NodeId, u64> = self.mesh.transport().rx_datagrams().into_iter().collect();
+        for (node, count) in &counts {
+            if self.rx_seen.get(node).is_some_and(|p| count > p) {
+                self.core.handle(Input::HeardFrom(*node), now);
+            }
+        }
+        self.rx_seen = counts;
+    }
+
+    /// The mesh as `meshd status` shows it.
+    fn status(&self) -> StatusReply {
+        let me = self.mesh.node();
+        let master = self.core.master();
+        let members = self
+            .core
+            .members()
+            .into_iter()
+            .map(|m| StatusMember {
+                id: m.id,
+                hostname: m.meta.hostname.clone(),
+                addr: m.meta.gossip_addr.unwrap_or(m.addr),
+                iface: m.meta.iface.clone(),
+                gpus: m.meta.gpus,
+                nproc: m.meta.nproc,
+                state: m.meta.state,
+                health: format!("{:?}", m.status).to_lowercase(),
+                rtt_us: if m.id == me {
+                    None
+                } else {
+                    self.mesh
+                        .transport()
+                        .rtt(m.addr)
+                        .or_else(|| self.core.membership().rtt(m.id))
+                        .map(|d| d.as_micros() as u64)
+                },
+                role: match master {
+                    Some(id) if id == m.id => "master".into(),
+                    Some(_) => "worker".into(),
+                    None => "waiting".into(),
+                },
+                restarts: m.meta.restarts,
+            })
+            .collect();
+        StatusReply { node: me, members }
+    }
+
+    fn publish_status(&mut self) {
+        self.status_at = Instant::now();
+        self.mesh.transport().set_status(&self.status());
+    }
+}
+
+impl Edges {
+    /// The next thing an edge has for the actor (cancel-safe: the actor's select drops it
+    /// when another input comes first).
+    async fn next(&mut self) -> Wake {
+        match self {
+            Edges::Job(j) => j.next().await,
+            Edges::Library(l) => l.next().await,
+        }
+    }
+}

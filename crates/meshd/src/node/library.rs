@@ -1,0 +1,91 @@
+//! The library side of the actor: commands from a [`NodeHandle`](super::NodeHandle) and
+//! the state it reads (roster, verdict, members, how the job ended).
+
+use super::actor::Wake;
+use meshd_proto::node::Outcome;
+use meshd_proto::preflight::Verdict;
+use meshd_proto::rendezvous::Roster;
+use tokio::sync::{mpsc, watch};
+
+/// What a handle asks the actor.
+#[derive(Debug)]
+pub(crate) enum Command {
+    /// Stop the job everywhere (restartable, like a rank failure).
+    Abort(String),
+    /// This node's work is done: say Done, wait for every member, then end.
+    Finish,
+    /// Leave now.
+    Shutdown,
+}
+
+/// What a handle can read.
+#[derive(Clone, Debug, Default)]
+pub struct Snapshot {
+    /// The roster of the current round once launched (preflight passed).
+    pub roster: Option<Roster>,
+    /// The current round's preflight verdict, with its roster.
+    pub verdict: Option<(Roster, Verdict)>,
+    /// Why the last round failed, and whether a new one follows.
+    pub failed: Option<(String, bool)>,
+    /// How the job ended on this node.
+    pub outcome: Option<Outcome>,
+    /// Everyone known, with status (refreshed every second and on every change).
+    pub members: Vec<meshd_proto::membership::MemberView>,
+}
+
+pub(crate) struct Library {
+    cmds: mpsc::Receiver<Command>,
+    snap: watch::Sender<Snapshot>,
+    /// The handle is gone: nothing more comes from it.
+    closed: bool,
+}
+
+impl Library {
+    pub fn new(cmds: mpsc::Receiver<Command>, snap: watch::Sender<Snapshot>) -> Library {
+        Library { cmds, snap, closed: false }
+    }
+
+    pub async fn next(&mut self) -> Wake {
+        if self.closed {
+            return std::future::pending().await;
+        }
+        match self.cmds.recv().await {
+            Some(c) => Wake::Command(c),
+            None => {
+                // Every handle dropped: the node leaves, as after `shutdown`.
+                self.closed = true;
+                Wake::Command(Command::Shutdown)
+            }
+        }
+    }
+
+    pub fn verdict(&mut self, roster: Option<Roster>, v: Verdict) {
+        self.snap.send_modify(|s| s.verdict = roster.map(|r| (r, v)));
+    }
+
+    pub fn launched(&mut self, roster: Roster) {
+        self.snap.send_modify(|s| {
+            s.roster = Some(roster);
+            s.failed = None;
+        });
+    }
+
+    pub fn round_failed(&mut self, reason: String, restarting: bool) {
+        self.snap.send_modify(|s| {
+            s.roster = None;
+            s.failed = Some((reason, restarting));
+        });
+    }
+
+    pub fn members(&mut self, m: Vec<meshd_proto::membership::MemberView>) {
+        self.snap.send_modify(|s| s.members = m);
+    }
+
+    pub fn finished(&mut self, o: Outcome) {
+        self.snap.send_modify(|s| {
+            if s.outcome.is_none() {
+                s.outcome = Some(o);
+            }
+        });
+    }
+}
