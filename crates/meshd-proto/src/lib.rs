@@ -14,6 +14,7 @@
 //! - [`membership`]: SWIM-style gossip membership with suspicion and rejoin.
 //! - [`preflight`]: what each node checked before launch, and the common verdict.
 //! - [`rendezvous`]: election of the master and the roster every node acknowledges.
+//! - [`store`]: the job-wide key-value store: versioned, acknowledged, bounded.
 //! - [`sim`]: a deterministic network simulator over the real membership core.
 
 pub mod id;
@@ -25,6 +26,7 @@ pub mod rendezvous;
 pub mod ring;
 pub mod rng;
 pub mod sim;
+pub mod store;
 pub mod wire;
 
 pub use id::NodeId;

@@ -16,7 +16,9 @@ use super::cma::{self, Remote};
 use super::request::{self, Kind, Request};
 use super::ring::RingNet;
 use crate::transport::Transport;
+use meshd_proto::NodeId;
 use meshd_proto::reduce::{self, DType, ReduceOp};
+use meshd_proto::store::Version;
 use meshd_proto::wire::{Frame, MAX_STORE_KEY, MAX_STORE_VALUE, StoreMsg};
 use serde_json::{Value, json};
 use std::collections::{BTreeMap, HashMap};
@@ -232,7 +234,9 @@ impl Service {
 
     /// A store value set on another node.
     pub fn remote_store(&self, msg: StoreMsg, restart: u32) {
-        let StoreMsg::Set { restart: r, key, value } = msg;
+        // Until the store task runs the versioned core, a copy is applied on arrival and
+        // acknowledgements are not expected.
+        let StoreMsg::Set { restart: r, key, value, .. } = msg else { return };
         if r == restart && key.len() <= MAX_STORE_KEY && value.len() <= MAX_STORE_VALUE {
             let _ = self.store_tx.try_send(StoreReq::Remote(key, value));
         }
@@ -696,6 +700,7 @@ type Waiter = (String, tokio::time::Instant, oneshot::Sender<Option<Vec<u8>>>);
 async fn store(cfg: ServiceConfig, transport: Transport, mut rx: mpsc::Receiver<StoreReq>) {
     let mut map: HashMap<String, Vec<u8>> = HashMap::new();
     let mut waiters: Vec<Waiter> = Vec::new();
+    let mut counter = 0;
     loop {
         let next_deadline = waiters.iter().map(|w| w.1).min();
         let sleep = async {
@@ -709,7 +714,9 @@ async fn store(cfg: ServiceConfig, transport: Transport, mut rx: mpsc::Receiver<
                 let Some(req) = req else { return };
                 match req {
                     StoreReq::Set(key, value, done) => {
-                        let msg = Frame::Store(StoreMsg::Set { restart: cfg.restart, key: key.clone(), value: value.clone() });
+                        counter += 1;
+                        let version = Version { counter, writer: NodeId::default() };
+                        let msg = Frame::Store(StoreMsg::Set { restart: cfg.restart, key: key.clone(), value: value.clone(), version });
                         for peer in &cfg.others {
                             transport.send(*peer, &msg, true);
                         }
