@@ -473,7 +473,15 @@ pub async fn run(
             first_global: roster.first_global_rank(node_rank),
             world: roster.world_size(),
             restart,
-            others: addrs.iter().copied().filter(|a| *a != mesh.addr()).collect(),
+            peers: crate::collective::StorePeers {
+                me: roster.members[node_rank].id,
+                others: roster
+                    .members
+                    .iter()
+                    .filter(|m| m.id != roster.members[node_rank].id)
+                    .cloned()
+                    .collect(),
+            },
             activity: Some(activity.clone()),
         };
         let svc = match Service::start(svc_cfg.clone(), ring, mesh.transport().clone()) {
@@ -902,6 +910,10 @@ async fn supervise(
                 }
             }
             input = mesh.next(Some(tick)) => {
+                // Store sets stop waiting for a member that left (the job stops on it anyway).
+                if let (Some(s), Some(MeshInput::Member(MemberEvent::Left(id) | MemberEvent::Down(id)))) = (svc, &input) {
+                    s.member_gone(*id);
+                }
                 match input {
                     None => return Some(Failure::Job("the mesh transport stopped".into(), None)),
                     // Lifecycle messages count only from this round's roster: a straggler of an
@@ -914,6 +926,10 @@ async fn supervise(
                     }
                     Some(MeshInput::Rdzv(from, Message::Done { restart })) if restart == roster.restart && everyone.contains(&from) => {
                         done.insert(from);
+                        // Its ranks all exited: none of them reads the store again.
+                        if let Some(s) = svc {
+                            s.member_gone(from);
+                        }
                     }
                     // Only the signals meshd forwards: a peer cannot make ranks die this way.
                     Some(MeshInput::Rdzv(from, Message::Signal { restart, signal, .. }))
@@ -931,9 +947,9 @@ async fn supervise(
                         }
                     }
                     Some(MeshInput::Rdzv(from, m @ Message::Propose(_))) => mesh.defer(from, m),
-                    Some(MeshInput::Store(_, m)) => {
+                    Some(MeshInput::Store(from, m)) if everyone.contains(&from) => {
                         if let Some(s) = svc {
-                            s.remote_store(m, roster.restart);
+                            s.remote_store(from, m);
                         }
                     }
                     Some(MeshInput::Member(MemberEvent::Left(id))) if everyone.contains(&id) && !done.contains(&id) && left.is_none() => {
