@@ -207,6 +207,8 @@ pub struct Store {
     entries: BTreeMap<String, Entry>,
     bytes: usize,
     pending: BTreeMap<SetId, Pending>,
+    /// The pending set of each of this node's versions (an ack names the version).
+    by_version: BTreeMap<Version, SetId>,
     pending_bytes: usize,
     gone: BTreeSet<NodeId>,
     next_id: u64,
@@ -225,6 +227,7 @@ impl Store {
             entries: BTreeMap::new(),
             bytes: 0,
             pending: BTreeMap::new(),
+            by_version: BTreeMap::new(),
             pending_bytes: 0,
             gone: BTreeSet::new(),
             next_id: 0,
@@ -244,6 +247,7 @@ impl Store {
         self.gone.clear();
         self.transmits.clear();
         self.events.retain(|e| !matches!(e, StoreEvent::Changed(_)));
+        self.by_version.clear();
         for (id, _) in std::mem::take(&mut self.pending) {
             self.events.push_back(StoreEvent::SetFailed(id, SetFailure::Reset));
         }
@@ -299,6 +303,7 @@ impl Store {
         };
         send_copies(&mut self.transmits, self.restart, &p);
         self.pending_bytes += p.bytes();
+        self.by_version.insert(version, id);
         self.pending.insert(id, p);
         Ok(id)
     }
@@ -373,9 +378,8 @@ impl Store {
                 if restart != self.restart || version.writer != self.me {
                     return;
                 }
-                let Some((&sid, p)) = self.pending.iter_mut().find(|(_, p)| p.version == version) else {
-                    return;
-                };
+                let Some(&sid) = self.by_version.get(&version) else { return };
+                let Some(p) = self.pending.get_mut(&sid) else { return };
                 if p.waiting.remove(&from) {
                     p.refused.extend(refused.map(|e| (from, e)));
                 }
@@ -471,6 +475,7 @@ impl Store {
     fn remove_pending(&mut self, sid: SetId) {
         if let Some(p) = self.pending.remove(&sid) {
             self.pending_bytes -= p.bytes();
+            self.by_version.remove(&p.version);
         }
     }
 }

@@ -446,3 +446,48 @@ fn a_hostile_copy_is_refused_not_stored() {
     assert_eq!(s.set("t".into(), b"y".to_vec(), [], now), Err(StoreError::VersionsExhausted));
     assert_eq!(s.get("t"), Some(&b"x"[..]));
 }
+
+/// Whatever a peer sends (any round, version, key, size, acks for anything), the store
+/// never panics, stays within its bounds, and its byte count matches what it holds.
+#[test]
+fn random_hostile_messages_keep_the_bounds_and_the_accounting() {
+    let small = StoreConfig { max_keys: 8, max_bytes: 4096, max_pending_bytes: 2048, ..cfg() };
+    for seed in 0..200u64 {
+        let mut rng = Rng::new(seed);
+        let mut now = Instant::now();
+        let mut s = Store::new(id(1), 1, small.clone());
+        for _ in 0..300 {
+            now += Duration::from_millis(rng.below(500) as u64);
+            let key = match rng.below(4) {
+                0 => String::new(),
+                1 => "x".repeat(MAX_STORE_KEY + rng.below(3)),
+                _ => format!("k{}", rng.below(12)),
+            };
+            let value = vec![rng.next_u64() as u8; rng.below(1500)];
+            let version = Version { counter: rng.next_u64() % 50, writer: id(rng.below(4) as u128) };
+            let restart = rng.below(3) as u32;
+            match rng.below(5) {
+                0 => {
+                    let _ = s.set(key, value, [id(2), id(3)], now);
+                }
+                1 => s.handle_message(id(2), StoreMsg::Ack { restart, version, refused: None }, now),
+                2 => s.handle_timeout(now),
+                3 => s.member_gone(id(rng.below(4) as u128)),
+                _ => s.handle_message(
+                    id(rng.below(4) as u128),
+                    StoreMsg::Set { restart, key, value, version },
+                    now,
+                ),
+            }
+            while s.poll_transmit().is_some() {}
+            while s.poll_event().is_some() {}
+            let held: usize = s.entries.iter().map(|(k, e)| k.len() + e.value.len()).sum();
+            assert_eq!(s.bytes(), held, "seed {seed}");
+            assert!(s.len() <= 8 && s.bytes() <= 4096, "seed {seed}");
+            let pending: usize = s.pending.values().map(Pending::bytes).sum();
+            assert_eq!(s.pending_bytes, pending, "seed {seed}");
+            assert!(pending <= 2048, "seed {seed}");
+            assert_eq!(s.by_version.len(), s.pending.len(), "seed {seed}");
+        }
+    }
+}
