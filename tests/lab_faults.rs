@@ -489,6 +489,30 @@ fn random_packet_loss_job_still_forms_and_completes() {
     eprintln!("FIGURE 6 packet-loss: {}", figures.join("; "));
 }
 
+/// The store under 5 % packet loss on every host (tests/python/store_check.py): a
+/// `store_set` returns only once every node has the value, and concurrent sets of one key
+/// end with the same value on all three hosts.
+#[test]
+fn store_sets_are_everywhere_and_agree_under_packet_loss() {
+    if !lab::available() {
+        return;
+    }
+    let mut lab = Lab::new(3);
+    for i in 0..3 {
+        lab.loss(i, 5);
+    }
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/python/store_check.py");
+    let peers = lab.peers();
+    let args = [meshd(), "run", "--nnodes", "3", "--peers", &peers, "--nproc-per-node", "2"];
+    let args: Vec<&str> =
+        args.into_iter().chain(["--rdzv-timeout", "90s", "--", "/usr/bin/python3", script]).collect();
+    let res = lab.run_on_all(&args, &[TOKEN, ("STORE_CHECK_FILL", "0")], Duration::from_secs(180));
+    for (i, (code, out, err)) in res.iter().enumerate() {
+        assert_eq!(*code, Some(0), "host {i}:\n{out}\n{err}");
+        assert_eq!(out.matches("STORE OK").count(), 2, "host {i}:\n{out}\n{err}");
+    }
+}
+
 /// Scenario 7: The master (lowest eth1 address: host 1, 198.19.0.7) crashes while the job runs:
 /// every other node stops its ranks and exits 1 within seconds, naming the master.
 #[test]

@@ -125,7 +125,8 @@ async fn got_store(events: &mut tokio::sync::mpsc::Receiver<TransportEvent>, key
 }
 
 fn store(key: &str) -> Frame {
-    Frame::Store(StoreMsg::Set { restart: 0, key: key.into(), value: b"v".to_vec() })
+    let version = meshd_proto::store::Version { counter: 1, writer: node(1) };
+    Frame::Store(StoreMsg::Set { restart: 0, key: key.into(), value: b"v".to_vec(), version })
 }
 
 fn runtime() -> tokio::runtime::Runtime {

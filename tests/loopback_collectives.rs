@@ -363,3 +363,49 @@ fn ddp_example_without_a_final_barrier_exits_cleanly_run_after_run() {
     }
     assert!(failed.is_empty(), "{} of {runs} runs failed:\n{}", failed.len(), failed.join("\n"));
 }
+
+/// The store's guarantees (tests/python/store_check.py) across 3 nodes x 2 ranks: a set
+/// returns once every node has the value, concurrent sets of one key agree everywhere,
+/// a full store says so.
+#[test]
+fn store_sets_are_everywhere_on_return_agree_under_races_and_are_bounded() {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/python/store_check.py");
+    let base = 29660u16;
+    let peers: Vec<String> = (0..3).map(|i| format!("127.0.0.1:{}", base + i)).collect();
+    let peers = peers.join(",");
+    let children: Vec<_> = (0..3u16)
+        .map(|i| {
+            let port = (base + i).to_string();
+            Command::new(env!("CARGO_BIN_EXE_meshd"))
+                .args(["run", "--nnodes", "3", "--peers", &peers, "--port", &port, "--nproc-per-node", "2"])
+                .args(["--rdzv-timeout", "60s", "--", "/usr/bin/python3", script])
+                .env("MESHD_TOKEN", "loopback")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("spawn meshd")
+        })
+        .collect();
+    let mut ok = 0;
+    for (i, c) in children.into_iter().enumerate() {
+        let out = wait_bounded(c, Duration::from_secs(120));
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "node {i} failed:\n{stdout}\n{stderr}");
+        ok += stdout.matches("STORE OK").count();
+        if stdout.contains("store refused") {
+            assert!(stdout.contains("store full") && stdout.contains("67108864"), "{stdout}");
+        }
+    }
+    assert_eq!(ok, 6, "every rank must pass its checks");
+}
+
+/// Waits for `c` at most `limit`, killing it after that.
+fn wait_bounded(mut c: std::process::Child, limit: Duration) -> std::process::Output {
+    let deadline = Instant::now() + limit;
+    while c.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = c.kill();
+    c.wait_with_output().expect("output")
+}

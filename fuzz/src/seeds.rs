@@ -6,6 +6,7 @@ use meshd_proto::meta::{IfaceAddr, NodeMeta, NodeState};
 use meshd_proto::preflight::{NodeReport, TcpProbe};
 use meshd_proto::rendezvous::{Message as Rm, Roster, RosterMember};
 use meshd_proto::ring::{Phase, transfer_id};
+use meshd_proto::store::{StoreError, Version};
 use meshd_proto::wire::{
     self, AuthHello, Frame, PROTOCOL_VERSION, Query, StatusMember, StatusReply, StoreMsg,
 };
@@ -147,7 +148,22 @@ pub fn frames() -> Vec<Frame> {
         Frame::Rdzv(Rm::PreflightHello { restart: 1, tcp_port: 41234, nccl_id: Some(vec![2; 128]) }),
         Frame::Rdzv(Rm::PreflightHello { restart: 1, tcp_port: 41235, nccl_id: None }),
         Frame::Rdzv(Rm::PreflightReport { restart: 1, report }),
-        Frame::Store(StoreMsg::Set { restart: 1, key: "MASTER_ADDR".into(), value: b"198.19.0.1".to_vec() }),
+        Frame::Store(StoreMsg::Set {
+            restart: 1,
+            key: "MASTER_ADDR".into(),
+            value: b"198.19.0.1".to_vec(),
+            version: Version { counter: 7, writer: id(3) },
+        }),
+        Frame::Store(StoreMsg::Ack {
+            restart: 1,
+            version: Version { counter: 7, writer: id(3) },
+            refused: None,
+        }),
+        Frame::Store(StoreMsg::Ack {
+            restart: 1,
+            version: Version { counter: 8, writer: id(3) },
+            refused: Some(StoreError::Full { held: 64 << 20, needed: 10, max: 64 << 20 }),
+        }),
     ]
 }
 

@@ -283,7 +283,13 @@ class Client:
 
     # -- store ---------------------------------------------------------------------
     def store_set(self, key, value):
-        """Sets ``key`` to ``value`` (bytes or str) for every rank of the job."""
+        """Sets ``key`` to ``value`` (bytes or str) for every rank of the job.
+
+        Returns once every other node of the job holds the value (or a newer one of the same
+        key: of concurrent sets, the same one wins on every node). Raises ``MeshdError``
+        naming the node when one does not acknowledge within 10 s, and naming the limit when
+        the store is full (65,536 keys or 64 MiB per node; keys 1-1024 bytes, values at
+        most 1 MiB)."""
         if isinstance(value, str):
             value = value.encode()
         self._call({"op": "store_set", "key": str(key)}, bytes(value))

@@ -18,6 +18,7 @@
 //!   Abort, restarts) as one state machine.
 //! - [`reduce`]: reduction descriptors and the element-wise arithmetic of the collectives.
 //! - [`ring`]: the ring collective's schedule.
+//! - [`store`]: the job-wide key-value store: versioned, acknowledged, bounded.
 //! - [`sim`]: a deterministic network simulator over the real membership and node cores.
 
 pub mod id;
@@ -30,6 +31,7 @@ pub mod rendezvous;
 pub mod ring;
 pub mod rng;
 pub mod sim;
+pub mod store;
 pub mod wire;
 
 pub use id::NodeId;

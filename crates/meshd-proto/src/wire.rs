@@ -8,6 +8,7 @@
 //! old ones unchanged and refuse the new ones with a clear error.
 
 use crate::id::NodeId;
+use crate::store::{StoreError, Version};
 use crate::{membership, rendezvous};
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
@@ -84,10 +85,11 @@ pub enum Frame {
     Store(StoreMsg),
 }
 
-/// Store replication between nodes.
+/// Store replication between nodes (see [`crate::store`]).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum StoreMsg {
-    /// `key` now holds `value` (last writer wins).
+    /// Writer -> each member: `key` holds `value` from `version` on (the highest version
+    /// wins); answered with [`StoreMsg::Ack`], resent until then.
     Set {
         /// Restart round the value belongs to.
         restart: u32,
@@ -95,6 +97,18 @@ pub enum StoreMsg {
         key: String,
         /// Value (at most [`MAX_STORE_VALUE`] bytes).
         value: Vec<u8>,
+        /// The set's version (Lamport counter, writer).
+        version: Version,
+    },
+    /// Member -> writer: the [`StoreMsg::Set`] of `version` arrived (applied, or already
+    /// superseded by a newer version), or was refused because of a store limit.
+    Ack {
+        /// Restart round of the set.
+        restart: u32,
+        /// Version of the set acknowledged.
+        version: Version,
+        /// The limit the value would have broken on the member; `None` when accepted.
+        refused: Option<StoreError>,
     },
 }
 

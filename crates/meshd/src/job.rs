@@ -410,7 +410,7 @@ pub(crate) struct JobIo {
     roster_at: Instant,
     preflight_began: Instant,
     round: Option<Round>,
-    backlog: Vec<(StoreMsg, u32)>,
+    backlog: Vec<(NodeId, StoreMsg)>,
     transport: crate::transport::Transport,
     addr: SocketAddr,
     iface: String,
@@ -490,7 +490,15 @@ impl JobIo {
             first_global: roster.first_global_rank(node_rank),
             world: roster.world_size(),
             restart,
-            others: addrs.iter().copied().filter(|a| *a != self.addr).collect(),
+            peers: crate::collective::StorePeers {
+                me: roster.members[node_rank].id,
+                others: roster
+                    .members
+                    .iter()
+                    .filter(|m| m.id != roster.members[node_rank].id)
+                    .cloned()
+                    .collect(),
+            },
             activity: Some(activity.clone()),
         };
         let svc = match Service::start(svc_cfg.clone(), ring, self.transport.clone()) {
@@ -501,8 +509,10 @@ impl JobIo {
             }
         };
         if let Some(s) = &svc {
-            for (m, r) in std::mem::take(&mut self.backlog) {
-                s.remote_store(m, r);
+            for (from, m) in std::mem::take(&mut self.backlog) {
+                if roster.node_rank(from).is_some() {
+                    s.remote_store(from, m);
+                }
             }
         }
         let first = roster.first_global_rank(node_rank);
@@ -621,12 +631,22 @@ impl JobIo {
         }
     }
 
-    pub(crate) fn store(&mut self, msg: StoreMsg, restart: u32) {
-        match self.round.as_ref().and_then(|r| r.svc.as_ref()) {
-            Some(s) => s.remote_store(msg, restart),
+    /// A store message: to this round's service when it comes from a roster member (the
+    /// store ignores messages of another round).
+    pub(crate) fn store(&mut self, from: NodeId, msg: StoreMsg) {
+        match self.round.as_ref().and_then(|r| r.svc.as_ref().map(|s| (s, &r.roster))) {
+            Some((s, roster)) if roster.node_rank(from).is_some() => s.remote_store(from, msg),
+            Some(_) => {}
             // A faster node's ranks may already use the store: keep it for the service.
-            None if self.backlog.len() < MAX_STORE_BACKLOG => self.backlog.push((msg, restart)),
+            None if self.backlog.len() < MAX_STORE_BACKLOG => self.backlog.push((from, msg)),
             None => {}
+        }
+    }
+
+    /// A roster member is finished with this round: the store stops waiting for it.
+    pub(crate) fn peer_finished(&mut self, id: NodeId) {
+        if let Some(s) = self.round.as_ref().and_then(|r| r.svc.as_ref()) {
+            s.member_gone(id);
         }
     }
 

@@ -222,7 +222,9 @@ impl Node {
                 self.fail(Failure::Job(reason, cause), now);
             }
             Message::Done { restart } if restart == self.restart && member => {
-                r.done.insert(from);
+                if r.done.insert(from) {
+                    self.events.push_back(Event::PeerFinished(from));
+                }
                 self.running_check(now);
             }
             // Only the signals meshd forwards: a peer cannot make ranks die this way.
@@ -241,6 +243,11 @@ impl Node {
 
     pub(super) fn running_member(&mut self, ev: MemberEvent, now: Instant) {
         let Phase::Running(r) = &mut self.phase else { return };
+        if let MemberEvent::Left(id) | MemberEvent::Down(id) = &ev {
+            if r.everyone.contains(id) {
+                self.events.push_back(Event::PeerFinished(*id));
+            }
+        }
         match ev {
             MemberEvent::Left(id) if r.everyone.contains(&id) && !r.done.contains(&id) && r.left.is_none() => {
                 // Usually a node stopping on an Abort that is still on its way here.

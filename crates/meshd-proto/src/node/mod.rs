@@ -181,7 +181,10 @@ pub enum Event {
         /// Who asked, in words ("node gpu-3 (10.0.0.3)").
         from: Option<String>,
     },
-    /// A store frame from a roster peer.
+    /// A roster member is finished with this round: its ranks all exited (it said Done),
+    /// or it left or died. The store stops waiting for its acknowledgements.
+    PeerFinished(NodeId),
+    /// A store frame from a peer (the store runs in the IO's local service).
     Store {
         /// Sender.
         from: NodeId,

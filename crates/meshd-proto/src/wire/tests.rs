@@ -22,6 +22,17 @@ fn frames_round_trip() {
         Frame::Rdzv(Rm::Propose(roster())),
         Frame::Rdzv(Rm::Ack { restart: 0, epoch: 3 }),
         Frame::Rdzv(Rm::Commit { restart: 0, epoch: 3 }),
+        Frame::Store(StoreMsg::Set {
+            restart: 2,
+            key: "MASTER_ADDR".into(),
+            value: b"198.19.0.1".to_vec(),
+            version: Version { counter: 41, writer: NodeId::from_u128(5) },
+        }),
+        Frame::Store(StoreMsg::Ack {
+            restart: 2,
+            version: Version { counter: 41, writer: NodeId::from_u128(5) },
+            refused: Some(StoreError::Full { held: 1, needed: 2, max: 3 }),
+        }),
     ];
     for f in frames {
         let bytes = encode(&f);

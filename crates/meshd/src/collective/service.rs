@@ -15,19 +15,21 @@ use super::buffer::CollectiveBuffer;
 use super::cma::{self, Remote};
 use super::request::{self, Kind, Request};
 use super::ring::RingNet;
+use super::store::{self, StorePeers, StoreReq};
 use crate::transport::Transport;
+use meshd_proto::NodeId;
 use meshd_proto::reduce::{self, DType, ReduceOp};
-use meshd_proto::wire::{Frame, MAX_STORE_KEY, MAX_STORE_VALUE, StoreMsg};
+use meshd_proto::store::StoreConfig;
+use meshd_proto::wire::StoreMsg;
 use serde_json::{Value, json};
-use std::collections::{BTreeMap, HashMap};
-use std::net::SocketAddr;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
-use tracing::{debug, info, warn};
+use tracing::{debug, info};
 
 /// Where and for whom the service runs.
 #[derive(Clone, Debug)]
@@ -42,8 +44,8 @@ pub struct ServiceConfig {
     pub world: u32,
     /// Restart round (separates operation ids and store values across restarts).
     pub restart: u32,
-    /// Every other node (store replication).
-    pub others: Vec<SocketAddr>,
+    /// This node and the other roster members (store replication).
+    pub peers: StorePeers,
     /// Marked at every request and answer (a rank calling the service is not stalled).
     pub activity: Option<std::sync::Arc<crate::supervisor::output::Activity>>,
 }
@@ -56,6 +58,9 @@ pub struct Service {
     dir: Option<PathBuf>,
     tasks: Vec<JoinHandle<()>>,
     store_tx: mpsc::Sender<StoreReq>,
+    /// Members the store no longer waits for (a set, not a queue: it cannot overflow and
+    /// lose one).
+    gone: watch::Sender<BTreeSet<NodeId>>,
 }
 
 struct Part {
@@ -99,12 +104,6 @@ struct CollReq {
     local: u32,
     seq: u64,
     part: Part,
-}
-
-enum StoreReq {
-    Set(String, Vec<u8>, oneshot::Sender<()>),
-    Get(String, Duration, oneshot::Sender<Option<Vec<u8>>>),
-    Remote(String, Vec<u8>),
 }
 
 /// A default socket path for this job: `sock` in a directory of its own
@@ -217,12 +216,20 @@ impl Service {
         std::fs::set_permissions(&cfg.path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
         let (coll_tx, coll_rx) = mpsc::channel(1024);
         let (store_tx, store_rx) = mpsc::channel(1024);
+        let (gone, gone_rx) = watch::channel(BTreeSet::new());
         let tasks = vec![
             tokio::spawn(accept(listener, cfg.clone(), coll_tx, store_tx.clone())),
             tokio::spawn(collectives(cfg.clone(), ring, coll_rx)),
-            tokio::spawn(store(cfg.clone(), transport, store_rx)),
+            tokio::spawn(store::run(
+                cfg.restart,
+                cfg.peers.clone(),
+                StoreConfig::default(),
+                transport,
+                store_rx,
+                gone_rx,
+            )),
         ];
-        Ok(Service { path: cfg.path, dir, tasks, store_tx })
+        Ok(Service { path: cfg.path, dir, tasks, store_tx, gone })
     }
 
     /// The socket path.
@@ -230,12 +237,17 @@ impl Service {
         &self.path
     }
 
-    /// A store value set on another node.
-    pub fn remote_store(&self, msg: StoreMsg, restart: u32) {
-        let StoreMsg::Set { restart: r, key, value } = msg;
-        if r == restart && key.len() <= MAX_STORE_KEY && value.len() <= MAX_STORE_VALUE {
-            let _ = self.store_tx.try_send(StoreReq::Remote(key, value));
-        }
+    /// A store message (a copy or an acknowledgement) from another node of this round's
+    /// roster; the store core ignores messages of another restart round.
+    pub fn remote_store(&self, from: NodeId, msg: StoreMsg) {
+        // A full queue loses the message; the writer resends until acknowledged.
+        let _ = self.store_tx.try_send(StoreReq::Remote(from, msg));
+    }
+
+    /// A roster member left the mesh or finished (all its ranks exited): store sets stop
+    /// waiting for its acknowledgement (no rank there will read the store again).
+    pub fn member_gone(&self, id: NodeId) {
+        self.gone.send_if_modified(|g| g.insert(id));
     }
 }
 
@@ -393,9 +405,14 @@ async fn client(
             Request::StoreSet(Err(e)) => (fail(e), vec![]),
             Request::StoreSet(Ok(key)) => {
                 let (tx, rx) = oneshot::channel();
-                let _ = store.send(StoreReq::Set(key, payload, tx)).await;
-                let _ = rx.await;
-                (json!({"ok": true}), vec![])
+                let _ = store.send(StoreReq::Set(key.clone(), payload, tx)).await;
+                match rx.await {
+                    Ok(Ok(())) => (json!({"ok": true}), vec![]),
+                    Ok(Err(e)) => (fail(format!("store_set of {key:?}: {e}")), vec![]),
+                    Err(_) => {
+                        (fail(format!("store_set of {key:?}: the store stopped (job stopping?)")), vec![])
+                    }
+                }
             }
             Request::StoreGet { key, timeout } => {
                 let (tx, rx) = oneshot::channel();
@@ -688,64 +705,6 @@ async fn reduce_parts(
     // the ring completes each chunk, so all nodes spread the same divided bytes.
     ring.allreduce_buffer_dividing(op_id, acc, dtype, op, ranks as usize).await.map_err(|e| e.to_string())?;
     Ok(out)
-}
-
-/// A pending `store_get`: key, deadline, where to answer.
-type Waiter = (String, tokio::time::Instant, oneshot::Sender<Option<Vec<u8>>>);
-
-async fn store(cfg: ServiceConfig, transport: Transport, mut rx: mpsc::Receiver<StoreReq>) {
-    let mut map: HashMap<String, Vec<u8>> = HashMap::new();
-    let mut waiters: Vec<Waiter> = Vec::new();
-    loop {
-        let next_deadline = waiters.iter().map(|w| w.1).min();
-        let sleep = async {
-            match next_deadline {
-                Some(d) => tokio::time::sleep_until(d).await,
-                None => std::future::pending().await,
-            }
-        };
-        tokio::select! {
-            req = rx.recv() => {
-                let Some(req) = req else { return };
-                match req {
-                    StoreReq::Set(key, value, done) => {
-                        let msg = Frame::Store(StoreMsg::Set { restart: cfg.restart, key: key.clone(), value: value.clone() });
-                        for peer in &cfg.others {
-                            transport.send(*peer, &msg, true);
-                        }
-                        map.insert(key, value);
-                        let _ = done.send(());
-                    }
-                    StoreReq::Remote(key, value) => {
-                        map.insert(key, value);
-                    }
-                    StoreReq::Get(key, timeout, reply) => {
-                        if let Some(v) = map.get(&key) {
-                            let _ = reply.send(Some(v.clone()));
-                        } else if waiters.len() < 65536 {
-                            waiters.push((key, tokio::time::Instant::now() + timeout, reply));
-                        } else {
-                            warn!("too many pending store_get calls");
-                            let _ = reply.send(None);
-                        }
-                    }
-                }
-            }
-            _ = sleep => {}
-        }
-        let now = tokio::time::Instant::now();
-        let mut keep = Vec::with_capacity(waiters.len());
-        for (k, d, reply) in waiters.drain(..) {
-            if let Some(v) = map.get(&k) {
-                let _ = reply.send(Some(v.clone()));
-            } else if now >= d {
-                let _ = reply.send(None);
-            } else {
-                keep.push((k, d, reply));
-            }
-        }
-        waiters = keep;
-    }
 }
 
 #[cfg(test)]

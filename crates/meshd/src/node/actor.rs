@@ -251,9 +251,14 @@ impl Actor {
                     j.forward(signal, from.as_deref());
                 }
             }
-            Event::Store { msg, .. } => {
+            Event::Store { from, msg } => {
                 if let Edges::Job(j) = edges {
-                    j.store(msg, self.core.restart());
+                    j.store(from, msg);
+                }
+            }
+            Event::PeerFinished(id) => {
+                if let Edges::Job(j) = edges {
+                    j.peer_finished(id);
                 }
             }
             Event::RoundFailed { reason, cause, restarting, .. } => {
