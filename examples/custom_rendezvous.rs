@@ -62,10 +62,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     ring.barrier(3).await?;
     // Large buffers: a CollectiveBuffer lends its chunks to QUIC instead of copying them.
     // 8 MiB of float32 gradients, averaged over the nodes.
-    let mut grads = CollectiveBuffer::from_vec((0..2 << 20).flat_map(|_| (rank as f32).to_le_bytes()).collect());
+    let mut grads =
+        CollectiveBuffer::from_vec((0..2 << 20).flat_map(|_| (rank as f32).to_le_bytes()).collect());
     ring.allreduce_buffer(4, &mut grads, DType::F32, ReduceOp::Avg).await?;
     let g = grads.as_slice();
-    println!("allreduce sum over {} nodes: {}", roster.members.len(), f32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]));
+    println!(
+        "allreduce sum over {} nodes: {}",
+        roster.members.len(),
+        f32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]])
+    );
     println!("broadcast from node 0: {}", String::from_utf8_lossy(&msg));
     println!("8 MiB average of the node ranks: {}", f32::from_le_bytes([g[0], g[1], g[2], g[3]]));
 

@@ -4,8 +4,8 @@
 use crate::run::{self, JobArgs};
 use anyhow::{Context, Result, bail};
 use meshd::collective::{CollectiveBuffer, RingNet};
-use meshd::{Node, NodeConfig};
 use meshd::proto::reduce::{DType, ReduceOp};
+use meshd::{Node, NodeConfig};
 use serde_json::json;
 use std::process::ExitCode;
 use std::time::Instant;

@@ -326,10 +326,17 @@ const MAX_STORE_BACKLOG: usize = 4096;
 /// Runs the job on this node until it ends everywhere, then leaves the mesh. Every wait
 /// also ends on a stop request from `signals` (exit 130 for SIGINT, 143 for SIGTERM, after
 /// stopping the ranks).
-pub async fn run(mesh: Mesh, cfg: &JobConfig, run_id: &str, signals: &Signals) -> Result<JobOutcome, MeshError> {
+pub async fn run(
+    mesh: Mesh,
+    cfg: &JobConfig,
+    run_id: &str,
+    signals: &Signals,
+) -> Result<JobOutcome, MeshError> {
     // Bulk data streams of the QUIC ring, shared by every restart round's service.
     let incoming = Arc::new(tokio::sync::Mutex::new(
-        mesh.transport().take_data_streams().ok_or_else(|| MeshError::Iface("data streams already taken".into()))?,
+        mesh.transport()
+            .take_data_streams()
+            .ok_or_else(|| MeshError::Iface("data streams already taken".into()))?,
     ));
     // Per-round files: error files always, output files with --log-dir (or --redirects).
     let redirected = cfg.output.redirects_any() && cfg.log_dir.is_none();
@@ -341,7 +348,9 @@ pub async fn run(mesh: Mesh, cfg: &JobConfig, run_id: &str, signals: &Signals) -
             Some(d)
         }
         Err(e) => {
-            warn!("cannot create a directory for the ranks' error files: {e}; TORCHELASTIC_ERROR_FILE is not set");
+            warn!(
+                "cannot create a directory for the ranks' error files: {e}; TORCHELASTIC_ERROR_FILE is not set"
+            );
             None
         }
     };
@@ -370,7 +379,14 @@ pub async fn run(mesh: Mesh, cfg: &JobConfig, run_id: &str, signals: &Signals) -
         iface: mesh.choice().name.clone(),
     };
     let master_port = io.round_began(mesh.addr().ip());
-    let core_cfg = crate::node::core_config(&mesh, &cfg.rdzv, cfg.rdzv_timeout, cfg.max_restarts, &cfg.preflight, master_port);
+    let core_cfg = crate::node::core_config(
+        &mesh,
+        &cfg.rdzv,
+        cfg.rdzv_timeout,
+        cfg.max_restarts,
+        &cfg.preflight,
+        master_port,
+    );
     let node = core::Node::new(core_cfg, Instant::now());
     let nccl = NcclPolicy { make: true, note: cfg.preflight.nccl_note.clone() };
     let actor = Actor::new(mesh, node, nccl, cfg.preflight.connect_timeout);
@@ -460,7 +476,13 @@ impl JobIo {
     }
 
     /// Starts the round's service, tunnel and ranks.
-    pub(crate) async fn launch(&mut self, mesh: &Mesh, roster: &Roster, verdict: &Verdict, nccl_id: Option<&[u8]>) -> Input {
+    pub(crate) async fn launch(
+        &mut self,
+        mesh: &Mesh,
+        roster: &Roster,
+        verdict: &Verdict,
+        nccl_id: Option<&[u8]>,
+    ) -> Input {
         let me = mesh.node();
         let Some(node_rank) = roster.node_rank(me) else {
             return Input::SpawnFailed("not part of the agreed roster".into());
@@ -504,7 +526,10 @@ impl JobIo {
         let svc = match Service::start(svc_cfg.clone(), ring, self.transport.clone()) {
             Ok(s) => Some(s),
             Err(e) => {
-                warn!("cannot start the local service at {}: {e}; MESHD_SOCKET is not set", svc_cfg.path.display());
+                warn!(
+                    "cannot start the local service at {}: {e}; MESHD_SOCKET is not set",
+                    svc_cfg.path.display()
+                );
                 None
             }
         };
@@ -548,16 +573,22 @@ impl JobIo {
                 }
                 // As torchrun: each rank's own error file, for torch's @record.
                 if let Some(d) = &round_dir {
-                    set_env(&mut env, "TORCHELASTIC_ERROR_FILE", cause::error_file(d, first + l).display().to_string());
+                    set_env(
+                        &mut env,
+                        "TORCHELASTIC_ERROR_FILE",
+                        cause::error_file(d, first + l).display().to_string(),
+                    );
                 }
                 // Python dumps every thread's stack on SIGABRT (what --stall-timeout sends) and
                 // on a crash; under --log-dir, PyTorch's NCCL flight recorder dumps there on a
                 // collective timeout.
-                let mut defaults = vec![("PYTHONUNBUFFERED", "1".to_string()), ("PYTHONFAULTHANDLER", "1".to_string())];
+                let mut defaults =
+                    vec![("PYTHONUNBUFFERED", "1".to_string()), ("PYTHONFAULTHANDLER", "1".to_string())];
                 if let Some(d) = round_dir.as_ref().filter(|_| self.dirs.as_ref().is_some_and(|d| d.user)) {
                     defaults.push(("TORCH_NCCL_DUMP_ON_TIMEOUT", "1".into()));
                     defaults.push(("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000".into()));
-                    defaults.push(("TORCH_FR_DUMP_TEMP_FILE", d.join("nccl_trace_rank_").display().to_string()));
+                    defaults
+                        .push(("TORCH_FR_DUMP_TEMP_FILE", d.join("nccl_trace_rank_").display().to_string()));
                 }
                 for (k, v) in defaults {
                     if !user_has(k) {
@@ -571,7 +602,10 @@ impl JobIo {
                     env.extend(t.env(std::env::var("LD_PRELOAD").ok().as_deref()));
                 }
                 if let Some(id) = nccl_id {
-                    env.push(("MESHD_NCCL_UNIQUE_ID".into(), id.iter().map(|b| format!("{b:02x}")).collect()));
+                    env.push((
+                        "MESHD_NCCL_UNIQUE_ID".into(),
+                        id.iter().map(|b| format!("{b:02x}")).collect(),
+                    ));
                 }
                 RankSpec { global: first + l, local: l, env }
             })
@@ -584,8 +618,16 @@ impl JobIo {
         };
         let spawn_began = Instant::now();
         let here = describe_member(roster, me);
-        let mut round =
-            Round { roster: roster.clone(), node_rank, here, sup: None, svc, tunnel, round_dir, local_done: false };
+        let mut round = Round {
+            roster: roster.clone(),
+            node_rank,
+            here,
+            sup: None,
+            svc,
+            tunnel,
+            round_dir,
+            local_done: false,
+        };
         let input = match Supervisor::spawn(&self.cfg.cmd, &ranks, &round_out).await {
             Ok(sup) => {
                 round.sup = Some(sup);
@@ -660,7 +702,8 @@ impl JobIo {
             // Written whole then renamed: nodes sharing the directory write the same file.
             let p = d.base().join("error.json");
             let tmp = d.base().join(format!(".error.json.{}", std::process::id()));
-            if let Err(e) = std::fs::write(&tmp, cause::error_json(c)).and_then(|_| std::fs::rename(&tmp, &p)) {
+            if let Err(e) = std::fs::write(&tmp, cause::error_json(c)).and_then(|_| std::fs::rename(&tmp, &p))
+            {
                 warn!("cannot write {}: {e}", p.display());
             }
         }
@@ -730,7 +773,14 @@ impl JobIo {
                     r.here,
                     supervisor::describe(&e.status)
                 );
-                let c = rank_failure(self.addr, &r.roster, r.node_rank, &e, &sup.tail(e.global), r.round_dir.as_deref());
+                let c = rank_failure(
+                    self.addr,
+                    &r.roster,
+                    r.node_rank,
+                    &e,
+                    &sup.tail(e.global),
+                    r.round_dir.as_deref(),
+                );
                 r.local_done = true;
                 Wake::Input(Input::RankFailed { rank: Some(e.global), reason, cause: Some(Box::new(c)) })
             }
@@ -743,8 +793,10 @@ impl JobIo {
         let Some(sup) = r.sup.as_mut() else { return Wake::Nothing };
         let c = stalled(self.addr, &r.roster, r.node_rank, sup, t).await;
         r.local_done = true;
-        let reason =
-            format!("{}: no rank on {} wrote output or called meshd for {t:?} (--stall-timeout)", c.message, r.here);
+        let reason = format!(
+            "{}: no rank on {} wrote output or called meshd for {t:?} (--stall-timeout)",
+            c.message, r.here
+        );
         Wake::Input(Input::RankFailed { rank: Some(c.rank), reason, cause: Some(Box::new(c)) })
     }
 }
@@ -778,7 +830,13 @@ fn rank_failure(
 /// This node's ranks stalled: each gets SIGABRT (with PYTHONFAULTHANDLER=1, Python prints
 /// every thread's stack to stderr, then dies), and their last stderr lines become the root
 /// cause. Exit status 124, as `timeout`'s.
-async fn stalled(addr: SocketAddr, roster: &Roster, node_rank: usize, sup: &mut Supervisor, t: Duration) -> RankFailure {
+async fn stalled(
+    addr: SocketAddr,
+    roster: &Roster,
+    node_rank: usize,
+    sup: &mut Supervisor,
+    t: Duration,
+) -> RankFailure {
     let ranks: Vec<(u32, u32, i32)> = sup.ranks().to_vec();
     warn!(
         "no rank wrote output or called meshd for {t:?} (--stall-timeout): sending SIGABRT to {} for their Python stacks",

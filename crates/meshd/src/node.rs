@@ -50,14 +50,22 @@ impl NodeConfig {
     /// A fixed-size configuration from `mesh` (its MIN:MAX, a 60 s rendezvous timeout, no
     /// restarts).
     pub fn new(mesh: MeshConfig) -> NodeConfig {
-        let rdzv = RdzvConfig { min_nodes: mesh.min_nodes, max_nodes: mesh.max_nodes, ..RdzvConfig::default() };
+        let rdzv =
+            RdzvConfig { min_nodes: mesh.min_nodes, max_nodes: mesh.max_nodes, ..RdzvConfig::default() };
         let preflight = PreflightInput {
             cmd_hash: mesh.cmd_hash,
             nproc: mesh.nproc,
             connect_timeout: Duration::from_secs(2),
             ..PreflightInput::default()
         };
-        NodeConfig { mesh, rdzv, rdzv_timeout: Duration::from_secs(60), max_restarts: 0, preflight, make_nccl_id: false }
+        NodeConfig {
+            mesh,
+            rdzv,
+            rdzv_timeout: Duration::from_secs(60),
+            max_restarts: 0,
+            preflight,
+            make_nccl_id: false,
+        }
     }
 }
 
@@ -113,9 +121,12 @@ impl Node {
         };
         let mesh = Mesh::start(cfg.mesh.clone()).await?;
         let transport = mesh.transport().clone();
-        let incoming = transport.take_data_streams().ok_or_else(|| MeshError::Iface("data streams already taken".into()))?;
+        let incoming = transport
+            .take_data_streams()
+            .ok_or_else(|| MeshError::Iface("data streams already taken".into()))?;
         let master_port = crate::job::free_tcp_port(mesh.addr().ip()).unwrap_or(29500);
-        let core_cfg = core_config(&mesh, &cfg.rdzv, cfg.rdzv_timeout, cfg.max_restarts, &cfg.preflight, master_port);
+        let core_cfg =
+            core_config(&mesh, &cfg.rdzv, cfg.rdzv_timeout, cfg.max_restarts, &cfg.preflight, master_port);
         let core = core::Node::new(core_cfg, Instant::now());
         let (id, addr, choice) = (mesh.node(), mesh.addr(), mesh.choice().clone());
         let (cmd_tx, cmd_rx) = mpsc::channel(16);

@@ -63,7 +63,11 @@ impl Drop for Listeners {
 /// Binds node `me`'s preflight listener on `ip` (and MASTER_PORT when `master_port` is given, on
 /// the master). Returns its port, the listeners, and this node's own failures (MASTER_PORT
 /// taken); `Err` when not even the ephemeral listener can be bound.
-pub async fn bind(me: NodeId, ip: IpAddr, master_port: Option<u16>) -> Result<(u16, Listeners, Vec<TcpProbe>), String> {
+pub async fn bind(
+    me: NodeId,
+    ip: IpAddr,
+    master_port: Option<u16>,
+) -> Result<(u16, Listeners, Vec<TcpProbe>), String> {
     let io = |e: std::io::Error| format!("preflight listener on {ip}: {e}");
     let listener = TcpListener::bind(SocketAddr::new(ip, 0)).await.map_err(io)?;
     let port = listener.local_addr().map_err(io)?.port();
@@ -120,7 +124,8 @@ pub async fn dial_all(
                 Ok(Err(e)) => (false, e.to_string()),
                 Err(e) => (false, e.to_string()),
             };
-            let p = TcpProbe { to: master_id, target: root.to_string(), ok, detail, what: "NCCL id root".into() };
+            let p =
+                TcpProbe { to: master_id, target: root.to_string(), ok, detail, what: "NCCL id root".into() };
             (usize::MAX, p)
         });
     }

@@ -90,7 +90,12 @@ impl Closing {
             outcome,
             linger_until: None,
             acks_until: None,
-            done_wait: Some(DoneWait { roster, done, deadline: now + t.refuse_wait, next: now + t.abort_resend }),
+            done_wait: Some(DoneWait {
+                roster,
+                done,
+                deadline: now + t.refuse_wait,
+                next: now + t.abort_resend,
+            }),
         }
     }
 
@@ -111,8 +116,14 @@ impl Node {
         cause: Option<Box<RankFailure>>,
         now: Instant,
     ) {
-        let hostname = roster.members.iter().find(|m| m.id == self.cfg.id).map(|m| m.hostname.clone()).unwrap_or_default();
-        let msg = Message::Abort { restart: roster.restart, node: self.cfg.id, hostname, rank, reason, cause };
+        let hostname = roster
+            .members
+            .iter()
+            .find(|m| m.id == self.cfg.id)
+            .map(|m| m.hostname.clone())
+            .unwrap_or_default();
+        let msg =
+            Message::Abort { restart: roster.restart, node: self.cfg.id, hostname, rank, reason, cause };
         self.broadcast(roster, &msg);
         let waiting: BTreeMap<NodeId, SocketAddr> = roster
             .members
@@ -190,9 +201,11 @@ impl Node {
                 self.fail(Failure::Signal(reason, code), now);
             }
             Input::Signal(signal) => {
-                let hostname = r.roster.members.iter().find(|m| m.id == self.cfg.id).map(|m| m.hostname.clone());
+                let hostname =
+                    r.roster.members.iter().find(|m| m.id == self.cfg.id).map(|m| m.hostname.clone());
                 let roster = r.roster.clone();
-                let msg = Message::Signal { restart: self.restart, signal, hostname: hostname.unwrap_or_default() };
+                let msg =
+                    Message::Signal { restart: self.restart, signal, hostname: hostname.unwrap_or_default() };
                 self.broadcast(&roster, &msg);
                 self.events.push_back(Event::ForwardSignal { signal, from: None });
             }
@@ -201,7 +214,13 @@ impl Node {
     }
 
     /// Aborts everywhere and ends the round with a restartable failure.
-    fn running_fails(&mut self, rank: Option<u32>, reason: String, cause: Option<Box<RankFailure>>, now: Instant) {
+    fn running_fails(
+        &mut self,
+        rank: Option<u32>,
+        reason: String,
+        cause: Option<Box<RankFailure>>,
+        now: Instant,
+    ) {
         let Phase::Running(r) = &self.phase else { return };
         let roster = r.roster.clone();
         self.start_abort(&roster, rank, reason.clone(), cause.clone(), now);
@@ -229,12 +248,13 @@ impl Node {
             }
             // Only the signals meshd forwards: a peer cannot make ranks die this way.
             Message::Signal { restart, signal, .. }
-                if restart == self.restart && member && [SIGUSR1, SIGUSR2].contains(&signal) =>
+                if restart == self.restart
+                    && member
+                    && [SIGUSR1, SIGUSR2].contains(&signal)
+                    && !r.local_done =>
             {
-                if !r.local_done {
-                    let who = Self::describe(&r.roster, from);
-                    self.events.push_back(Event::ForwardSignal { signal, from: Some(who) });
-                }
+                let who = Self::describe(&r.roster, from);
+                self.events.push_back(Event::ForwardSignal { signal, from: Some(who) });
             }
             m @ Message::Propose(_) => self.keep_early(from, m),
             _ => {}
@@ -249,7 +269,9 @@ impl Node {
             }
         }
         match ev {
-            MemberEvent::Left(id) if r.everyone.contains(&id) && !r.done.contains(&id) && r.left.is_none() => {
+            MemberEvent::Left(id)
+                if r.everyone.contains(&id) && !r.done.contains(&id) && r.left.is_none() =>
+            {
                 // Usually a node stopping on an Abort that is still on its way here.
                 let grace = self.cfg.timing.left_grace;
                 r.left = Some((id, now + grace));
@@ -263,7 +285,10 @@ impl Node {
                 );
             }
             MemberEvent::Down(id) if r.everyone.contains(&id) && !r.done.contains(&id) => {
-                let reason = format!("{} stopped answering (declared dead by the mesh)", Self::describe(&r.roster, id));
+                let reason = format!(
+                    "{} stopped answering (declared dead by the mesh)",
+                    Self::describe(&r.roster, id)
+                );
                 self.log(Level::Error, format!("{reason}; stopping the job on every node"));
                 self.running_fails(None, reason, None, now);
             }
@@ -277,7 +302,8 @@ impl Node {
             if r.done.contains(&id) {
                 r.left = None;
             } else if now >= at {
-                let reason = format!("{} left the mesh before the job finished", Self::describe(&r.roster, id));
+                let reason =
+                    format!("{} left the mesh before the job finished", Self::describe(&r.roster, id));
                 self.log(Level::Error, format!("{reason}; stopping the job on every node"));
                 return self.running_fails(None, reason, None, now);
             }
@@ -327,9 +353,11 @@ impl Node {
     pub(super) fn ranks_stopped(&mut self, now: Instant) {
         let Phase::Stopping(f) = std::mem::replace(&mut self.phase, Phase::Finished) else { return };
         match f {
-            Failure::Signal(message, code) => {
-                self.close(Closing::after_abort(Outcome { code, message, kind: OutcomeKind::Stopped }, now, &self.cfg.timing))
-            }
+            Failure::Signal(message, code) => self.close(Closing::after_abort(
+                Outcome { code, message, kind: OutcomeKind::Stopped },
+                now,
+                &self.cfg.timing,
+            )),
             Failure::Job(m, cause) => {
                 let restarting = self.restart < self.cfg.max_restarts;
                 self.events.push_back(Event::RoundFailed {
@@ -355,7 +383,8 @@ impl Node {
                 } else {
                     self.set_state(NodeState::Failed, now);
                     let code = cause.map_or(1, |c| c.status);
-                    let outcome = Outcome { code, message: format!("job failed: {m}"), kind: OutcomeKind::Failed };
+                    let outcome =
+                        Outcome { code, message: format!("job failed: {m}"), kind: OutcomeKind::Failed };
                     self.close(Closing::after_abort(outcome, now, &self.cfg.timing));
                 }
             }

@@ -497,7 +497,9 @@ impl Node {
             .members
             .iter()
             .find(|m| m.id == id)
-            .map(|m| format!("node {} ({})", if m.hostname.is_empty() { "?" } else { &m.hostname }, m.addr.ip()))
+            .map(|m| {
+                format!("node {} ({})", if m.hostname.is_empty() { "?" } else { &m.hostname }, m.addr.ip())
+            })
             .unwrap_or_else(|| format!("node {id}"))
     }
 
@@ -558,7 +560,11 @@ impl Node {
     fn after(&mut self, now: Instant) {
         loop {
             while let Some(t) = self.membership.poll_transmit() {
-                self.outbox.push_back(Transmit { to: t.to, frame: Frame::Gossip(t.msg), delivery: t.delivery });
+                self.outbox.push_back(Transmit {
+                    to: t.to,
+                    frame: Frame::Gossip(t.msg),
+                    delivery: t.delivery,
+                });
             }
             let mut changed = Vec::new();
             while let Some(ev) = self.membership.poll_event() {

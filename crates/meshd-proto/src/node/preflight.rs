@@ -70,7 +70,9 @@ impl Node {
         match msg {
             Message::PreflightHello { restart: r, tcp_port, nccl_id } if r == restart && member => {
                 p.ports.insert(from, tcp_port);
-                if p.roster.master().map(|m| m.id) == Some(from) && nccl_id.as_ref().is_some_and(|b| b.len() == 128) {
+                if p.roster.master().map(|m| m.id) == Some(from)
+                    && nccl_id.as_ref().is_some_and(|b| b.len() == 128)
+                {
                     p.nccl_id = nccl_id;
                 }
                 self.preflight_progress(now);
@@ -81,7 +83,9 @@ impl Node {
             }
             // Only the roster of this round may stop it: a straggler of an earlier job with
             // the same run id (an earlier srun step) must not.
-            Message::Abort { restart: r, reason, .. } if r == restart && member => self.preflight_stopped(reason, now),
+            Message::Abort { restart: r, reason, .. } if r == restart && member => {
+                self.preflight_stopped(reason, now)
+            }
             m @ Message::Propose(_) => self.keep_early(from, m),
             _ => {}
         }
@@ -179,7 +183,11 @@ impl Node {
         let roster = p.roster.clone();
         self.start_abort(&roster, None, reason.clone(), None, now);
         self.close(Closing::after_abort(
-            Outcome { code: 1, message: format!("job stopped before launch: {reason}"), kind: OutcomeKind::Failed },
+            Outcome {
+                code: 1,
+                message: format!("job stopped before launch: {reason}"),
+                kind: OutcomeKind::Failed,
+            },
             now,
             &self.cfg.timing,
         ));
@@ -207,16 +215,23 @@ impl Node {
                 self.phase = Phase::Running(Box::new(Running::new(roster)));
                 return;
             }
-            let failed: Vec<String> =
-                verdict.checks.iter().filter(|c| !c.ok && c.fatal).map(|c| format!("{} {}", c.name, c.detail)).collect();
+            let failed: Vec<String> = verdict
+                .checks
+                .iter()
+                .filter(|c| !c.ok && c.fatal)
+                .map(|c| format!("{} {}", c.name, c.detail))
+                .collect();
             let why = if failed.is_empty() && self.cfg.report.forced.as_deref() == Some("nccl") {
                 "--collective nccl was forced but TCP between the nodes fails".to_string()
             } else {
                 failed.join("; ")
             };
             self.set_state(NodeState::Failed, now);
-            let outcome =
-                Outcome { code: 1, message: format!("launch refused by the preflight: {why}"), kind: OutcomeKind::Failed };
+            let outcome = Outcome {
+                code: 1,
+                message: format!("launch refused by the preflight: {why}"),
+                kind: OutcomeKind::Failed,
+            };
             let done = super::Message::Done { restart: self.restart };
             self.broadcast(&roster, &done);
             self.close(Closing::exchange_done(outcome, roster, self.cfg.id, now, &self.cfg.timing));
@@ -227,7 +242,12 @@ impl Node {
 /// Whom this node dials: every other member's port (small rosters) or a skip ring over the
 /// node ranks (distances 1, 2, 4, ...), and the master's MASTER_PORT. Members whose port
 /// never came are skipped (the verdict names their missing report).
-fn dial_plan(roster: &Roster, me: NodeId, ports: &BTreeMap<NodeId, u16>, all_up_to: usize) -> Vec<DialTarget> {
+fn dial_plan(
+    roster: &Roster,
+    me: NodeId,
+    ports: &BTreeMap<NodeId, u16>,
+    all_up_to: usize,
+) -> Vec<DialTarget> {
     let n = roster.members.len();
     let Some(rank) = roster.node_rank(me) else { return Vec::new() };
     let mut ranks: Vec<usize> = if n <= all_up_to {

@@ -32,7 +32,8 @@ impl WaitReport {
     /// "waiting for nodes: 2/4 present; no answer yet from ...; why...; auth...".
     /// `missing` are listed peers that never answered, `auth` one word per refusal.
     pub fn progress_line(&self, missing: &[String], auth: &[String]) -> String {
-        let mut line = format!("waiting for nodes: {}/{} present", self.present, nnodes_text(self.min, self.max));
+        let mut line =
+            format!("waiting for nodes: {}/{} present", self.present, nnodes_text(self.min, self.max));
         if self.min < self.max && self.present >= self.min as usize {
             line.push_str(&format!(", starting once no newcomer arrived for {:?}", self.settle));
         }
@@ -51,7 +52,13 @@ impl WaitReport {
     /// Why the rendezvous did not finish. `auth` are whole clauses ("10.0.0.9 answered but
     /// failed authentication: ..."), `missing` the listed peers that never answered (with
     /// the UDP `port` to check), `unresolved` the names that never resolved.
-    pub fn timeout_message(&self, auth: &[String], missing: &[String], port: u16, unresolved: &[String]) -> String {
+    pub fn timeout_message(
+        &self,
+        auth: &[String],
+        missing: &[String],
+        port: u16,
+        unresolved: &[String],
+    ) -> String {
         let mut msg = format!(
             "rendezvous timed out after {}: {} of {} {} present",
             human(self.timeout),
@@ -105,5 +112,9 @@ pub fn state_word(s: NodeState) -> &'static str {
 /// `300s`, `1.5s`, `5m`: a duration as the flags spell it.
 pub fn human(d: Duration) -> String {
     let s = d.as_secs_f64();
-    if s >= 60.0 && s % 60.0 == 0.0 { format!("{}m", s / 60.0) } else { format!("{}s", (s * 1000.0).round() / 1000.0) }
+    if s >= 60.0 && s % 60.0 == 0.0 {
+        format!("{}m", s / 60.0)
+    } else {
+        format!("{}s", (s * 1000.0).round() / 1000.0)
+    }
 }

@@ -20,7 +20,7 @@
 //! simulator test `partition_min_max` shows both cases.
 
 use super::report::{nnodes_text, state_word};
-use super::{Event, Level, Node, Outcome, OutcomeKind, Phase, WaitReport, MAX_HELD};
+use super::{Event, Level, MAX_HELD, Node, Outcome, OutcomeKind, Phase, WaitReport};
 use crate::id::NodeId;
 use crate::meta::NodeState;
 use crate::rendezvous::{Message, RdzvEvent, Rendezvous, Roster};
@@ -44,7 +44,10 @@ pub(super) struct Round {
 impl Round {
     pub fn poll_timeout(&self) -> Option<Instant> {
         let look = if self.dirty { self.last_look.map(|l| l + VIEW_EVERY) } else { None };
-        [self.rdzv.poll_timeout(), Some(self.next_progress), Some(self.deadline), look].into_iter().flatten().min()
+        [self.rdzv.poll_timeout(), Some(self.next_progress), Some(self.deadline), look]
+            .into_iter()
+            .flatten()
+            .min()
     }
 }
 
@@ -114,11 +117,9 @@ impl Node {
             "while waiting for nodes".to_string()
         };
         match input {
-            super::Input::Stop { what, code } => self.finish(Outcome {
-                code,
-                message: format!("{what} {when}"),
-                kind: OutcomeKind::Stopped,
-            }),
+            super::Input::Stop { what, code } => {
+                self.finish(Outcome { code, message: format!("{what} {when}"), kind: OutcomeKind::Stopped })
+            }
             super::Input::Abort(reason) => self.finish(Outcome {
                 code: 1,
                 message: format!("{reason} {when}"),
@@ -205,12 +206,18 @@ impl Node {
         r.rdzv.handle_candidates(candidates, now);
         if blocked && !said {
             let line = self.ran_words();
-            self.log(Level::Warn, format!("{line}; it waits and joins that job's next restart round, if there is one"));
+            self.log(
+                Level::Warn,
+                format!("{line}; it waits and joins that job's next restart round, if there is one"),
+            );
         }
         // A disagreement is named as soon as it is seen, once per node.
         for (id, why) in self.disagreeing() {
             if why.contains("--nnodes") && !self.nnodes_named.contains_key(&id) {
-                self.log(Level::Warn, format!("{why}: these nodes cannot form one roster; give every node the same --nnodes"));
+                self.log(
+                    Level::Warn,
+                    format!("{why}: these nodes cannot form one roster; give every node the same --nnodes"),
+                );
                 self.nnodes_named.insert(id, why);
             }
         }
@@ -269,7 +276,11 @@ impl Node {
     fn ran_words(&self) -> String {
         let Some((_, addrs)) = &self.ran else { return String::new() };
         let shown: Vec<String> = addrs.iter().take(8).map(|a| a.to_string()).collect();
-        let more = if addrs.len() > shown.len() { format!(" and {} more", addrs.len() - shown.len()) } else { String::new() };
+        let more = if addrs.len() > shown.len() {
+            format!(" and {} more", addrs.len() - shown.len())
+        } else {
+            String::new()
+        };
         format!(
             "a job of this run is running on {}{more} (started while this node waited): this node does not start a second one",
             shown.join(", ")
@@ -319,7 +330,13 @@ impl Node {
         let present = candidates.len();
         let members = candidates
             .iter()
-            .map(|c| if c.id == self.cfg.id { format!("{} (this node)", c.addr.ip()) } else { c.addr.ip().to_string() })
+            .map(|c| {
+                if c.id == self.cfg.id {
+                    format!("{} (this node)", c.addr.ip())
+                } else {
+                    c.addr.ip().to_string()
+                }
+            })
             .collect();
         let mut why = self.nnodes_named.clone();
         why.extend(self.disagreeing());

@@ -25,7 +25,9 @@ fn config(max_restarts: u32) -> NodeConfig {
 }
 
 fn events(n: &mut Node) -> Vec<Event> {
-    std::iter::from_fn(|| n.poll_event()).filter(|e| !matches!(e, Event::Member(_) | Event::Log(..))).collect()
+    std::iter::from_fn(|| n.poll_event())
+        .filter(|e| !matches!(e, Event::Member(_) | Event::Log(..)))
+        .collect()
 }
 
 /// Runs a single node up to its launch; returns it and the time.
@@ -33,8 +35,19 @@ fn launched(max_restarts: u32) -> (Node, Instant) {
     let now = Instant::now();
     let mut n = Node::new(config(max_restarts), now);
     let ev = events(&mut n);
-    assert!(matches!(&ev[..], [Event::RosterAgreed(_), Event::StartPreflight { master: true, .. }]), "{ev:?}");
-    n.handle(Input::PreflightReady { tcp_port: 4000, nccl_id: None, nccl_note: "no nccl".into(), problems: vec![] }, now);
+    assert!(
+        matches!(&ev[..], [Event::RosterAgreed(_), Event::StartPreflight { master: true, .. }]),
+        "{ev:?}"
+    );
+    n.handle(
+        Input::PreflightReady {
+            tcp_port: 4000,
+            nccl_id: None,
+            nccl_note: "no nccl".into(),
+            problems: vec![],
+        },
+        now,
+    );
     let ev = events(&mut n);
     assert!(matches!(&ev[..], [Event::Dial { targets, .. }] if targets.is_empty()), "{ev:?}");
     n.handle(Input::Dialed { probes: vec![], nccl_root: String::new() }, now);
@@ -64,20 +77,34 @@ fn one_node_runs_to_success() {
 fn a_failed_rank_restarts_the_round_then_fails_with_its_status() {
     let (mut n, now) = launched(1);
     let cause = RankFailure { status: 3, ..RankFailure::default() };
-    n.handle(Input::RankFailed { rank: Some(1), reason: "rank 1 exited 3".into(), cause: Some(Box::new(cause)) }, now);
+    n.handle(
+        Input::RankFailed { rank: Some(1), reason: "rank 1 exited 3".into(), cause: Some(Box::new(cause)) },
+        now,
+    );
     assert_eq!(events(&mut n), vec![Event::StopRanks]);
     n.handle(Input::RanksStopped, now);
     let ev = events(&mut n);
     assert!(matches!(&ev[0], Event::RoundFailed { restart: 0, restarting: true, .. }), "{ev:?}");
     assert!(ev.iter().any(|e| matches!(e, Event::StartPreflight { .. })), "round 1 forms again: {ev:?}");
     assert_eq!(n.restart(), 1);
-    n.handle(Input::PreflightReady { tcp_port: 4001, nccl_id: None, nccl_note: String::new(), problems: vec![] }, now);
+    n.handle(
+        Input::PreflightReady { tcp_port: 4001, nccl_id: None, nccl_note: String::new(), problems: vec![] },
+        now,
+    );
     n.handle(Input::Dialed { probes: vec![], nccl_root: String::new() }, now);
     n.handle(Input::RanksSpawned, now);
     let _ = events(&mut n);
-    n.handle(Input::RankFailed { rank: Some(0), reason: "rank 0 exited 3".into(), cause: Some(Box::new(RankFailure { status: 3, ..RankFailure::default() })) }, now);
+    n.handle(
+        Input::RankFailed {
+            rank: Some(0),
+            reason: "rank 0 exited 3".into(),
+            cause: Some(Box::new(RankFailure { status: 3, ..RankFailure::default() })),
+        },
+        now,
+    );
     n.handle(Input::RanksStopped, now);
-    let fin = events(&mut n).into_iter().find_map(|e| if let Event::Finished(o) = e { Some(o) } else { None });
+    let fin =
+        events(&mut n).into_iter().find_map(|e| if let Event::Finished(o) = e { Some(o) } else { None });
     let o = fin.expect("finished after the last restart");
     assert_eq!((o.code, o.message.as_str()), (3, "job failed: rank 0 exited 3"));
 }
@@ -92,7 +119,9 @@ fn a_stop_while_waiting_ends_at_once_with_its_status() {
     n.handle(Input::Stop { what: "interrupted (SIGINT)".into(), code: 130 }, now);
     let ev = events(&mut n);
     match &ev[..] {
-        [Event::Finished(o)] => assert_eq!((o.code, o.message.as_str()), (130, "interrupted (SIGINT) while waiting for nodes")),
+        [Event::Finished(o)] => {
+            assert_eq!((o.code, o.message.as_str()), (130, "interrupted (SIGINT) while waiting for nodes"))
+        }
         other => panic!("{other:?}"),
     }
 }
@@ -123,7 +152,11 @@ fn a_lone_node_of_two_times_out_with_a_report() {
     }
     let (at, o) = fin.expect("timed out");
     assert_eq!(at.duration_since(start), Duration::from_secs(5));
-    assert!(o.message.starts_with("rendezvous timed out after 5s: 1 of 2 nodes present (10.0.0.1 (this node))"), "{}", o.message);
+    assert!(
+        o.message.starts_with("rendezvous timed out after 5s: 1 of 2 nodes present (10.0.0.1 (this node))"),
+        "{}",
+        o.message
+    );
     assert!(matches!(o.kind, OutcomeKind::TimedOut(_)));
     assert_eq!(lines.first().map(String::as_str), Some("waiting for nodes: 1/2 present"));
     assert_eq!(lines.len(), 1, "at 2 s, not again before 7 s: {lines:?}");

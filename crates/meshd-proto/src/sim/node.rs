@@ -380,7 +380,8 @@ impl NodeSim {
     /// Crashes node `i` and starts it again at the same address with a new id.
     pub fn restart(&mut self, i: usize) {
         self.crash(i);
-        self.nodes[i].id = NodeId::from_u128(((self.rng.next_u64() as u128) << 64) | self.rng.next_u64() as u128);
+        self.nodes[i].id =
+            NodeId::from_u128(((self.rng.next_u64() as u128) << 64) | self.rng.next_u64() as u128);
         self.start(i);
     }
 
@@ -605,7 +606,12 @@ impl NodeSim {
         match ev {
             Event::StartPreflight { master, .. } => {
                 let nccl_id = master.then(|| vec![7u8; 128]);
-                let input = Input::PreflightReady { tcp_port: 40000, nccl_id, nccl_note: String::new(), problems: vec![] };
+                let input = Input::PreflightReady {
+                    tcp_port: 40000,
+                    nccl_id,
+                    nccl_note: String::new(),
+                    problems: vec![],
+                };
                 self.io(i, d, input);
             }
             Event::Dial { targets, .. } => {
@@ -614,7 +620,9 @@ impl NodeSim {
                     .into_iter()
                     .map(|t| {
                         let j = self.by_addr.get(&SocketAddr::new(t.addr.ip(), 29400)).copied();
-                        let blocked = j.is_none_or(|j| self.blocked_tcp.contains(&(i, j)) || self.group[i] != self.group[j]);
+                        let blocked = j.is_none_or(|j| {
+                            self.blocked_tcp.contains(&(i, j)) || self.group[i] != self.group[j]
+                        });
                         if blocked {
                             slowest = slowest.max(self.cfg.connect_timeout);
                         }
@@ -630,7 +638,12 @@ impl NodeSim {
                 self.io(i, slowest, Input::Dialed { probes, nccl_root: String::new() });
             }
             Event::Launch { roster, .. } => {
-                self.launches.push(Launch { at: self.now + d, node: i, id: core.id(), roster: roster.clone() });
+                self.launches.push(Launch {
+                    at: self.now + d,
+                    node: i,
+                    id: core.id(),
+                    roster: roster.clone(),
+                });
                 self.nodes[i].ranks_gen += 1;
                 self.nodes[i].ranks_running = true;
                 self.io(i, d, Input::RanksSpawned);
@@ -638,9 +651,17 @@ impl NodeSim {
                 match plan {
                     Ranks::Exit0(t) => self.io(i, d + t, Input::RanksExited),
                     Ranks::Fail(t, status) => {
-                        let cause = RankFailure { status, host: format!("gpu-node-{i:04}"), ..RankFailure::default() };
+                        let cause = RankFailure {
+                            status,
+                            host: format!("gpu-node-{i:04}"),
+                            ..RankFailure::default()
+                        };
                         let reason = format!("rank 0 on node {i} exited with status {status}");
-                        self.io(i, d + t, Input::RankFailed { rank: Some(0), reason, cause: Some(Box::new(cause)) });
+                        self.io(
+                            i,
+                            d + t,
+                            Input::RankFailed { rank: Some(0), reason, cause: Some(Box::new(cause)) },
+                        );
                     }
                     Ranks::Hang => {}
                 }

@@ -51,7 +51,10 @@ impl AuthRefusals {
             })
             .collect();
         if self.overflow > 0 {
-            v.push(format!("and {} more from other addresses", crate::plural(self.overflow as u64, "refusal")));
+            v.push(format!(
+                "and {} more from other addresses",
+                crate::plural(self.overflow as u64, "refusal")
+            ));
         }
         v
     }

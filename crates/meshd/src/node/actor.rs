@@ -39,8 +39,18 @@ pub(crate) enum Wake {
 
 /// Results of the preflight's IO tasks.
 enum EdgeDone {
-    Bound { restart: u32, result: Result<(u16, Listeners, Vec<meshd_proto::preflight::TcpProbe>), String>, root: Option<NcclRoot>, id: Option<Vec<u8>>, note: String },
-    Dialed { restart: u32, probes: Vec<meshd_proto::preflight::TcpProbe>, nccl_root: String },
+    Bound {
+        restart: u32,
+        result: Result<(u16, Listeners, Vec<meshd_proto::preflight::TcpProbe>), String>,
+        root: Option<Box<NcclRoot>>,
+        id: Option<Vec<u8>>,
+        note: String,
+    },
+    Dialed {
+        restart: u32,
+        probes: Vec<meshd_proto::preflight::TcpProbe>,
+        nccl_root: String,
+    },
 }
 
 /// Whether this node makes the round's NCCL id when it is master, and why not.
@@ -61,7 +71,7 @@ pub(crate) struct Actor {
     edge_tx: mpsc::UnboundedSender<EdgeDone>,
     edge_rx: mpsc::UnboundedReceiver<EdgeDone>,
     listeners: Option<Listeners>,
-    nccl_root: Option<NcclRoot>,
+    nccl_root: Option<Box<NcclRoot>>,
     nccl: NcclPolicy,
     connect_timeout: Duration,
     node_span: tracing::Span,
@@ -290,7 +300,8 @@ impl Actor {
     }
 
     fn start_preflight(&mut self, roster: &meshd_proto::rendezvous::Roster, master: bool) {
-        let (tx, restart, me, ip) = (self.edge_tx.clone(), self.core.restart(), self.mesh.node(), self.mesh.addr().ip());
+        let (tx, restart, me, ip) =
+            (self.edge_tx.clone(), self.core.restart(), self.mesh.node(), self.mesh.addr().ip());
         let master_port = master.then_some(roster.master_port);
         let make_id = master && self.nccl.make && self.nccl.note.is_empty();
         let mut note = if master { self.nccl.note.clone() } else { String::new() };
@@ -300,7 +311,7 @@ impl Actor {
             // outlive every rank's init (kept until the round ends).
             let root = if make_id {
                 match NcclRoot::spawn(&iface, Duration::from_secs(20)).await {
-                    Ok(r) => Some(r),
+                    Ok(r) => Some(Box::new(r)),
                     Err(e) => {
                         warn!("no NCCL unique id: {e}");
                         note = e;
@@ -319,14 +330,19 @@ impl Actor {
     fn on_edge(&mut self, done: EdgeDone) {
         let now = Instant::now();
         match done {
-            EdgeDone::Bound { restart, result, root, id, note } if restart == self.core.restart() => match result {
-                Ok((tcp_port, listeners, problems)) => {
-                    self.listeners = Some(listeners);
-                    self.nccl_root = root;
-                    self.core.handle(Input::PreflightReady { tcp_port, nccl_id: id, nccl_note: note, problems }, now);
+            EdgeDone::Bound { restart, result, root, id, note } if restart == self.core.restart() => {
+                match result {
+                    Ok((tcp_port, listeners, problems)) => {
+                        self.listeners = Some(listeners);
+                        self.nccl_root = root;
+                        self.core.handle(
+                            Input::PreflightReady { tcp_port, nccl_id: id, nccl_note: note, problems },
+                            now,
+                        );
+                    }
+                    Err(e) => self.core.handle(Input::PreflightFailed(e), now),
                 }
-                Err(e) => self.core.handle(Input::PreflightFailed(e), now),
-            },
+            }
             EdgeDone::Dialed { restart, probes, nccl_root } if restart == self.core.restart() => {
                 self.core.handle(Input::Dialed { probes, nccl_root }, now)
             }
@@ -337,7 +353,9 @@ impl Actor {
     fn on_transport(&mut self, ev: TransportEvent) {
         let now = Instant::now();
         match ev {
-            TransportEvent::Frame { from, node, frame } => self.core.handle(Input::Frame { from, node, frame }, now),
+            TransportEvent::Frame { from, node, frame } => {
+                self.core.handle(Input::Frame { from, node, frame }, now)
+            }
             TransportEvent::AuthFailed { addr, reason } => self.auth.record(addr, reason),
             TransportEvent::PeerUp { addr, observed, .. } => {
                 if let Some(o) = observed.filter(|o| o.ip() != self.mesh.addr().ip()) {
@@ -353,7 +371,11 @@ impl Actor {
             Command::Abort(reason) => self.core.handle(Input::Abort(reason), now),
             Command::Finish => self.core.handle(Input::RanksExited, now),
             Command::Shutdown => {
-                return Some(Ok(Outcome { code: 0, message: "shut down".into(), kind: OutcomeKind::Stopped }));
+                return Some(Ok(Outcome {
+                    code: 0,
+                    message: "shut down".into(),
+                    kind: OutcomeKind::Stopped,
+                }));
             }
         }
         None

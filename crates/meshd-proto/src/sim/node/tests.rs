@@ -27,13 +27,31 @@ fn same_roster_or_none(s: &NodeSim) -> BTreeMap<u32, Vec<Roster>> {
     let mut rounds: BTreeMap<u32, Vec<Roster>> = BTreeMap::new();
     let mut seen: BTreeSet<(usize, u32)> = BTreeSet::new();
     for l in s.launches() {
-        assert!(seen.insert((l.node, l.roster.restart)), "seed {}: node {} launched twice in round {}", s.seed(), l.node, l.roster.restart);
-        assert!(l.roster.node_rank(l.id).is_some(), "seed {}: node {} launched a roster without itself", s.seed(), l.node);
+        assert!(
+            seen.insert((l.node, l.roster.restart)),
+            "seed {}: node {} launched twice in round {}",
+            s.seed(),
+            l.node,
+            l.roster.restart
+        );
+        assert!(
+            l.roster.node_rank(l.id).is_some(),
+            "seed {}: node {} launched a roster without itself",
+            s.seed(),
+            l.node
+        );
         let v = rounds.entry(l.roster.restart).or_default();
         if !v.contains(&l.roster) {
             for other in v.iter() {
                 let shared = other.members.iter().any(|m| l.roster.node_rank(m.id).is_some());
-                assert!(!shared, "seed {}: two rosters in round {} share a member:\n{:?}\n{:?}", s.seed(), l.roster.restart, other, l.roster);
+                assert!(
+                    !shared,
+                    "seed {}: two rosters in round {} share a member:\n{:?}\n{:?}",
+                    s.seed(),
+                    l.roster.restart,
+                    other,
+                    l.roster
+                );
             }
             v.push(l.roster.clone());
         }
@@ -46,7 +64,13 @@ fn same_roster_or_none(s: &NodeSim) -> BTreeMap<u32, Vec<Roster>> {
 fn no_hang(s: &NodeSim, bound: Duration) {
     let Some(last) = s.outcomes().iter().filter_map(|e| e.ranks_ended).max() else { return };
     for e in s.outcomes() {
-        assert!(e.at <= last + bound, "seed {}: node {} ended {:?} after the job's ranks", s.seed(), e.node, e.at - last);
+        assert!(
+            e.at <= last + bound,
+            "seed {}: node {} ended {:?} after the job's ranks",
+            s.seed(),
+            e.node,
+            e.at - last
+        );
     }
 }
 
@@ -68,14 +92,19 @@ fn formation(s: &mut NodeSim, limit: Duration) -> Duration {
 #[test]
 fn eight_nodes_form_launch_and_finish_on_every_seed() {
     for seed in SEEDS {
-        let mut s = NodeSim::new(NodeSimConfig { loss: if seed % 2 == 0 { 0.05 } else { 0.0 }, ..fixed(8, seed) });
+        let mut s =
+            NodeSim::new(NodeSimConfig { loss: if seed % 2 == 0 { 0.05 } else { 0.0 }, ..fixed(8, seed) });
         s.start_all();
         let t = formation(&mut s, secs(10.0));
         assert!(t <= secs(0.5), "seed {seed}: formation took {t:?}");
         run_to_end(&mut s, secs(30.0));
         let rounds = same_roster_or_none(&s);
         assert_eq!(rounds.len(), 1, "seed {seed}");
-        assert!(s.outcomes().iter().all(|e| e.outcome.kind == OutcomeKind::Success), "seed {seed}: {:?}", s.outcomes());
+        assert!(
+            s.outcomes().iter().all(|e| e.outcome.kind == OutcomeKind::Success),
+            "seed {seed}: {:?}",
+            s.outcomes()
+        );
         no_hang(&s, secs(2.0));
     }
 }
@@ -93,11 +122,16 @@ fn a_rank_failure_aborts_everywhere_and_the_next_round_succeeds() {
         run_to_end(&mut s, secs(30.0));
         let rounds = same_roster_or_none(&s);
         assert_eq!(rounds.keys().copied().collect::<Vec<_>>(), vec![0, 1], "seed {seed}");
-        let failed_at = s.launches().iter().find(|l| l.node == bad).map(|l| l.at + secs(0.5)).unwrap_or_default();
+        let failed_at =
+            s.launches().iter().find(|l| l.node == bad).map(|l| l.at + secs(0.5)).unwrap_or_default();
         for i in 0..8 {
             let stop = s.stops().iter().find(|x| x.node == i && x.restart == 0);
             let stop = stop.unwrap_or_else(|| panic!("seed {seed}: node {i} never stopped round 0"));
-            assert!(stop.at <= failed_at + secs(1.0), "seed {seed}: the abort reached node {i} after {:?}", stop.at - failed_at);
+            assert!(
+                stop.at <= failed_at + secs(1.0),
+                "seed {seed}: the abort reached node {i} after {:?}",
+                stop.at - failed_at
+            );
         }
         assert!(s.outcomes().iter().all(|e| e.outcome.code == 0), "seed {seed}: {:?}", s.outcomes());
         no_hang(&s, secs(2.0));
@@ -121,7 +155,11 @@ fn an_abort_is_repeated_until_a_briefly_cut_off_member_has_it() {
         let stop = s.stops().iter().find(|x| x.node == 7).map(|x| x.at);
         let stop = stop.unwrap_or_else(|| panic!("seed {seed}: node 7 never heard of the abort"));
         assert!(stop - t0 <= secs(1.0), "seed {seed}: node 7 stopped {:?} after the abort", stop - t0);
-        assert!(s.outcomes().iter().all(|e| e.outcome.kind == OutcomeKind::Failed), "seed {seed}: {:?}", s.outcomes());
+        assert!(
+            s.outcomes().iter().all(|e| e.outcome.kind == OutcomeKind::Failed),
+            "seed {seed}: {:?}",
+            s.outcomes()
+        );
         same_roster_or_none(&s);
     }
 }
@@ -178,7 +216,10 @@ fn a_stalled_node_stopped_by_its_stall_check_ends_the_job_everywhere() {
         formation(&mut s, secs(10.0));
         s.run_for(secs(3.0));
         let cause = RankFailure { status: 124, ..RankFailure::default() };
-        s.input(4, Input::RankFailed { rank: Some(4), reason: "job stalled".into(), cause: Some(Box::new(cause)) });
+        s.input(
+            4,
+            Input::RankFailed { rank: Some(4), reason: "job stalled".into(), cause: Some(Box::new(cause)) },
+        );
         run_to_end(&mut s, secs(10.0));
         assert!(s.outcomes().iter().all(|e| e.outcome.code == 124), "seed {seed}: {:?}", s.outcomes());
         no_hang(&s, secs(2.0));
@@ -208,7 +249,10 @@ fn no_second_roster_while_a_roster_of_the_run_runs() {
         let rounds = same_roster_or_none(&s);
         assert_eq!(rounds.get(&0).map(Vec::len), Some(1), "seed {seed}: {:?}", rounds);
         for late in [4, 5] {
-            assert!(s.launches().iter().all(|l| l.node != late), "seed {seed}: node {late} launched a second roster");
+            assert!(
+                s.launches().iter().all(|l| l.node != late),
+                "seed {seed}: node {late} launched a second roster"
+            );
             let e = s.outcomes().iter().find(|e| e.node == late).expect("ended");
             assert!(matches!(e.outcome.kind, OutcomeKind::TimedOut(_)), "seed {seed}: {:?}", e.outcome);
             assert!(
