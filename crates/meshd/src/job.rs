@@ -751,7 +751,9 @@ impl JobIo {
                 if activity.is_some_and(|a| a.last().elapsed() < t) {
                     return Wake::Nothing;
                 }
-                self.on_stall(t).await
+                // Handled by the actor outside its select (`stalled` waits for the ranks'
+                // stacks, and must not be dropped halfway by another input).
+                Wake::Stalled(t)
             }
         }
     }
@@ -788,16 +790,17 @@ impl JobIo {
         }
     }
 
-    async fn on_stall(&mut self, t: Duration) -> Wake {
-        let Some(r) = self.round.as_mut() else { return Wake::Nothing };
-        let Some(sup) = r.sup.as_mut() else { return Wake::Nothing };
+    /// This node's ranks stalled for `t`: their stacks, then the failure.
+    pub(crate) async fn on_stall(&mut self, t: Duration) -> Option<Input> {
+        let r = self.round.as_mut()?;
+        let sup = r.sup.as_mut()?;
         let c = stalled(self.addr, &r.roster, r.node_rank, sup, t).await;
         r.local_done = true;
         let reason = format!(
             "{}: no rank on {} wrote output or called meshd for {t:?} (--stall-timeout)",
             c.message, r.here
         );
-        Wake::Input(Input::RankFailed { rank: Some(c.rank), reason, cause: Some(Box::new(c)) })
+        Some(Input::RankFailed { rank: Some(c.rank), reason, cause: Some(Box::new(c)) })
     }
 }
 

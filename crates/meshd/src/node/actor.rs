@@ -34,6 +34,8 @@ pub(crate) enum Edges {
 pub(crate) enum Wake {
     Input(Input),
     Command(Command),
+    /// The job's ranks stalled this long (the actor collects their stacks).
+    Stalled(Duration),
     Nothing,
 }
 
@@ -132,6 +134,13 @@ impl Actor {
                     Wake::Command(c) => {
                         if let Some(end) = self.on_command(c) {
                             break end;
+                        }
+                    }
+                    Wake::Stalled(t) => {
+                        if let Edges::Job(j) = &mut edges {
+                            if let Some(i) = j.on_stall(t).await {
+                                self.core.handle(i, Instant::now());
+                            }
                         }
                     }
                     Wake::Nothing => {}
@@ -279,6 +288,11 @@ impl Actor {
                 }
             }
             Event::Finished(o) => {
+                // After a success the ranks are gone but what they started and the round's
+                // tunnel and service are not: the same stop as after a failure.
+                if let Edges::Job(j) = edges {
+                    j.stop().await;
+                }
                 self.nccl_root = None;
                 return Some(match &o.kind {
                     OutcomeKind::TimedOut(report) => {
