@@ -7,6 +7,10 @@
 //! that does not survive the wire fails the run naming the seed. What the nodes do is
 //! recorded ([`NodeSim::launches`], [`NodeSim::stops`], [`NodeSim::outcomes`]) for the
 //! properties the tests check on every seed.
+//!
+//! Each launched round also gets the job-wide store the way meshd's local service runs it:
+//! a [`Store`] core per node and round, fed the store frames of roster members and told
+//! when a member is finished ([`NodeSim::store_set`], [`NodeSim::store_get`]).
 
 use super::node_addr;
 use crate::id::NodeId;
@@ -16,7 +20,8 @@ use crate::node::{Event, Input, LocalFacts, Node, NodeConfig, Outcome, Timing};
 use crate::preflight::TcpProbe;
 use crate::rendezvous::{RankFailure, RdzvConfig, Roster};
 use crate::rng::Rng;
-use crate::wire::{self, Frame};
+use crate::store::{SetId, Store, StoreConfig, StoreEvent};
+use crate::wire::{self, Frame, StoreMsg};
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, BinaryHeap, HashMap};
 use std::net::SocketAddr;
@@ -164,6 +169,11 @@ struct SimNode {
     ranks_running: bool,
     ranks_ended: Option<Duration>,
     started: Option<Duration>,
+    /// The round's store (as meshd's service runs it), with the roster it serves.
+    store: Option<(Store, Roster)>,
+    /// Store frames that came before the round's store existed.
+    store_backlog: Vec<(NodeId, StoreMsg)>,
+    store_events: Vec<StoreEvent>,
 }
 
 /// A seeded simulation of whole nodes.
@@ -210,6 +220,9 @@ impl NodeSim {
                 ranks_running: false,
                 ranks_ended: None,
                 started: None,
+                store: None,
+                store_backlog: Vec::new(),
+                store_events: Vec::new(),
             })
             .collect();
         let by_addr = nodes.iter().enumerate().map(|(i, n)| (n.addr, i)).collect();
@@ -319,6 +332,27 @@ impl NodeSim {
         self.blocked_tcp.insert((b, a));
     }
 
+    /// Node `i` sets `key` in the store of its launched round (`None`: no round runs
+    /// there, or the store refused it).
+    pub fn store_set(&mut self, i: usize, key: &str, value: &[u8]) -> Option<SetId> {
+        let now = self.at(self.now);
+        let (store, roster) = self.nodes[i].store.as_mut()?;
+        let members: Vec<NodeId> = roster.members.iter().map(|m| m.id).collect();
+        let id = store.set(key.to_string(), value.to_vec(), members, now).ok();
+        self.after(i);
+        id
+    }
+
+    /// The value of `key` in node `i`'s store.
+    pub fn store_get(&self, i: usize, key: &str) -> Option<Vec<u8>> {
+        self.nodes[i].store.as_ref().and_then(|(s, _)| s.get(key)).map(<[u8]>::to_vec)
+    }
+
+    /// What node `i`'s store reported (completed and failed sets, changes).
+    pub fn store_events(&self, i: usize) -> &[StoreEvent] {
+        &self.nodes[i].store_events
+    }
+
     /// Starts every node now.
     pub fn start_all(&mut self) {
         for i in 0..self.nodes.len() {
@@ -375,6 +409,7 @@ impl NodeSim {
         n.wake = None;
         n.ranks_running = false;
         n.ranks_gen += 1;
+        n.store = None;
     }
 
     /// Crashes node `i` and starts it again at the same address with a new id.
@@ -490,8 +525,15 @@ impl NodeSim {
                         continue;
                     }
                     n.wake = None;
+                    if let Some((st, _)) = n.store.as_mut() {
+                        if st.poll_timeout().is_some_and(|t| t <= now) {
+                            st.handle_timeout(now);
+                        }
+                    }
                     if let Some(c) = n.core.as_mut() {
-                        c.handle_timeout(now);
+                        if c.poll_timeout().is_some_and(|t| t <= now) {
+                            c.handle_timeout(now);
+                        }
                         self.after(node);
                     }
                 }
@@ -557,13 +599,22 @@ impl NodeSim {
                 let n = &mut self.nodes[i];
                 n.wake = None;
                 n.ranks_gen += 1;
+                n.store = None;
                 return;
+            }
+            if self.drain_store(i, core.id()) {
+                any = true;
             }
             if !any {
                 break;
             }
         }
-        let wake = core.poll_timeout().map(|t| t.saturating_duration_since(self.base).max(self.now));
+        let store_wake = self.nodes[i].store.as_ref().and_then(|(s, _)| s.poll_timeout());
+        let wake = [core.poll_timeout(), store_wake]
+            .into_iter()
+            .flatten()
+            .min()
+            .map(|t| t.saturating_duration_since(self.base).max(self.now));
         let life = self.nodes[i].life;
         self.nodes[i].core = Some(core);
         if wake != self.nodes[i].wake {
@@ -572,6 +623,23 @@ impl NodeSim {
                 self.push(at, Kind::Wake { node: i, life });
             }
         }
+    }
+
+    /// Sends node `i`'s store frames and records its store events; true if there were any.
+    fn drain_store(&mut self, i: usize, id: NodeId) -> bool {
+        let Some((mut store, roster)) = self.nodes[i].store.take() else { return false };
+        let mut any = false;
+        while let Some((to, msg)) = store.poll_transmit() {
+            any = true;
+            if let Some(m) = roster.members.iter().find(|m| m.id == to) {
+                self.transmit(i, id, m.addr, &Frame::Store(msg), Delivery::Reliable);
+            }
+        }
+        while let Some(ev) = store.poll_event() {
+            self.nodes[i].store_events.push(ev);
+        }
+        self.nodes[i].store = Some((store, roster));
+        any
     }
 
     fn transmit(&mut self, i: usize, id: NodeId, to: SocketAddr, frame: &Frame, delivery: Delivery) {
@@ -638,6 +706,14 @@ impl NodeSim {
                 self.io(i, slowest, Input::Dialed { probes, nccl_root: String::new() });
             }
             Event::Launch { roster, .. } => {
+                let now = self.at(self.now);
+                let mut store = Store::new(core.id(), roster.restart, StoreConfig::default());
+                for (from, msg) in std::mem::take(&mut self.nodes[i].store_backlog) {
+                    if roster.node_rank(from).is_some() {
+                        store.handle_message(from, msg, now);
+                    }
+                }
+                self.nodes[i].store = Some((store, roster.clone()));
                 self.launches.push(Launch {
                     at: self.now + d,
                     node: i,
@@ -666,7 +742,25 @@ impl NodeSim {
                     Ranks::Hang => {}
                 }
             }
+            Event::Store { from, msg } => {
+                let now = self.at(self.now);
+                let n = &mut self.nodes[i];
+                match n.store.as_mut() {
+                    Some((st, roster)) if roster.node_rank(from).is_some() => {
+                        st.handle_message(from, msg, now)
+                    }
+                    Some(_) => {}
+                    None if n.store_backlog.len() < 4096 => n.store_backlog.push((from, msg)),
+                    None => {}
+                }
+            }
+            Event::PeerFinished(id) => {
+                if let Some((st, _)) = self.nodes[i].store.as_mut() {
+                    st.member_gone(id);
+                }
+            }
             Event::StopRanks => {
+                self.nodes[i].store = None;
                 self.stops.push(Stopped { at: self.now, node: i, restart: core.restart() });
                 let n = &mut self.nodes[i];
                 n.ranks_gen += 1;

@@ -264,6 +264,42 @@ fn no_second_roster_while_a_roster_of_the_run_runs() {
     }
 }
 
+/// Store values converge: two nodes set one key at the same moment while a third is cut
+/// off; every node ends with the same value, and both sets complete.
+#[test]
+fn concurrent_store_sets_converge_on_every_node() {
+    use crate::store::StoreEvent;
+    for seed in SEEDS {
+        let mut s =
+            NodeSim::new(NodeSimConfig { loss: 0.05, ranks: Ranks::Exit0(secs(5.0)), ..fixed(8, seed) });
+        s.start_all();
+        formation(&mut s, secs(10.0));
+        s.run_for(secs(0.1));
+        s.partition(&[vec![6]]);
+        let a = s.store_set(1, "k", b"from node 1").expect("set on node 1");
+        let b = s.store_set(5, "k", b"from node 5").expect("set on node 5");
+        s.store_set(3, "other", b"x").expect("set on node 3");
+        s.run_for(secs(0.3));
+        s.heal();
+        let agreed = s.run_until(secs(4.0), |s| {
+            let v = s.store_get(0, "k");
+            v.is_some()
+                && (0..8).all(|i| {
+                    s.store_get(i, "k") == v && s.store_get(i, "other").as_deref() == Some(&b"x"[..])
+                })
+        });
+        assert!(
+            agreed.is_some(),
+            "seed {seed}: {:?}",
+            (0..8).map(|i| s.store_get(i, "k")).collect::<Vec<_>>()
+        );
+        assert!(s.store_events(1).contains(&StoreEvent::SetDone(a)), "seed {seed}: {:?}", s.store_events(1));
+        assert!(s.store_events(5).contains(&StoreEvent::SetDone(b)), "seed {seed}: {:?}", s.store_events(5));
+        run_to_end(&mut s, secs(20.0));
+        assert!(s.outcomes().iter().all(|e| e.outcome.code == 0), "seed {seed}: {:?}", s.outcomes());
+    }
+}
+
 fn formation_of(s: &mut NodeSim, n: usize, limit: Duration) {
     let t = s.run_until(limit, |s| s.launches().len() >= n);
     assert!(t.is_some(), "seed {}: {n} nodes did not launch within {limit:?}", s.seed());
