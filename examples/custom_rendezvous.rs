@@ -1,7 +1,8 @@
 //! Custom rendezvous with the meshd library, without the CLI: join a mesh from seeds and a
 //! token, await the agreed roster (master, ranks, addresses), then use the same QUIC
 //! endpoint for a ring allreduce, a broadcast, a barrier and an 8 MiB average whose chunks
-//! go to QUIC without being copied. The node's actor answers the mesh on its own.
+//! go to QUIC without being copied, and the job-wide store. The node's actor answers the
+//! mesh on its own.
 //!
 //! Run the same line for each node (here two nodes on loopback):
 //!
@@ -74,7 +75,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("broadcast from node 0: {}", String::from_utf8_lossy(&msg));
     println!("8 MiB average of the node ranks: {}", f32::from_le_bytes([g[0], g[1], g[2], g[3]]));
 
-    // 4. Done: wait until every node is, then leave.
+    // 4. The job-wide store: node 0 publishes, every node reads (waiting until it is set).
+    if rank == 0 {
+        node.store_set("greeting", b"hi from node 0".to_vec()).await?;
+    }
+    let greeting = node.store_get("greeting", Duration::from_secs(30)).await.ok_or("no greeting")?;
+    println!("store: {}", String::from_utf8_lossy(&greeting));
+
+    // 5. Done: wait until every node is, then leave.
     let end = node.finish().await?;
     println!("{}", end.message);
     Ok(())

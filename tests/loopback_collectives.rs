@@ -409,3 +409,69 @@ fn wait_bounded(mut c: std::process::Child, limit: Duration) -> std::process::Ou
     let _ = c.kill();
     c.wait_with_output().expect("output")
 }
+
+/// The library handle's store: three nodes each set their own key and, at the same moment,
+/// one shared key; a set returns once every node holds it (or a newer value), so after
+/// every node's set returned (a barrier over the store itself) all three read the same
+/// winner of the shared key.
+#[test]
+fn rust_library_store_sets_arrive_everywhere_and_converge() {
+    use meshd::mesh::MeshConfig;
+    use meshd::proto::membership::MembershipConfig;
+    use meshd::transport::auth::Token;
+
+    async fn node(port: u16) -> (usize, Vec<Vec<u8>>, Vec<u8>) {
+        let peers = (29721..=29723)
+            .map(|p| (format!("127.0.0.1:{p}"), std::net::SocketAddr::from(([127, 0, 0, 1], p))))
+            .collect();
+        let mut node = meshd::Node::spawn(meshd::NodeConfig::new(MeshConfig {
+            node: meshd::random_node_id(),
+            port,
+            token: Some(Token::new("library-store-test")),
+            run_id: "library-store-test".into(),
+            peers,
+            unresolved: Vec::new(),
+            resolve_timeout: Duration::from_secs(60),
+            min_nodes: 3,
+            max_nodes: 3,
+            iface: None,
+            nproc: 1,
+            cmd_hash: 0,
+            membership: MembershipConfig::default(),
+        }))
+        .await
+        .expect("node");
+        let roster = node.roster().await.expect("roster");
+        let rank = roster.node_rank(node.id()).expect("in the roster");
+        node.store_set(format!("rank{rank}"), vec![rank as u8; 3]).await.expect("own key");
+        node.store_set("same", format!("from {rank}").into_bytes()).await.expect("shared key");
+        node.store_set(format!("done{rank}"), vec![1]).await.expect("done key");
+        let mut own = Vec::new();
+        for r in 0..3 {
+            let wait = Duration::from_secs(30);
+            assert!(node.store_get(format!("done{r}"), wait).await.is_some(), "node {rank}: done{r}");
+            own.push(node.store_get(format!("rank{r}"), wait).await.expect("rank key"));
+        }
+        let same = node.store_get("same", Duration::from_secs(1)).await.expect("shared key");
+        let end = node.finish().await.expect("finish");
+        assert_eq!(end.code, 0, "{}", end.message);
+        (rank, own, same)
+    }
+
+    let rt =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    let results = rt.block_on(async {
+        let tasks: Vec<_> = (29721..=29723).map(|p| tokio::spawn(node(p))).collect();
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(tokio::time::timeout(Duration::from_secs(90), t).await.expect("in time").expect("node"));
+        }
+        out
+    });
+    let winner = results[0].2.clone();
+    assert!([&b"from 0"[..], b"from 1", b"from 2"].contains(&winner.as_slice()), "{winner:?}");
+    for (rank, own, same) in results {
+        assert_eq!(own, vec![vec![0u8; 3], vec![1; 3], vec![2; 3]], "node {rank}: every node's own key");
+        assert_eq!(same, winner, "node {rank}: the shared key converged");
+    }
+}

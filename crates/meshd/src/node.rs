@@ -132,7 +132,7 @@ impl Node {
         let (cmd_tx, cmd_rx) = mpsc::channel(16);
         let (snap_tx, snap_rx) = watch::channel(Snapshot::default());
         let actor = Actor::new(mesh, core, nccl, cfg.preflight.connect_timeout);
-        let task = tokio::spawn(actor.run(Edges::Library(Library::new(cmd_rx, snap_tx))));
+        let task = tokio::spawn(actor.run(Edges::Library(Library::new(id, cmd_rx, snap_tx))));
         Ok(NodeHandle {
             cmds: cmd_tx,
             snap: snap_rx,
@@ -228,6 +228,25 @@ impl NodeHandle {
         let rank = roster.node_rank(self.id)?;
         let addrs = roster.members.iter().map(|m| m.addr).collect();
         Some(RingNet::new(self.transport.clone(), rank, addrs, self.incoming.clone()))
+    }
+
+    /// Sets `key` to `value` in the job-wide store of this round; returns once every live
+    /// roster member holds it (or a newer value of the key: concurrent sets converge to
+    /// the same value everywhere). `Err` names why (no roster yet, a store limit, members
+    /// that never acknowledged, the round ended).
+    pub async fn store_set(&self, key: impl Into<String>, value: impl Into<Vec<u8>>) -> Result<(), String> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        if self.cmds.send(Command::StoreSet(key.into(), value.into(), tx)).await.is_err() {
+            return Err("the node stopped".into());
+        }
+        rx.await.unwrap_or_else(|_| Err("the node stopped".into()))
+    }
+
+    /// The value of `key` in this round's store, waiting up to `timeout` for it to be set.
+    pub async fn store_get(&self, key: impl Into<String>, timeout: Duration) -> Option<Vec<u8>> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.cmds.send(Command::StoreGet(key.into(), tx)).await.ok()?;
+        tokio::time::timeout(timeout, rx).await.ok()?.ok()
     }
 
     /// Stops the job on every node (a restartable failure: a new round follows when

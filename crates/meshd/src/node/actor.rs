@@ -109,7 +109,11 @@ impl Actor {
             if let Some(end) = self.drain(&mut edges).await {
                 break end;
             }
-            let wake = self.core.poll_timeout();
+            let store_wake = match &edges {
+                Edges::Library(l) => l.store_timeout(),
+                Edges::Job(_) => None,
+            };
+            let wake = [self.core.poll_timeout(), store_wake].into_iter().flatten().min();
             let status_at = self.status_at + Duration::from_secs(1);
             let timer = async move {
                 match wake {
@@ -127,7 +131,9 @@ impl Actor {
                 _ = timer => {
                     let now = Instant::now();
                     self.feed_liveness(now);
-                    self.core.handle_timeout(now);
+                    if self.core.poll_timeout().is_some_and(|t| t <= now) {
+                        self.core.handle_timeout(now);
+                    }
                 }
                 w = edges.next() => match w {
                     Wake::Input(i) => self.core.handle(i, Instant::now()),
@@ -184,6 +190,9 @@ impl Actor {
     async fn drain(&mut self, edges: &mut Edges) -> Option<Result<Outcome, MeshError>> {
         loop {
             self.send_transmits();
+            if let Edges::Library(l) = edges {
+                l.drive_store(self.mesh.transport(), Instant::now());
+            }
             let ev = self.core.poll_event()?;
             let span = self.round_span.clone();
             if let Some(end) = self.on_event(ev, edges).instrument(span).await {
@@ -272,16 +281,14 @@ impl Actor {
                     j.forward(signal, from.as_deref());
                 }
             }
-            Event::Store { from, msg } => {
-                if let Edges::Job(j) = edges {
-                    j.store(from, msg);
-                }
-            }
-            Event::PeerFinished(id) => {
-                if let Edges::Job(j) = edges {
-                    j.peer_finished(id);
-                }
-            }
+            Event::Store { from, msg } => match edges {
+                Edges::Job(j) => j.store(from, msg),
+                Edges::Library(l) => l.store_msg(from, msg, Instant::now()),
+            },
+            Event::PeerFinished(id) => match edges {
+                Edges::Job(j) => j.peer_finished(id),
+                Edges::Library(l) => l.member_gone(id),
+            },
             Event::RoundFailed { reason, cause, restarting, .. } => {
                 self.nccl_root = None;
                 match edges {
@@ -400,6 +407,11 @@ impl Actor {
                     message: "shut down".into(),
                     kind: OutcomeKind::Stopped,
                 }));
+            }
+            c @ (Command::StoreSet(..) | Command::StoreGet(..)) => {
+                if let Edges::Library(l) = edges {
+                    l.store_command(c, now);
+                }
             }
         }
         None
