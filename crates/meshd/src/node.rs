@@ -132,7 +132,7 @@ impl Node {
         let (cmd_tx, cmd_rx) = mpsc::channel(16);
         let (snap_tx, snap_rx) = watch::channel(Snapshot::default());
         let actor = Actor::new(mesh, core, nccl, cfg.preflight.connect_timeout);
-        let task = tokio::spawn(actor.run(Edges::Library(Library::new(id, cmd_rx, snap_tx))));
+        let task = tokio::spawn(actor.run(Edges::Library(Box::new(Library::new(id, cmd_rx, snap_tx)))));
         Ok(NodeHandle {
             cmds: cmd_tx,
             snap: snap_rx,

@@ -27,7 +27,7 @@ const LEAVE_LINGER: Duration = Duration::from_millis(50);
 /// library handle.
 pub(crate) enum Edges {
     Job(Box<JobIo>),
-    Library(Library),
+    Library(Box<Library>),
 }
 
 /// What an edge woke the actor with.

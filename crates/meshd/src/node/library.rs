@@ -159,7 +159,10 @@ impl Library {
                 }
                 StoreEvent::Changed(key) => {
                     if let Some(v) = store.get(&key) {
-                        for (_, r) in self.gets.extract_if(.., |(k, _)| *k == key) {
+                        let (ready, wait): (Vec<_>, Vec<_>) =
+                            std::mem::take(&mut self.gets).into_iter().partition(|(k, _)| *k == key);
+                        self.gets = wait;
+                        for (_, r) in ready {
                             let _ = r.send(v.to_vec());
                         }
                     }
