@@ -10,7 +10,7 @@
 //! cargo run --example custom_rendezvous -- 127.0.0.1:29701,127.0.0.1:29702 29702
 //! ```
 
-use meshd::collective::{CollectiveBuffer, RingNet};
+use meshd::collective::{CollectiveBuffer, RingConfig, RingNet};
 use meshd::mesh::{Mesh, MeshConfig};
 use meshd::proto::membership::MembershipConfig;
 use meshd::proto::reduce::{DType, ReduceOp};
@@ -43,6 +43,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         nproc: 1,
         cmd_hash: 0,
         membership: MembershipConfig::default(),
+        gso: true,
+        cc: Default::default(),
     })
     .await?;
     let incoming = mesh.transport().take_data_streams().ok_or("data streams taken")?;
@@ -60,8 +62,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // 3. Use the same QUIC endpoint for a ring allreduce; keep pumping the mesh meanwhile
     //    so membership probes are answered.
     let addrs = roster.members.iter().map(|m| m.addr).collect();
-    let mut ring =
-        RingNet::new(mesh.transport().clone(), rank, addrs, Arc::new(tokio::sync::Mutex::new(incoming)));
+    let mut ring = RingNet::new(
+        mesh.transport().clone(),
+        rank,
+        addrs,
+        Arc::new(tokio::sync::Mutex::new(incoming)),
+        &RingConfig::default(),
+    );
     //    Every node issues the same operations with the same ids, in the same order.
     let work = tokio::spawn(async move {
         let mut buf: Vec<u8> = (0..1000).flat_map(|_| ((rank + 1) as f32).to_le_bytes()).collect();

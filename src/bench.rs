@@ -242,9 +242,9 @@ async fn sweep(
     Ok((rows, ceil))
 }
 
-pub async fn main(which: Which) -> Result<ExitCode> {
+pub async fn main(which: Which, env: &crate::env::EnvConfig) -> Result<ExitCode> {
     let Which::Allreduce(a) = which;
-    let p = run::prepare(&a.job, &["meshd-bench-allreduce".to_string()])?;
+    let p = run::prepare(&a.job, &["meshd-bench-allreduce".to_string()], env)?;
     let mut mesh = Mesh::start(p.mesh).await?;
     let incoming = mesh.transport().take_data_streams().context("data streams already taken")?;
     let master_port = meshd::job::free_tcp_port(mesh.addr().ip()).unwrap_or(29500);
@@ -258,11 +258,13 @@ pub async fn main(which: Which) -> Result<ExitCode> {
         rank,
         addrs.clone(),
         std::sync::Arc::new(tokio::sync::Mutex::new(incoming)),
+        &p.job.ring,
     );
-    if let Some(l) = a.lanes {
-        ring.lanes = l as usize;
+    // clap takes 1..=MAX_LANES only.
+    if let Some(l) = a.lanes.and_then(|l| std::num::NonZeroUsize::new(l.into())) {
+        ring.lanes = l;
     }
-    let lanes = ring.lanes;
+    let lanes = ring.lanes.get();
     let sizes: Vec<usize> = match a.size {
         Some(s) => vec![s.max(4)],
         None => {

@@ -18,8 +18,8 @@ pub struct Args {
     pub json: bool,
 }
 
-pub async fn main(a: Args) -> Result<ExitCode> {
-    let p = run::prepare(&a.job, &[])?;
+pub async fn main(a: Args, env: &crate::env::EnvConfig) -> Result<ExitCode> {
+    let p = run::prepare(&a.job, &[], env)?;
     let mut mesh = Mesh::start(p.mesh).await?;
     let result = async {
         let master_port = job::free_tcp_port(mesh.addr().ip()).unwrap_or(29500);

@@ -6,6 +6,7 @@
 mod bench;
 mod common;
 mod doctor;
+mod env;
 mod ifaces;
 mod run;
 mod status;
@@ -86,6 +87,8 @@ fn main() -> ExitCode {
         a.note_dashdash(&std::env::args().collect::<Vec<_>>());
     }
     common::init_tracing();
+    // meshd's own tuning variables, read once: the library reads no environment.
+    let env = env::EnvConfig::from_env();
     // One worker per 8 cores, from 2 to 8: meshd shares the machine with the job's own
     // processes, but on a many-core GPU node the QUIC ring's lanes need cores of their own.
     let threads = std::env::var("MESHD_THREADS")
@@ -120,15 +123,15 @@ fn main() -> ExitCode {
         };
         if let Cmd::Run(a) = cli.cmd {
             // `run` stops its ranks on a signal itself, then exits 130/143.
-            return run::main(a, signals).await;
+            return run::main(a, signals, &env).await;
         }
         let mut sig = signals.clone();
         let work = async {
             match cli.cmd {
-                Cmd::Ifaces(a) => ifaces::main(a).await,
-                Cmd::Status(a) => status::main(a).await,
-                Cmd::Doctor(a) => doctor::main(a).await,
-                Cmd::Bench(w) => bench::main(w).await,
+                Cmd::Ifaces(a) => ifaces::main(a, &env).await,
+                Cmd::Status(a) => status::main(a, &env).await,
+                Cmd::Doctor(a) => doctor::main(a, &env).await,
+                Cmd::Bench(w) => bench::main(w, &env).await,
                 Cmd::Token(a) => token::main(a),
                 Cmd::Run(_) => unreachable!("handled above"),
             }

@@ -1,6 +1,7 @@
 //! `meshd run`: the identical command on every node.
 
 use crate::common::{self, NetArgs};
+use crate::env::EnvConfig;
 use anyhow::{Context, Result, bail};
 use clap::ArgAction;
 use clap::builder::BoolishValueParser;
@@ -332,7 +333,7 @@ pub fn show_cmd(cmd: &[String]) -> String {
     if s.chars().count() > 160 { format!("{}...", s.chars().take(157).collect::<String>()) } else { s }
 }
 
-pub fn prepare(a: &JobArgs, cmd: &[String]) -> Result<Prepared> {
+pub fn prepare(a: &JobArgs, cmd: &[String], env: &EnvConfig) -> Result<Prepared> {
     for (flag, v, why) in [
         ("--rdzv-backend", &a.rdzv_backend, "meshd is the rendezvous"),
         ("--rdzv-conf", &a.rdzv_conf, "meshd's rendezvous takes --rdzv-timeout and --settle"),
@@ -346,7 +347,7 @@ pub fn prepare(a: &JobArgs, cmd: &[String]) -> Result<Prepared> {
     }
     // Under SLURM, the step's node count and node list (srun -N2 in a 4-node allocation
     // runs on 2 nodes; srun --preserve-env leaves SLURM_NNODES at the allocation's).
-    let slurm_nnodes = meshd::peers::slurm_nnodes(meshd::peers::env_var).map(|(_, n)| n);
+    let slurm_nnodes = meshd::peers::slurm_nnodes(|k| std::env::var(k).ok()).map(|(_, n)| n);
     let mut port = a.net.port;
     let (nnodes, peer_text) = if a.standalone {
         if let Some(n) = a.nnodes.as_deref().filter(|n| parse_nnodes(n).ok() != Some((1, 1))) {
@@ -366,7 +367,7 @@ pub fn prepare(a: &JobArgs, cmd: &[String]) -> Result<Prepared> {
         let nnodes = nnodes_or_default(
             a.nnodes.as_deref().or(slurm_nnodes.as_deref()),
             peer_text.as_deref(),
-            meshd::peers::slurm_nodelist(meshd::peers::env_var).is_some(),
+            meshd::peers::slurm_nodelist(|k| std::env::var(k).ok()).is_some(),
         )?;
         (nnodes, peer_text)
     };
@@ -447,6 +448,8 @@ pub fn prepare(a: &JobArgs, cmd: &[String]) -> Result<Prepared> {
         nproc,
         cmd_hash,
         membership: MembershipConfig::default(),
+        gso: env.gso,
+        cc: env.cc,
     };
     let job = JobConfig {
         cmd: cmd.to_vec(),
@@ -479,6 +482,9 @@ pub fn prepare(a: &JobArgs, cmd: &[String]) -> Result<Prepared> {
         master_port: a.master_port,
         output,
         stall_timeout: a.stall_timeout.filter(|d| !d.is_zero()),
+        ring: env.ring(),
+        preload_lib: env.preload_lib.clone(),
+        runtime_dir: env.runtime_dir.clone(),
     };
     Ok(Prepared { mesh, job, run_id })
 }
@@ -531,10 +537,10 @@ pub fn nproc_gpus() -> u32 {
     }
 }
 
-pub async fn main(a: Args, signals: Signals) -> Result<ExitCode> {
+pub async fn main(a: Args, signals: Signals, env: &EnvConfig) -> Result<ExitCode> {
     let cmd = command(&a, &python())?;
     tracing::debug!("command of every rank: {}", show_cmd(&cmd));
-    let p = prepare(&a.job, &cmd)?;
+    let p = prepare(&a.job, &cmd, env)?;
     let mut sig = signals.clone();
     let mut mesh = tokio::select! {
         m = Mesh::start(p.mesh) => m?,

@@ -20,13 +20,15 @@ pub struct Args {
     net: NetArgs,
 }
 
-pub async fn main(a: Args) -> Result<ExitCode> {
+pub async fn main(a: Args, env: &crate::env::EnvConfig) -> Result<ExitCode> {
     let mut targets: Vec<(String, SocketAddr)> = common::peers_now(a.peers.as_deref(), a.net.port)?;
     if targets.is_empty() {
         targets.push(("this host".into(), SocketAddr::from(([127, 0, 0, 1], a.net.port))));
     }
     let mut cfg = TransportConfig::new(meshd::random_node_id(), 0);
     cfg.token = a.net.token()?;
+    cfg.gso = env.gso;
+    cfg.cc = env.cc;
     let (t, _events) = Transport::bind(cfg)?;
     let mut errors = Vec::new();
     let mut reply = None;

@@ -41,6 +41,8 @@ fn a_straggler_of_an_earlier_job_neither_aborts_nor_finishes_the_new_one() {
                 nproc: 1,
                 cmd_hash: 0,
                 membership: MembershipConfig::default(),
+                gso: true,
+                cc: Default::default(),
             })
             .await
             .expect("straggler mesh");

@@ -90,12 +90,13 @@ fn in_place_requests_that_cannot_be_served_are_refused_with_the_cause() {
 /// one after node 0 ran 70 operations the others never joined.
 #[test]
 fn rust_library_allreduce_broadcast_barrier() {
-    use meshd::collective::{CollectiveBuffer, RingNet};
+    use meshd::collective::{CollectiveBuffer, RingConfig, RingNet};
     use meshd::mesh::{Mesh, MeshConfig};
     use meshd::proto::membership::MembershipConfig;
     use meshd::proto::reduce::{DType, ReduceOp};
     use meshd::proto::rendezvous::RdzvConfig;
     use meshd::transport::auth::Token;
+    use std::num::NonZeroUsize;
     use std::sync::Arc;
 
     async fn node(port: u16) -> (usize, Vec<u8>, Vec<u8>, Vec<u8>) {
@@ -116,6 +117,8 @@ fn rust_library_allreduce_broadcast_barrier() {
             nproc: 1,
             cmd_hash: 0,
             membership: MembershipConfig::default(),
+            gso: true,
+            cc: Default::default(),
         })
         .await
         .expect("mesh");
@@ -124,8 +127,13 @@ fn rust_library_allreduce_broadcast_barrier() {
         let roster = mesh.rendezvous(0, rdzv, 29500, Duration::from_secs(60)).await.expect("roster");
         let rank = roster.node_rank(mesh.node()).expect("in the roster");
         let addrs = roster.members.iter().map(|m| m.addr).collect();
-        let mut ring =
-            RingNet::new(mesh.transport().clone(), rank, addrs, Arc::new(tokio::sync::Mutex::new(incoming)));
+        let mut ring = RingNet::new(
+            mesh.transport().clone(),
+            rank,
+            addrs,
+            Arc::new(tokio::sync::Mutex::new(incoming)),
+            &RingConfig::default(),
+        );
         let work = tokio::spawn(async move {
             let mut sum: Vec<u8> =
                 (0..1001).flat_map(|i| ((rank + 1) as f32 * i as f32).to_le_bytes()).collect();
@@ -134,8 +142,8 @@ fn rust_library_allreduce_broadcast_barrier() {
             ring.broadcast(2, &mut msg, 1).await?;
             assert!(ring.broadcast(3, &mut msg, 3).await.is_err(), "root 3 of 3 nodes is refused");
             ring.barrier(4).await?;
-            ring.lanes = rank + 1;
-            ring.chunk_bytes = 4096;
+            ring.lanes = NonZeroUsize::MIN.saturating_add(rank);
+            ring.chunk_bytes = NonZeroUsize::new(4096).expect("not zero");
             let mut big: Vec<u8> =
                 (0..100_003).flat_map(|i| ((rank as i32 - 1) * (i % 1000)).to_le_bytes()).collect();
             ring.allreduce(5, &mut big, DType::I32, ReduceOp::Max).await?;
@@ -144,7 +152,7 @@ fn rust_library_allreduce_broadcast_barrier() {
             // Segments larger than what a link buffers (a 16 MiB stream window plus the
             // driver's queues of 4 KiB chunks): every node must keep reading while its
             // sends wait, or the ring deadlocks.
-            ring.lanes = 1;
+            ring.lanes = NonZeroUsize::MIN;
             // Built and checked on a blocking thread: a debug build takes seconds over
             // 60 MiB, and on a runtime worker that would stall every node's QUIC timers.
             let mut huge = tokio::task::spawn_blocking(move || -> Vec<u8> {
@@ -172,8 +180,8 @@ fn rust_library_allreduce_broadcast_barrier() {
             // CollectiveBuffer (each writes chunks the previous may still have lent), and
             // a range this test holds for 300 ms, which the ring must leave alone until
             // it is released (it waits, and reads on meanwhile).
-            ring.chunk_bytes = 256 << 10;
-            ring.lanes = 2;
+            ring.chunk_bytes = NonZeroUsize::new(256 << 10).expect("not zero");
+            ring.lanes = NonZeroUsize::new(2).expect("not zero");
             let mut lent = tokio::task::spawn_blocking(move || {
                 CollectiveBuffer::from_vec(
                     (0..(24usize << 20) / 4)

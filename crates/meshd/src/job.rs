@@ -60,6 +60,12 @@ pub struct JobConfig {
     /// Stop the job, with the ranks' Python stacks, when no rank of this node wrote output
     /// or called the local service for this long (`--stall-timeout`).
     pub stall_timeout: Option<Duration>,
+    /// The QUIC ring's lanes and chunk size (`MESHD_LANES`, `MESHD_RING_CHUNK`).
+    pub ring: crate::collective::RingConfig,
+    /// The tunnel's preload library, when the user gave one (`MESHD_PRELOAD_LIB`).
+    pub preload_lib: Option<PathBuf>,
+    /// Where the job's owner-only socket directory goes (`$XDG_RUNTIME_DIR`, else `/tmp`).
+    pub runtime_dir: PathBuf,
 }
 
 /// How a job ended on this node.
@@ -449,10 +455,12 @@ pub async fn run(
             finish_together(mesh, &roster, Duration::from_secs(3)).await;
             return Ok(JobOutcome { code: 1, message: format!("launch refused by the preflight: {why}") });
         }
+        // The ranks inherit meshd's environment: a variable the user set there wins.
         let user_has = |k: &str| std::env::var_os(k).is_some();
         let iface = mesh.choice().name.clone();
         let addrs: Vec<SocketAddr> = roster.members.iter().map(|m| m.addr).collect();
-        let ring = RingNet::new(mesh.transport().clone(), node_rank, addrs.clone(), incoming.clone());
+        let ring =
+            RingNet::new(mesh.transport().clone(), node_rank, addrs.clone(), incoming.clone(), &cfg.ring);
         if let Some(w) = verdict.tcp_warning(&iface) {
             warn!("{w}");
         }
@@ -461,14 +469,14 @@ pub async fn run(
             info!(
                 "preflight passed; collective: {}; ring over {} to the next node (MESHD_LANES)",
                 verdict.collective_line(),
-                crate::plural(ring.lanes as u64, "lane")
+                crate::plural(ring.lanes.get() as u64, "lane")
             );
         } else {
             info!("preflight passed; collective: {}", verdict.collective_line());
         }
         let activity = std::sync::Arc::new(supervisor::output::Activity::default());
         let svc_cfg = ServiceConfig {
-            path: service::default_path(run_id, mesh.addr().port()),
+            path: service::default_path(&cfg.runtime_dir, run_id, mesh.addr().port()),
             local_world: roster.members[node_rank].nproc,
             first_global: roster.first_global_rank(node_rank),
             world: roster.world_size(),
@@ -503,6 +511,7 @@ pub async fn run(
                     &roster,
                     node_rank,
                     svc.as_ref().map(|s| s.path()),
+                    cfg.preload_lib.as_deref(),
                     mesh.transport(),
                     tunnel_in.as_ref(),
                     &tunnel_stats,
@@ -553,6 +562,7 @@ pub async fn run(
                     env.push(("MESHD_SOCKET".into(), s.path().display().to_string()));
                 }
                 if let Some(t) = &tunnel {
+                    // The ranks inherit meshd's LD_PRELOAD: the tunnel's library goes first.
                     env.extend(t.env(std::env::var("LD_PRELOAD").ok().as_deref()));
                 }
                 if let Some(id) = &outcome.nccl_id {

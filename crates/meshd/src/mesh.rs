@@ -56,6 +56,10 @@ pub struct MeshConfig {
     pub cmd_hash: u64,
     /// Membership tuning.
     pub membership: MembershipConfig,
+    /// UDP segmentation offload ([`TransportConfig::gso`]).
+    pub gso: bool,
+    /// Congestion control ([`TransportConfig::cc`]).
+    pub cc: crate::transport::CongestionControl,
 }
 
 /// Errors forming or running the mesh.
@@ -184,6 +188,8 @@ impl Mesh {
         let mut tc = TransportConfig::new(cfg.node, cfg.port);
         tc.token = cfg.token.clone();
         tc.run_hash = run_hash;
+        tc.gso = cfg.gso;
+        tc.cc = cfg.cc;
         tc.mtu = ifs.iter().find(|i| i.name == choice.name).and_then(|i| i.mtu);
         if choice.addr.is_ipv6() {
             tc.bind = IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED);

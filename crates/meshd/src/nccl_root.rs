@@ -41,6 +41,7 @@ impl NcclRoot {
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .kill_on_drop(true);
+        // The root process inherits meshd's environment: the user's NCCL_SOCKET_IFNAME wins.
         if std::env::var_os("NCCL_SOCKET_IFNAME").is_none() {
             cmd.env("NCCL_SOCKET_IFNAME", format!("={iface}"));
         }

@@ -11,6 +11,6 @@ pub mod service;
 pub mod store;
 
 pub use buffer::CollectiveBuffer;
-pub use ring::{CollectiveError, RingNet};
+pub use ring::{CollectiveError, RingConfig, RingNet};
 pub use service::{Service, ServiceConfig};
 pub use store::StorePeers;

@@ -18,6 +18,7 @@ use meshd_proto::ring::{
 use meshd_proto::wire::MAX_LANES;
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
+use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{Mutex, Notify, mpsc};
@@ -26,17 +27,36 @@ use tokio::sync::{Mutex, Notify, mpsc};
 /// uses for the operation.
 const LANE_PREAMBLE: usize = 2;
 
-/// Lanes when `MESHD_LANES` does not say: one per two runtime workers (each lane keeps one
-/// task busy sending to the next node and one receiving from the previous), at least one.
-fn default_lanes() -> usize {
-    if let Ok(v) = std::env::var("MESHD_LANES") {
-        match v.trim().parse::<usize>() {
-            Ok(n) if (1..=MAX_LANES).contains(&n) => return n,
-            _ => tracing::warn!("MESHD_LANES={v:?} is not a number from 1 to {MAX_LANES}; using the default"),
-        }
-    }
+/// Lanes when the configuration does not say: one per two runtime workers (each lane keeps
+/// one task busy sending to the next node and one receiving from the previous), at least
+/// one.
+fn default_lanes() -> NonZeroUsize {
     let workers = tokio::runtime::Handle::try_current().map(|h| h.metrics().num_workers()).unwrap_or(1);
-    (workers / 2).clamp(1, MAX_LANES)
+    NonZeroUsize::new((workers / 2).clamp(1, MAX_LANES)).unwrap_or(NonZeroUsize::MIN)
+}
+
+/// How a node runs its ring operations (the CLI fills it from `MESHD_LANES` and
+/// `MESHD_RING_CHUNK`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RingConfig {
+    /// Lanes (QUIC connections) to the next node; `None`: one per two runtime workers.
+    /// Values above `MAX_LANES` are capped.
+    pub lanes: Option<NonZeroUsize>,
+    /// Chunk size in bytes (the pipelining grain).
+    pub chunk_bytes: NonZeroUsize,
+    /// How long to wait for a neighbour to start an operation.
+    pub join_timeout: Duration,
+}
+
+impl RingConfig {
+    /// The chunk size when none is given: 1 MiB.
+    pub const DEFAULT_CHUNK: NonZeroUsize = NonZeroUsize::new(1 << 20).expect("1 MiB is not zero");
+}
+
+impl Default for RingConfig {
+    fn default() -> Self {
+        RingConfig { lanes: None, chunk_bytes: Self::DEFAULT_CHUNK, join_timeout: Duration::from_secs(300) }
+    }
 }
 
 /// Data streams that arrived for an operation other than the one being run, oldest first.
@@ -121,11 +141,11 @@ pub struct RingNet {
     incoming: Arc<Mutex<mpsc::Receiver<DataStream>>>,
     stash: Stash<quinn::RecvStream>,
     /// Chunk size in bytes (pipelining grain).
-    pub chunk_bytes: usize,
+    pub chunk_bytes: NonZeroUsize,
     /// Most lanes (QUIC connections) this node sends an operation's data over to the next
     /// node: chunk `c` of every segment travels on lane `c % lanes`. Each connection is
     /// driven by its own task, so lanes let a fast link use several cores.
-    pub lanes: usize,
+    pub lanes: NonZeroUsize,
     /// How long to wait for a neighbour to start an operation.
     pub join_timeout: Duration,
 }
@@ -138,18 +158,17 @@ impl RingNet {
         rank: usize,
         addrs: Vec<SocketAddr>,
         incoming: Arc<Mutex<mpsc::Receiver<DataStream>>>,
+        config: &RingConfig,
     ) -> Self {
-        let chunk_bytes =
-            std::env::var("MESHD_RING_CHUNK").ok().and_then(|v| v.parse().ok()).unwrap_or(1 << 20);
         RingNet {
             transport,
             rank,
             addrs,
             incoming,
             stash: Stash::default(),
-            chunk_bytes,
-            lanes: default_lanes(),
-            join_timeout: Duration::from_secs(300),
+            chunk_bytes: config.chunk_bytes,
+            lanes: config.lanes.unwrap_or_else(default_lanes),
+            join_timeout: config.join_timeout,
         }
     }
 
@@ -332,13 +351,14 @@ impl RingNet {
         if is_direct(n, buf.len()) {
             return self.run_direct(op_id, buf, Reduction { dtype, op, divisor }).await;
         }
-        let plan = RingPlan::new(n, self.rank, buf.len() / dtype.size(), dtype.size(), self.chunk_bytes)?;
+        let plan =
+            RingPlan::new(n, self.rank, buf.len() / dtype.size(), dtype.size(), self.chunk_bytes.get())?;
         let max_chunk = plan.chunk_bytes().max(dtype.size());
         let mut state = RingState::new(plan);
         let next = self.addrs[(self.rank + 1) % n];
         let prev = self.addrs[(self.rank + n - 1) % n];
         // More lanes than chunks per segment would carry nothing.
-        let lanes = self.lanes.clamp(1, MAX_LANES).min(state.plan().chunk_count(0).max(1));
+        let lanes = self.lanes.get().min(MAX_LANES).min(state.plan().chunk_count(0).max(1));
         let sends = self.open_lanes(next, op_id, lanes).await?;
         let recvs = self.accept_lanes(prev, op_id).await?;
 
@@ -722,7 +742,7 @@ impl RingNet {
         }
         let next = self.addrs[(self.rank + 1) % n];
         let prev = self.addrs[(self.rank + n - 1) % n];
-        let lanes = self.lanes.clamp(1, MAX_LANES);
+        let lanes = self.lanes.get().min(MAX_LANES);
         let start = tokio::time::Instant::now();
         let sends = self.open_lanes(next, op_id, lanes).await?;
         let recvs = self.accept_lanes(prev, op_id).await?;
