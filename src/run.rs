@@ -9,6 +9,7 @@ use meshd::job::{self, JobConfig};
 use meshd::mesh::{Mesh, MeshConfig, stable_hash};
 use meshd::preflight::PreflightInput;
 use meshd::proto::membership::MembershipConfig;
+use meshd::proto::preflight::Collective;
 use meshd::proto::rendezvous::RdzvConfig;
 use meshd::signals::Signals;
 use meshd::supervisor::{OutputSpec, StdStreams};
@@ -84,8 +85,8 @@ pub struct JobArgs {
     #[arg(long, default_value = "3s", value_parser = parse_duration)]
     pub settle: Duration,
     /// auto | nccl | quic | tunnel (MESHD_COLLECTIVE given to the ranks; tunnel: their TCP connections to other nodes go through meshd's UDP port).
-    #[arg(long, default_value = "auto", value_parser = ["auto", "nccl", "quic", "tunnel"])]
-    pub collective: String,
+    #[arg(long, value_enum, default_value_t = CollectiveArg::Auto)]
+    pub collective: CollectiveArg,
     /// Also write each rank's stdout/stderr to files under DIR.
     #[arg(long, alias = "log_dir", env = "PET_LOG_DIR")]
     pub log_dir: Option<std::path::PathBuf>,
@@ -333,6 +334,31 @@ pub fn show_cmd(cmd: &[String]) -> String {
     if s.chars().count() > 160 { format!("{}...", s.chars().take(157).collect::<String>()) } else { s }
 }
 
+/// `--collective`: the preflight decides (`auto`), or one is forced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum CollectiveArg {
+    /// nccl when TCP between the nodes works, else tunnel.
+    Auto,
+    /// NCCL and Gloo as usual.
+    Nccl,
+    /// meshd's ring over its UDP port (the Python client and DDP hook).
+    Quic,
+    /// The ranks' TCP connections to other nodes go through meshd's UDP port.
+    Tunnel,
+}
+
+impl CollectiveArg {
+    /// The collective forced on the preflight, if any.
+    pub fn forced(self) -> Option<Collective> {
+        match self {
+            CollectiveArg::Auto => None,
+            CollectiveArg::Nccl => Some(Collective::Nccl),
+            CollectiveArg::Quic => Some(Collective::Quic),
+            CollectiveArg::Tunnel => Some(Collective::Tunnel),
+        }
+    }
+}
+
 pub fn prepare(a: &JobArgs, cmd: &[String], env: &EnvConfig) -> Result<Prepared> {
     for (flag, v, why) in [
         ("--rdzv-backend", &a.rdzv_backend, "meshd is the rendezvous"),
@@ -414,7 +440,7 @@ pub fn prepare(a: &JobArgs, cmd: &[String], env: &EnvConfig) -> Result<Prepared>
     // NCCL only where it can be used: GPUs visible, NCCL asked for, or a library named.
     // Elsewhere nothing is searched or loaded (libnccl is large; its search is not free).
     let wants_nccl = gpus > 0
-        || a.collective == "nccl"
+        || a.collective == CollectiveArg::Nccl
         || std::env::var_os("MESHD_NCCL_LIB").is_some_and(|v| !v.is_empty());
     let (nccl_version, nccl_note) = if !wants_nccl {
         tracing::debug!("no GPU visible: NCCL not looked for (MESHD_NCCL_UNIQUE_ID will not be set)");
@@ -470,7 +496,7 @@ pub fn prepare(a: &JobArgs, cmd: &[String], env: &EnvConfig) -> Result<Prepared>
             gpus,
             cuda_driver,
             nccl_version,
-            forced: (a.collective != "auto").then(|| a.collective.clone()),
+            forced: a.collective.forced(),
             connect_timeout: Duration::from_secs(2),
             nccl_id: None,
             nccl_note,

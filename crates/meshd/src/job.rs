@@ -348,9 +348,7 @@ pub async fn run(
     let mut restart = 0u32;
     // Bulk data streams of the QUIC ring, shared by every restart round's service.
     let incoming = std::sync::Arc::new(tokio::sync::Mutex::new(
-        mesh.transport()
-            .take_data_streams()
-            .ok_or_else(|| MeshError::Iface("data streams already taken".into()))?,
+        mesh.transport().take_data_streams().ok_or(MeshError::DataStreamsTaken)?,
     ));
     // Per-round files: error files always, output files with --log-dir (or --redirects).
     let redirected = cfg.output.redirects_any() && cfg.log_dir.is_none();
@@ -446,7 +444,7 @@ pub async fn run(
                 .filter(|c| !c.ok && c.fatal)
                 .map(|c| format!("{} {}", c.name, c.detail))
                 .collect();
-            let forced_nccl = cfg.preflight.forced.as_deref() == Some("nccl");
+            let forced_nccl = cfg.preflight.forced == Some(meshd_proto::preflight::Collective::Nccl);
             let why = if failed.is_empty() && forced_nccl {
                 "--collective nccl was forced but TCP between the nodes fails".to_string()
             } else {
@@ -465,7 +463,7 @@ pub async fn run(
             warn!("{w}");
         }
         // The QUIC ring serves meshd's client in tunnel mode too (MESHD_SOCKET stays set).
-        if verdict.collective == "quic" || verdict.collective == "tunnel" {
+        if verdict.collective.uses_quic_ring() {
             info!(
                 "preflight passed; collective: {}; ring over {} to the next node (MESHD_LANES)",
                 verdict.collective_line(),
@@ -505,7 +503,7 @@ pub async fn run(
         let first = roster.first_global_rank(node_rank);
         let globals: Vec<u32> = (0..roster.members[node_rank].nproc).map(|l| first + l).collect();
         let round_dir = dirs.as_ref().map(|d| d.round(restart, &globals));
-        let mut tunnel = (verdict.collective == "tunnel")
+        let mut tunnel = (verdict.collective == meshd_proto::preflight::Collective::Tunnel)
             .then(|| {
                 crate::tunnel::start_for_round(
                     &roster,
@@ -528,7 +526,7 @@ pub async fn run(
                     mesh.addr().ip(),
                     run_id,
                     cfg.max_restarts,
-                    &verdict.collective,
+                    verdict.collective.name(),
                     &user_has,
                 );
                 if cfg.role != "default" {

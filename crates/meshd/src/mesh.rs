@@ -9,7 +9,7 @@
 mod report;
 pub mod seed;
 
-use crate::interfaces::{self, Choice, Interface};
+use crate::interfaces::{self, Choice, ChoiceError, Interface};
 use crate::peers::PeerSpec;
 use crate::transport::auth::Token;
 use crate::transport::{Transport, TransportConfig, TransportError, TransportEvent};
@@ -17,7 +17,7 @@ use meshd_proto::membership::{
     Delivery, MemberEvent, MemberStatus, MemberView, Membership, MembershipConfig,
 };
 use meshd_proto::rendezvous::{self, Candidate, RdzvConfig, RdzvEvent, Rendezvous, Roster};
-use meshd_proto::wire::{Frame, StatusMember, StatusReply};
+use meshd_proto::wire::{Frame, MemberRole, StatusMember, StatusReply};
 use meshd_proto::{NodeId, NodeMeta, NodeState};
 use report::nnodes_text;
 use std::collections::{BTreeMap, VecDeque};
@@ -65,9 +65,26 @@ pub struct MeshConfig {
 /// Errors forming or running the mesh.
 #[derive(Debug, thiserror::Error)]
 pub enum MeshError {
-    /// Interface enumeration or choice failed.
+    /// The interfaces could not be listed.
     #[error("interface: {0}")]
-    Iface(String),
+    ListInterfaces(std::io::Error),
+    /// No interface fits (the one `--iface` names, or one that reaches the peers).
+    #[error("interface: {0}")]
+    Choice(ChoiceError),
+    /// The task resolving peer names ended without an answer (it panicked).
+    #[error("interface: the resolver task failed")]
+    Resolver,
+    /// The preflight's TCP listener could not be opened on the chosen address.
+    #[error("preflight listener on {ip}: {error}")]
+    PreflightListener {
+        /// The chosen interface's address.
+        ip: IpAddr,
+        /// Why (part of the message, not a source: the CLI prints one line).
+        error: std::io::Error,
+    },
+    /// The transport's data streams were already taken by another user of this mesh.
+    #[error("the mesh transport's data streams were already taken")]
+    DataStreamsTaken,
     /// The transport could not start.
     #[error(transparent)]
     Transport(#[from] TransportError),
@@ -169,7 +186,7 @@ impl Mesh {
     /// Chooses the interface, binds the port and starts joining through the listed peers.
     pub async fn start(mut cfg: MeshConfig) -> Result<Mesh, MeshError> {
         let started = Instant::now();
-        let ifs = interfaces::list().map_err(|e| MeshError::Iface(e.to_string()))?;
+        let ifs = interfaces::list().map_err(MeshError::ListInterfaces)?;
         let single_node = cfg.max_nodes <= 1;
         if !single_node {
             Self::await_a_usable_entry(&mut cfg, &ifs).await?;
@@ -181,8 +198,7 @@ impl Mesh {
             // join through, on the interface of its listed address.
             seed::alone(&ifs, &reach, single_node, cfg.max_nodes).map_err(MeshError::Peers)?
         } else {
-            interfaces::choose(&ifs, &reach, cfg.iface.as_deref())
-                .map_err(|e| MeshError::Iface(e.to_string()))?
+            interfaces::choose(&ifs, &reach, cfg.iface.as_deref()).map_err(MeshError::Choice)?
         };
         let run_hash = stable_hash(&[cfg.run_id.as_bytes()]);
         let mut tc = TransportConfig::new(cfg.node, cfg.port);
@@ -282,9 +298,8 @@ impl Mesh {
         loop {
             tokio::time::sleep(delay.min(deadline.saturating_duration_since(Instant::now()))).await;
             delay = (delay * 2).min(seed::RESOLVE_MAX);
-            let results = seed::resolve_each(cfg.unresolved.clone(), cfg.port)
-                .await
-                .ok_or_else(|| MeshError::Iface("the resolver task failed".into()))?;
+            let results =
+                seed::resolve_each(cfg.unresolved.clone(), cfg.port).await.ok_or(MeshError::Resolver)?;
             let mut still = Vec::new();
             let mut errors = Vec::new();
             for (spec, (addrs, errs)) in std::mem::take(&mut cfg.unresolved).into_iter().zip(results) {
@@ -407,12 +422,12 @@ impl Mesh {
                 gpus: m.meta.gpus,
                 nproc: m.meta.nproc,
                 state: m.meta.state,
-                health: format!("{:?}", m.status).to_lowercase(),
+                health: m.status,
                 rtt_us: if m.id == self.cfg.node { None } else { self.rtt(&m).map(|d| d.as_micros() as u64) },
                 role: match self.master {
-                    Some(id) if id == m.id => "master".into(),
-                    Some(_) => "worker".into(),
-                    None => "waiting".into(),
+                    Some(id) if id == m.id => MemberRole::Master,
+                    Some(_) => MemberRole::Worker,
+                    None => MemberRole::Waiting,
                 },
                 restarts: m.meta.restarts,
             })

@@ -4,7 +4,7 @@
 use crate::mesh::{Mesh, MeshError, MeshInput};
 use meshd_proto::NodeId;
 use meshd_proto::membership::MemberEvent;
-use meshd_proto::preflight::{self, NodeReport, TcpProbe, Verdict};
+use meshd_proto::preflight::{self, Collective, NodeReport, TcpProbe, TcpTarget, Verdict};
 use meshd_proto::rendezvous::{Message, Roster};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -27,7 +27,7 @@ pub struct PreflightInput {
     /// NCCL version.
     pub nccl_version: u32,
     /// `--collective nccl|quic|tunnel` when forced.
-    pub forced: Option<String>,
+    pub forced: Option<Collective>,
     /// How long one TCP connect may take.
     pub connect_timeout: Duration,
     /// The NCCL unique id this node created (the master only).
@@ -59,14 +59,14 @@ async fn accept_forever(l: TcpListener) {
     }
 }
 
-async fn dial(to: NodeId, addr: SocketAddr, what: &str, limit: Duration) -> TcpProbe {
+async fn dial(to: NodeId, addr: SocketAddr, what: TcpTarget, limit: Duration) -> TcpProbe {
     let res = tokio::time::timeout(limit, TcpStream::connect(addr)).await;
     let (ok, detail) = match res {
         Ok(Ok(_)) => (true, String::new()),
         Ok(Err(e)) => (false, e.to_string()),
         Err(_) => (false, format!("no answer within {limit:?} (packets dropped?)")),
     };
-    TcpProbe { to, target: addr.to_string(), ok, detail, what: what.into() }
+    TcpProbe { to, target: addr.to_string(), ok, detail, what }
 }
 
 /// Runs the preflight for `roster` and returns the verdict (the same on every node).
@@ -80,7 +80,7 @@ pub async fn run(
     let ip = mesh.addr().ip();
     let restart = roster.restart;
     let deadline = Instant::now() + timeout;
-    let io = |e: std::io::Error| MeshError::Iface(format!("preflight listener on {ip}: {e}"));
+    let io = |error: std::io::Error| MeshError::PreflightListener { ip, error };
     let listener = TcpListener::bind(SocketAddr::new(ip, 0)).await.map_err(io)?;
     let port = listener.local_addr().map_err(io)?.port();
     let mut tasks = vec![tokio::spawn(accept_forever(listener))];
@@ -126,13 +126,18 @@ pub async fn run(
     let mut dials: Vec<tokio::task::JoinHandle<TcpProbe>> = Vec::new();
     for m in &others {
         if let Some(p) = ports.get(&m.id) {
-            dials.push(tokio::spawn(dial(m.id, SocketAddr::new(m.addr.ip(), *p), "ephemeral port", limit)));
+            dials.push(tokio::spawn(dial(
+                m.id,
+                SocketAddr::new(m.addr.ip(), *p),
+                TcpTarget::EphemeralPort,
+                limit,
+            )));
         }
         if roster.master().map(|x| x.id) == Some(m.id) {
             dials.push(tokio::spawn(dial(
                 m.id,
                 SocketAddr::new(m.addr.ip(), roster.master_port),
-                "MASTER_PORT",
+                TcpTarget::MasterPort,
                 limit,
             )));
         }
@@ -151,7 +156,7 @@ pub async fn run(
                 Ok(Err(e)) => (false, e.to_string()),
                 Err(e) => (false, e.to_string()),
             };
-            TcpProbe { to: master_id, target: root.to_string(), ok, detail, what: "NCCL id root".into() }
+            TcpProbe { to: master_id, target: root.to_string(), ok, detail, what: TcpTarget::NcclRoot }
         }));
     }
     // Keep the mesh going while the connects run: a dropped SYN costs a second or more, and
@@ -184,7 +189,7 @@ pub async fn run(
             target: format!("{ip}:{}", roster.master_port),
             ok: false,
             detail: p,
-            what: "MASTER_PORT".into(),
+            what: TcpTarget::MasterPort,
         });
     }
     let mine = NodeReport {
@@ -226,7 +231,7 @@ pub async fn run(
     if let Some(reason) = aborted {
         return Err(MeshError::Aborted(reason));
     }
-    Ok(Outcome { verdict: preflight::evaluate(roster, &reports, input.forced.as_deref()), nccl_id })
+    Ok(Outcome { verdict: preflight::evaluate(roster, &reports, input.forced), nccl_id })
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -7,7 +7,11 @@ use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
 
 /// Status of a member as this node sees it.
+///
+/// Displayed (and serialized by name, as `health` in `meshd status --json`) in lowercase:
+/// `alive`, `suspect`, `dead`, `left`. On the wire (postcard) it is the variant's index.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum MemberStatus {
     /// Answers probes.
     Alive,
@@ -20,8 +24,25 @@ pub enum MemberStatus {
 }
 
 impl MemberStatus {
+    /// The word `meshd status` shows.
+    pub fn name(self) -> &'static str {
+        match self {
+            MemberStatus::Alive => "alive",
+            MemberStatus::Suspect => "suspect",
+            MemberStatus::Dead => "dead",
+            MemberStatus::Left => "left",
+        }
+    }
+
     pub(super) fn is_live(self) -> bool {
         matches!(self, MemberStatus::Alive | MemberStatus::Suspect)
+    }
+}
+
+impl std::fmt::Display for MemberStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // `pad`, not `write_str`: tables align these words with width specifiers.
+        f.pad(self.name())
     }
 }
 

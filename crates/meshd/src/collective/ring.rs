@@ -12,8 +12,8 @@ use crate::transport::{DataStream, Transport, TransportError};
 use bytes::Bytes;
 use meshd_proto::reduce::{DType, ReduceOp};
 use meshd_proto::ring::{
-    Action, CHUNK_HEADER_LEN, DIRECT_TRANSFER_ID, RingError, RingPlan, RingState, decode_chunk_header,
-    direct_reduce, encode_chunk_header, is_direct,
+    Action, CHUNK_HEADER_LEN, DIRECT_TRANSFER_ID, Reduction, RingError, RingPlan, RingState,
+    decode_chunk_header, direct_reduce, encode_chunk_header, is_direct,
 };
 use meshd_proto::wire::MAX_LANES;
 use std::collections::{HashMap, VecDeque};
@@ -127,9 +127,32 @@ pub enum CollectiveError {
         /// How long we waited.
         timeout: Duration,
     },
-    /// Bad request from a local client.
-    #[error("{0}")]
-    Request(String),
+    /// The buffer has an incomplete element at its end.
+    #[error("buffer of {len} bytes is not a whole number of {dtype} elements")]
+    Misaligned {
+        /// The buffer's length in bytes.
+        len: usize,
+        /// Its element type.
+        dtype: DType,
+    },
+    /// Part of the buffer is still lent to the transport (an earlier operation's chunks
+    /// being sent) where this one must write.
+    #[error("ring: bytes {range:?} of the buffer are still being sent")]
+    BufferLent {
+        /// The bytes that could not be written.
+        range: std::ops::Range<usize>,
+    },
+    /// A broadcast named a root that is not a node of the ring.
+    #[error("broadcast root {root} is not a node (world {world})")]
+    NoSuchRoot {
+        /// The root asked for.
+        root: usize,
+        /// Nodes in the ring.
+        world: usize,
+    },
+    /// The local reduction failed (an element type the operation does not support).
+    #[error(transparent)]
+    Reduce(#[from] meshd_proto::reduce::ReduceError),
 }
 
 /// The nodes of a job, in ring (= roster) order, and the link state for ring operations.
@@ -319,12 +342,10 @@ impl RingNet {
     ) -> Result<(), CollectiveError> {
         if self.addrs.len() <= 1 && op == ReduceOp::Avg {
             // No ring to divide where it completes a chunk: divide here.
-            let bytes = buf
-                .try_as_mut()
-                .ok_or_else(|| CollectiveError::Request("the buffer is still lent".into()))?;
+            let len = buf.len();
+            let bytes = buf.try_as_mut().ok_or(CollectiveError::BufferLent { range: 0..len })?;
             let divisor = u32::try_from(divisor).unwrap_or(u32::MAX);
-            return meshd_proto::reduce::finish_avg(dtype, bytes, divisor)
-                .map_err(|e| CollectiveError::Request(e.to_string()));
+            return Ok(meshd_proto::reduce::finish_avg(dtype, bytes, divisor)?);
         }
         self.run_ring(op_id, buf, dtype, op, divisor).await
     }
@@ -339,11 +360,7 @@ impl RingNet {
     ) -> Result<(), CollectiveError> {
         let n = self.addrs.len();
         if buf.len() % dtype.size() != 0 {
-            return Err(CollectiveError::Request(format!(
-                "buffer of {} bytes is not a whole number of {} elements",
-                buf.len(),
-                dtype.name()
-            )));
+            return Err(CollectiveError::Misaligned { len: buf.len(), dtype });
         }
         if n <= 1 {
             return Ok(());
@@ -529,8 +546,7 @@ impl RingNet {
             contributions.push(got);
         }
         let mut out = vec![0u8; len];
-        let divisor = u32::try_from(how.divisor).unwrap_or(u32::MAX);
-        direct_reduce(&contributions, how.dtype, how.op, divisor, &mut out)?;
+        direct_reduce(&contributions, how, &mut out)?;
         // A loan from an earlier, larger operation on this buffer ends at its ACK.
         let released = buf.released();
         while buf.is_lent(&(0..len)) {
@@ -587,14 +603,6 @@ fn apply_received<M: RingMemory>(
     Ok(())
 }
 
-/// How received chunks are combined: element type, operation, and what `Avg` divides by.
-#[derive(Clone, Copy)]
-struct Reduction {
-    dtype: DType,
-    op: ReduceOp,
-    divisor: usize,
-}
-
 /// What the ring driver needs of the memory it reduces in: a plain slice (chunks sent are
 /// copies) or a [`CollectiveBuffer`] (chunks sent are loans).
 trait RingMemory {
@@ -642,7 +650,7 @@ impl RingMemory for Plain<'_> {
     ) -> Result<Option<Bytes>, CollectiveError> {
         // Reduce or copy straight from the received pieces (no gathering copy), making
         // the bytes sent on in the same pass.
-        Ok(action.apply_forward(self.0, parts, how.dtype, how.op, how.divisor)?.map(Bytes::from))
+        Ok(action.apply_forward(self.0, parts, how)?.map(Bytes::from))
     }
     fn released(&self) -> Arc<Notify> {
         Arc::new(Notify::new()) // nothing is lent
@@ -673,12 +681,12 @@ impl RingMemory for CollectiveBuffer {
         how: Reduction,
     ) -> Result<Option<Bytes>, CollectiveError> {
         let range = action.range();
-        let dst = self.range_mut(range.clone()).ok_or_else(|| {
-            CollectiveError::Request(format!("ring: bytes {range:?} of the buffer are still being sent"))
-        })?;
+        let dst = self
+            .range_mut(range.clone())
+            .ok_or_else(|| CollectiveError::BufferLent { range: range.clone() })?;
         // In place; what goes on is a loan of the result (a partial sum until the
         // last reduce-scatter step, which the all-gather overwrites once the loan ends).
-        action.apply_to(dst, parts, how.dtype, how.op, how.divisor)?;
+        action.apply_to(dst, parts, how)?;
         Ok((!matches!(action, Action::Copy { last: true, .. })).then(|| self.lend(range)))
     }
     fn released(&self) -> Arc<Notify> {
@@ -686,9 +694,7 @@ impl RingMemory for CollectiveBuffer {
     }
     fn overwrite(&mut self, src: &[u8]) -> Result<(), CollectiveError> {
         let len = src.len();
-        let dst = self
-            .range_mut(0..len)
-            .ok_or_else(|| CollectiveError::Request("ring: the buffer is still being sent".into()))?;
+        let dst = self.range_mut(0..len).ok_or(CollectiveError::BufferLent { range: 0..len })?;
         dst.copy_from_slice(src);
         Ok(())
     }
@@ -706,7 +712,7 @@ impl RingNet {
     ) -> Result<(), CollectiveError> {
         let n = self.addrs.len();
         if root >= n {
-            return Err(CollectiveError::Request(format!("broadcast root {root} is not a node (world {n})")));
+            return Err(CollectiveError::NoSuchRoot { root, world: n });
         }
         if n <= 1 {
             return Ok(());
