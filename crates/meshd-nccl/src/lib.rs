@@ -31,12 +31,11 @@
 
 mod cuda;
 mod error;
-mod id;
 mod lib_nccl;
 mod root;
 
 pub use cuda::{CudaInfo, cuda_info};
 pub use error::{NcclError, nccl_result_name};
-pub use id::UniqueId;
 pub use lib_nccl::NcclLib;
-pub use root::{probe_root, serve_root_blocking};
+pub use meshd_proto::nccl_id::{BadHex, UniqueId};
+pub use root::serve_root_blocking;

@@ -20,6 +20,7 @@
 pub mod id;
 pub mod membership;
 pub mod meta;
+pub mod nccl_id;
 pub mod preflight;
 pub mod reduce;
 pub mod rendezvous;

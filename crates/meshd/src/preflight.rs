@@ -4,6 +4,7 @@
 use crate::mesh::{Mesh, MeshError, MeshInput};
 use meshd_proto::NodeId;
 use meshd_proto::membership::MemberEvent;
+use meshd_proto::nccl_id::UniqueId;
 use meshd_proto::preflight::{self, Collective, NodeReport, TcpProbe, TcpTarget, Verdict};
 use meshd_proto::rendezvous::{Message, Roster};
 use std::collections::BTreeMap;
@@ -145,12 +146,12 @@ pub async fn run(
     let root = nccl_id
         .as_ref()
         .and_then(|b| <[u8; 128]>::try_from(b.as_slice()).ok())
-        .and_then(|b| meshd_nccl::UniqueId(b).root());
+        .and_then(|b| UniqueId(b).root());
     if let (Some(root), Some(master)) = (root, roster.master()) {
         let master_id = master.id;
         dials.push(tokio::spawn(async move {
             // NCCL's root is probed the way that is safe on every NCCL version.
-            let r = tokio::task::spawn_blocking(move || meshd_nccl::probe_root(root, limit)).await;
+            let r = tokio::task::spawn_blocking(move || crate::nccl_root::probe_root(root, limit)).await;
             let (ok, detail) = match r {
                 Ok(Ok(())) => (true, String::new()),
                 Ok(Err(e)) => (false, e.to_string()),
