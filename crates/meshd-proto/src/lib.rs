@@ -15,6 +15,10 @@
 //! - [`preflight`]: what each node checked before launch, and the common verdict.
 //! - [`rendezvous`]: election of the master and the roster every node acknowledges.
 //! - [`store`]: the job-wide key-value store: versioned, acknowledged, bounded.
+//! - [`ring`]: the ring allreduce schedule (segments, chunks, transfer ids) and the
+//!   [`ring::Reduction`] every chunk is applied with.
+//! - [`reduce`]: the element-wise reduction kernels (f32, f16, bf16, integers).
+//! - [`nccl_id`]: the NCCL unique id's bytes: hex form and the root address inside it.
 //! - [`sim`]: a deterministic network simulator over the real membership core.
 
 pub mod id;

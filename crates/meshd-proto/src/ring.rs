@@ -111,9 +111,9 @@ pub fn decode_transfer_id(id: u64) -> (Phase, usize, usize) {
 /// Allreduces of at most this many bytes, among at most [`DIRECT_MAX_WORLD`] nodes, go
 /// straight from every node to every other node, and each node reduces all contributions
 /// itself: one hop instead of the ring's 2(n-1), each of which waits for the one before.
-/// Part of the wire protocol: every node must choose the same way ([`is_direct`]).
-/// Measured on 3 lab hosts (MTU 9000): 64 KiB took 796 us direct against 1117 us around
-/// the ring, 256 KiB 2388 against 1939 us.
+/// Part of the wire protocol: every node must choose the same way ([`is_direct`]). The
+/// limit is the largest size at which going direct was still faster on the lab
+/// (docs/PERFORMANCE.md, "Small allreduces go direct").
 pub const DIRECT_MAX_BYTES: usize = 64 << 10;
 /// Most nodes for a direct allreduce: each node sends n - 1 copies of its buffer.
 pub const DIRECT_MAX_WORLD: usize = 16;

@@ -1,11 +1,18 @@
 //! meshd: start a multi-node GPU job with one identical command on every node.
 //!
-//! This crate is the IO shell around the sans-IO core in `meshd-proto`:
+//! This crate is the IO shell around the sans-IO core in `meshd-proto`. It reads no
+//! environment variables of its own (the CLI passes them in its config structs); it reads
+//! only what the ranks it starts inherit. It does not link CUDA or NCCL (`meshd-nccl`).
 //! - [`interfaces`]: enumerate and classify interfaces, choose the one that reaches peers.
 //! - [`transport`]: one quinn endpoint on one UDP port, token authentication bound to TLS.
 //! - [`peers`]: the `--peers` syntax (`host[:port]` lists, `@file`, `dns:NAME`, SLURM).
-//! - [`node`]: the actor that owns membership and rendezvous over the transport.
+//! - [`mesh`]: the task that owns membership and rendezvous over the transport.
+//! - [`preflight`]: the preflight's TCP checks and report exchange.
+//! - [`job`]: `meshd run`'s job loop: rounds, launch, supervision, restarts, teardown.
 //! - [`supervisor`]: spawning ranks with torchrun's environment, teardown.
+//! - [`collective`]: the QUIC ring allreduce and the ranks' local service (`MESHD_SOCKET`).
+//! - [`tunnel`]: the ranks' TCP connections to other nodes carried over meshd's QUIC.
+//! - [`nccl_root`]: the NCCL root child process (`meshd __nccl-root`) and its probe.
 //! - [`signals`]: SIGINT/SIGTERM watched once, so that every wait of a job ends on them.
 
 pub mod collective;

@@ -737,8 +737,8 @@ impl RingNet {
     /// busbw with `data.len() / time` of this.
     ///
     /// Pass a buffer as large as the transfer, as a ring's is: repeating one small
-    /// cache-resident block made this ceiling about 10% higher than any real transfer of
-    /// that size reaches (docs/PERFORMANCE.md).
+    /// cache-resident block makes this ceiling higher than any real transfer of that size
+    /// reaches (docs/PERFORMANCE.md, "The bare ring's buffer").
     pub async fn stream_ceiling(&mut self, op_id: u64, data: Vec<u8>) -> Result<Duration, CollectiveError> {
         let bytes = data.len();
         let data = Bytes::from(data); // no copy

@@ -567,9 +567,9 @@ const PARALLEL_FROM: usize = 4 << 20;
 /// Other local ranks' buffers are read and reduced this much at a time (stays in cache).
 const SLICE: usize = 1 << 20;
 
-/// Threads for the local phase of a `len`-byte collective (one per core, at most 8). On 2
-/// cores, 2 ranks x 64 MiB took 71 ms on one thread and 45-49 ms on two; a node with eight
-/// ranks has four times the bytes to move.
+/// Threads for the local phase of a `len`-byte collective (one per core, at most 8): the
+/// local phase is memory-bound work that splits evenly, and a node with eight ranks has
+/// four times the bytes of one with two to move (docs/PERFORMANCE.md, "Local ranks").
 fn local_threads(len: usize) -> usize {
     if len < PARALLEL_FROM {
         return 1;
