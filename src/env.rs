@@ -68,7 +68,12 @@ impl EnvConfig {
             gso: text("MESHD_GSO").is_none_or(|v| v != "0"),
             cc,
             preload_lib: get("MESHD_PRELOAD_LIB").filter(|p| !p.is_empty()).map(PathBuf::from),
-            runtime_dir: get("XDG_RUNTIME_DIR").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/tmp")),
+            // Empty is unset (XDG Base Directory spec): never a socket directory under the
+            // current directory.
+            runtime_dir: get("XDG_RUNTIME_DIR")
+                .filter(|d| !d.is_empty())
+                .map(PathBuf::from)
+                .unwrap_or_else(|| PathBuf::from("/tmp")),
         }
     }
 
@@ -124,11 +129,13 @@ mod tests {
             ("MESHD_RING_CHUNK", "0"),
             ("MESHD_CC", "vegas"),
             ("MESHD_PRELOAD_LIB", ""),
+            ("XDG_RUNTIME_DIR", ""),
         ]);
         assert_eq!(e.lanes, None);
         assert_eq!(e.ring_chunk, RingConfig::DEFAULT_CHUNK);
         assert_eq!(e.cc, CongestionControl::Cubic);
         assert_eq!(e.preload_lib, None);
+        assert_eq!(e.runtime_dir, PathBuf::from("/tmp"));
         assert_eq!(with(&[("MESHD_LANES", &(MAX_LANES + 1).to_string())]).lanes, None);
         assert_eq!(with(&[("MESHD_LANES", "many")]).lanes, None);
     }
