@@ -43,6 +43,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         nproc: 1,
         cmd_hash: 0,
         membership: MembershipConfig::default(),
+        gso: true,
+        cc: Default::default(),
     }))
     .await?;
 

@@ -241,24 +241,26 @@ async fn sweep(
     Ok((rows, ceil))
 }
 
-pub async fn main(which: Which) -> Result<ExitCode> {
+pub async fn main(which: Which, env: &crate::env::EnvConfig) -> Result<ExitCode> {
     let Which::Allreduce(a) = which;
-    let p = run::prepare(&a.job, &["meshd-bench-allreduce".to_string()])?;
+    let p = run::prepare(&a.job, &["meshd-bench-allreduce".to_string()], env)?;
     let mut cfg = NodeConfig::new(p.mesh);
     cfg.rdzv = p.job.rdzv.clone();
     cfg.rdzv_timeout = p.job.rdzv_timeout;
     cfg.preflight = p.job.preflight.clone();
     cfg.make_nccl_id = true;
+    cfg.ring = p.job.ring.clone();
     let mut node = Node::spawn(cfg).await?;
     let roster = node.roster().await?;
     let rank = roster.node_rank(node.id()).context("not in the roster")?;
     let addrs: Vec<_> = roster.members.iter().map(|m| m.addr).collect();
     let n = addrs.len();
     let mut ring: RingNet = node.ring().context("no roster")?;
-    if let Some(l) = a.lanes {
-        ring.lanes = l as usize;
+    // clap takes 1..=MAX_LANES only.
+    if let Some(l) = a.lanes.and_then(|l| std::num::NonZeroUsize::new(l.into())) {
+        ring.lanes = l;
     }
-    let lanes = ring.lanes;
+    let lanes = ring.lanes.get();
     let sizes: Vec<usize> = match a.size {
         Some(s) => vec![s.max(4)],
         None => {

@@ -87,7 +87,7 @@ pub fn peers(flag: Option<&str>, port: u16) -> Result<(Listed, Vec<PeerSpec>)> {
     let text = match flag {
         Some(p) => p.to_string(),
         // Inside a step, the step's nodes (SLURM_STEP_NODELIST), not the allocation's.
-        None => match meshd::peers::slurm_nodelist(meshd::peers::env_var) {
+        None => match meshd::peers::slurm_nodelist(|k| std::env::var(k).ok()) {
             Some((_, list)) => meshd::peers::expand_hostlist(&list)?.join(","),
             None => return Ok((Vec::new(), Vec::new())),
         },

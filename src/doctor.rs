@@ -16,8 +16,8 @@ pub struct Args {
     pub json: bool,
 }
 
-pub async fn main(a: Args) -> Result<ExitCode> {
-    let p = run::prepare(&a.job, &[])?;
+pub async fn main(a: Args, env: &crate::env::EnvConfig) -> Result<ExitCode> {
+    let p = run::prepare(&a.job, &[], env)?;
     let mut cfg = NodeConfig::new(p.mesh);
     cfg.rdzv = p.job.rdzv.clone();
     cfg.rdzv_timeout = p.job.rdzv_timeout;

@@ -22,12 +22,12 @@ pub struct Args {
     net: NetArgs,
 }
 
-pub async fn main(a: Args) -> Result<ExitCode> {
+pub async fn main(a: Args, env: &crate::env::EnvConfig) -> Result<ExitCode> {
     let ifs = interfaces::list()?;
     let peers = common::peers_now(a.peers.as_deref(), a.net.port)?;
     let mut reach = interfaces::routes(&ifs, &peers, a.net.port);
     if reach.iter().any(|r| !r.is_self) {
-        probe_all(&mut reach, &a.net).await?;
+        probe_all(&mut reach, &a.net, env).await?;
     }
     // Only this node listed (every node pointed at this head node): the listed address
     // says which interface the others will use, as `meshd run` announces it.
@@ -107,8 +107,10 @@ pub async fn main(a: Args) -> Result<ExitCode> {
 }
 
 /// Probes meshd at every listed peer in parallel from an ephemeral port.
-async fn probe_all(reach: &mut [PeerReach], net: &NetArgs) -> Result<()> {
+async fn probe_all(reach: &mut [PeerReach], net: &NetArgs, env: &crate::env::EnvConfig) -> Result<()> {
     let mut cfg = TransportConfig::new(meshd::random_node_id(), 0);
+    cfg.gso = env.gso;
+    cfg.cc = env.cc;
     cfg.token = net.token()?;
     cfg.connect_timeout = std::time::Duration::from_secs(2);
     let (t, _events) = Transport::bind(cfg)?;

@@ -6,6 +6,7 @@
 mod bench;
 mod common;
 mod doctor;
+mod env;
 mod ifaces;
 mod run;
 mod status;
@@ -46,18 +47,16 @@ enum Cmd {
 ///
 /// quinn copies every received datagram into a fresh allocation, and the ring holds a
 /// chunk's pieces until it has reduced them. With glibc's adaptive thresholds the heap was
-/// trimmed and grown again all the time: at MTU 9000, a ring allreduce faulted in fresh
-/// pages for about a quarter of the bytes it carried (78% of the faults in quinn's receive
-/// copy, `perf record -e page-faults`). With these settings busbw rose about 5% at MTU 9000
-/// (docs/PERFORMANCE.md). Up to 64 MiB of free heap is kept; allocations of 8 MiB or more
-/// still come straight from the kernel.
+/// trimmed and grown again all the time, so a ring allreduce faulted in fresh pages for a
+/// large share of the bytes it carried, most of them in quinn's receive copy
+/// (docs/PERFORMANCE.md, "Where the CPU goes"). Up to 64 MiB of free heap is kept;
+/// allocations of 8 MiB or more still come straight from the kernel.
 ///
 /// glibc also opens a new arena (heap) for every thread that finds the others busy, up to
-/// 8 per core, and each arena keeps its own free memory. Over 1,500 allreduces of 16 MiB
-/// the heap in use stayed at 59-73 MB while meshd's RSS grew from 73 to 115 MiB, spread
-/// over 7 arenas; with one arena per runtime worker it ended at 85-86 MiB. So arenas are
-/// capped at `workers` (the runtime's threads do nearly all of meshd's allocation), unless
-/// the user set `MALLOC_ARENA_MAX` or `GLIBC_TUNABLES`.
+/// 8 per core, and each arena keeps its own free memory: over a long job meshd's RSS grew
+/// well past the heap in use, spread over many arenas (docs/PERFORMANCE.md, "Memory over a
+/// long job"). So arenas are capped at `workers` (the runtime's threads do nearly all of
+/// meshd's allocation), unless the user set `MALLOC_ARENA_MAX` or `GLIBC_TUNABLES`.
 fn tune_allocator(workers: usize) {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt only sets allocator parameters; it is called before any other thread
@@ -86,6 +85,8 @@ fn main() -> ExitCode {
         a.note_dashdash(&std::env::args().collect::<Vec<_>>());
     }
     common::init_tracing();
+    // meshd's own tuning variables, read once: the library reads no environment.
+    let env = env::EnvConfig::from_env();
     // One worker per 8 cores, from 2 to 8: meshd shares the machine with the job's own
     // processes, but on a many-core GPU node the QUIC ring's lanes need cores of their own.
     let threads = std::env::var("MESHD_THREADS")
@@ -120,15 +121,15 @@ fn main() -> ExitCode {
         };
         if let Cmd::Run(a) = cli.cmd {
             // `run` stops its ranks on a signal itself, then exits 130/143.
-            return run::main(a, signals).await;
+            return run::main(a, signals, &env).await;
         }
         let mut sig = signals.clone();
         let work = async {
             match cli.cmd {
-                Cmd::Ifaces(a) => ifaces::main(a).await,
-                Cmd::Status(a) => status::main(a).await,
-                Cmd::Doctor(a) => doctor::main(a).await,
-                Cmd::Bench(w) => bench::main(w).await,
+                Cmd::Ifaces(a) => ifaces::main(a, &env).await,
+                Cmd::Status(a) => status::main(a, &env).await,
+                Cmd::Doctor(a) => doctor::main(a, &env).await,
+                Cmd::Bench(w) => bench::main(w, &env).await,
                 Cmd::Token(a) => token::main(a),
                 Cmd::Run(_) => unreachable!("handled above"),
             }

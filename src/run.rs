@@ -1,6 +1,7 @@
 //! `meshd run`: the identical command on every node.
 
 use crate::common::{self, NetArgs};
+use crate::env::EnvConfig;
 use anyhow::{Context, Result, bail};
 use clap::ArgAction;
 use clap::builder::BoolishValueParser;
@@ -8,6 +9,7 @@ use meshd::job::{self, JobConfig};
 use meshd::mesh::{Mesh, MeshConfig, stable_hash};
 use meshd::preflight::PreflightInput;
 use meshd::proto::membership::MembershipConfig;
+use meshd::proto::preflight::Collective;
 use meshd::proto::rendezvous::RdzvConfig;
 use meshd::signals::Signals;
 use meshd::supervisor::{OutputSpec, StdStreams};
@@ -83,8 +85,8 @@ pub struct JobArgs {
     #[arg(long, default_value = "3s", value_parser = parse_duration)]
     pub settle: Duration,
     /// auto | nccl | quic | tunnel (MESHD_COLLECTIVE given to the ranks; tunnel: their TCP connections to other nodes go through meshd's UDP port).
-    #[arg(long, default_value = "auto", value_parser = ["auto", "nccl", "quic", "tunnel"])]
-    pub collective: String,
+    #[arg(long, value_enum, default_value_t = CollectiveArg::Auto)]
+    pub collective: CollectiveArg,
     /// Also write each rank's stdout/stderr to files under DIR.
     #[arg(long, alias = "log_dir", env = "PET_LOG_DIR")]
     pub log_dir: Option<std::path::PathBuf>,
@@ -332,7 +334,32 @@ pub fn show_cmd(cmd: &[String]) -> String {
     if s.chars().count() > 160 { format!("{}...", s.chars().take(157).collect::<String>()) } else { s }
 }
 
-pub fn prepare(a: &JobArgs, cmd: &[String]) -> Result<Prepared> {
+/// `--collective`: the preflight decides (`auto`), or one is forced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum CollectiveArg {
+    /// nccl when TCP between the nodes works, else tunnel.
+    Auto,
+    /// NCCL and Gloo as usual.
+    Nccl,
+    /// meshd's ring over its UDP port (the Python client and DDP hook).
+    Quic,
+    /// The ranks' TCP connections to other nodes go through meshd's UDP port.
+    Tunnel,
+}
+
+impl CollectiveArg {
+    /// The collective forced on the preflight, if any.
+    pub fn forced(self) -> Option<Collective> {
+        match self {
+            CollectiveArg::Auto => None,
+            CollectiveArg::Nccl => Some(Collective::Nccl),
+            CollectiveArg::Quic => Some(Collective::Quic),
+            CollectiveArg::Tunnel => Some(Collective::Tunnel),
+        }
+    }
+}
+
+pub fn prepare(a: &JobArgs, cmd: &[String], env: &EnvConfig) -> Result<Prepared> {
     for (flag, v, why) in [
         ("--rdzv-backend", &a.rdzv_backend, "meshd is the rendezvous"),
         ("--rdzv-conf", &a.rdzv_conf, "meshd's rendezvous takes --rdzv-timeout and --settle"),
@@ -346,7 +373,7 @@ pub fn prepare(a: &JobArgs, cmd: &[String]) -> Result<Prepared> {
     }
     // Under SLURM, the step's node count and node list (srun -N2 in a 4-node allocation
     // runs on 2 nodes; srun --preserve-env leaves SLURM_NNODES at the allocation's).
-    let slurm_nnodes = meshd::peers::slurm_nnodes(meshd::peers::env_var).map(|(_, n)| n);
+    let slurm_nnodes = meshd::peers::slurm_nnodes(|k| std::env::var(k).ok()).map(|(_, n)| n);
     let mut port = a.net.port;
     let (nnodes, peer_text) = if a.standalone {
         if let Some(n) = a.nnodes.as_deref().filter(|n| parse_nnodes(n).ok() != Some((1, 1))) {
@@ -366,7 +393,7 @@ pub fn prepare(a: &JobArgs, cmd: &[String]) -> Result<Prepared> {
         let nnodes = nnodes_or_default(
             a.nnodes.as_deref().or(slurm_nnodes.as_deref()),
             peer_text.as_deref(),
-            meshd::peers::slurm_nodelist(meshd::peers::env_var).is_some(),
+            meshd::peers::slurm_nodelist(|k| std::env::var(k).ok()).is_some(),
         )?;
         (nnodes, peer_text)
     };
@@ -413,7 +440,7 @@ pub fn prepare(a: &JobArgs, cmd: &[String]) -> Result<Prepared> {
     // NCCL only where it can be used: GPUs visible, NCCL asked for, or a library named.
     // Elsewhere nothing is searched or loaded (libnccl is large; its search is not free).
     let wants_nccl = gpus > 0
-        || a.collective == "nccl"
+        || a.collective == CollectiveArg::Nccl
         || std::env::var_os("MESHD_NCCL_LIB").is_some_and(|v| !v.is_empty());
     let (nccl_version, nccl_note) = if !wants_nccl {
         tracing::debug!("no GPU visible: NCCL not looked for (MESHD_NCCL_UNIQUE_ID will not be set)");
@@ -447,6 +474,8 @@ pub fn prepare(a: &JobArgs, cmd: &[String]) -> Result<Prepared> {
         nproc,
         cmd_hash,
         membership: MembershipConfig::default(),
+        gso: env.gso,
+        cc: env.cc,
     };
     let job = JobConfig {
         cmd: cmd.to_vec(),
@@ -467,7 +496,7 @@ pub fn prepare(a: &JobArgs, cmd: &[String]) -> Result<Prepared> {
             gpus,
             cuda_driver,
             nccl_version,
-            forced: (a.collective != "auto").then(|| a.collective.clone()),
+            forced: a.collective.forced(),
             connect_timeout: Duration::from_secs(2),
             nccl_id: None,
             nccl_note,
@@ -479,6 +508,9 @@ pub fn prepare(a: &JobArgs, cmd: &[String]) -> Result<Prepared> {
         master_port: a.master_port,
         output,
         stall_timeout: a.stall_timeout.filter(|d| !d.is_zero()),
+        ring: env.ring(),
+        preload_lib: env.preload_lib.clone(),
+        runtime_dir: env.runtime_dir.clone(),
     };
     Ok(Prepared { mesh, job, run_id })
 }
@@ -531,10 +563,10 @@ pub fn nproc_gpus() -> u32 {
     }
 }
 
-pub async fn main(a: Args, signals: Signals) -> Result<ExitCode> {
+pub async fn main(a: Args, signals: Signals, env: &EnvConfig) -> Result<ExitCode> {
     let cmd = command(&a, &python())?;
     tracing::debug!("command of every rank: {}", show_cmd(&cmd));
-    let p = prepare(&a.job, &cmd)?;
+    let p = prepare(&a.job, &cmd, env)?;
     let mut sig = signals.clone();
     let mesh = tokio::select! {
         m = Mesh::start(p.mesh) => m?,

@@ -2,7 +2,7 @@
 
 use crate::common::{self, NetArgs};
 use anyhow::{Result, bail};
-use meshd::proto::wire::StatusMember;
+use meshd::proto::wire::{MemberRole, StatusMember};
 use meshd::transport::{Transport, TransportConfig};
 use serde_json::json;
 use std::net::SocketAddr;
@@ -20,13 +20,15 @@ pub struct Args {
     net: NetArgs,
 }
 
-pub async fn main(a: Args) -> Result<ExitCode> {
+pub async fn main(a: Args, env: &crate::env::EnvConfig) -> Result<ExitCode> {
     let mut targets: Vec<(String, SocketAddr)> = common::peers_now(a.peers.as_deref(), a.net.port)?;
     if targets.is_empty() {
         targets.push(("this host".into(), SocketAddr::from(([127, 0, 0, 1], a.net.port))));
     }
     let mut cfg = TransportConfig::new(meshd::random_node_id(), 0);
     cfg.token = a.net.token()?;
+    cfg.gso = env.gso;
+    cfg.cc = env.cc;
     let (t, _events) = Transport::bind(cfg)?;
     let mut errors = Vec::new();
     let mut reply = None;
@@ -57,7 +59,7 @@ pub async fn main(a: Args) -> Result<ExitCode> {
                 json!({
                     "id": m.id.to_string(), "host": m.hostname, "addr": m.addr.ip().to_string(), "port": m.addr.port(),
                     "iface": m.iface, "gpus": m.gpus, "nproc": m.nproc,
-                    "state": format!("{:?}", m.state).to_lowercase(), "health": m.health,
+                    "state": m.state, "health": m.health,
                     "rtt_ms": m.rtt_us.map(|u| u as f64 / 1000.0), "role": m.role, "restarts": m.restarts,
                 })
             })
@@ -90,10 +92,10 @@ pub async fn main(a: Args) -> Result<ExitCode> {
 /// Node-rank order: the master first, then the other roster members by address (as node
 /// ranks are assigned), then members that are waiting for a roster, by address.
 pub fn in_rank_order(members: &mut [StatusMember]) {
-    let role = |m: &StatusMember| match m.role.as_str() {
-        "master" => 0,
-        "worker" => 1,
-        _ => 2,
+    let role = |m: &StatusMember| match m.role {
+        MemberRole::Master => 0,
+        MemberRole::Worker => 1,
+        MemberRole::Waiting => 2,
     };
     members.sort_by_key(|m| (role(m), m.addr.ip(), m.addr.port()));
 }
@@ -114,7 +116,7 @@ pub fn table(members: &[StatusMember], port: u16) -> String {
             m.iface,
             m.gpus,
             m.nproc,
-            format!("{:?}", m.state).to_lowercase(),
+            m.state,
             m.health,
             m.rtt_us.map(|u| format!("{:.2} ms", u as f64 / 1000.0)).unwrap_or_else(|| "-".into()),
             m.role,
@@ -127,9 +129,10 @@ pub fn table(members: &[StatusMember], port: u16) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use meshd::proto::membership::MemberStatus;
     use meshd::proto::{NodeId, NodeState};
 
-    fn member(id: u128, addr: &str, role: &str, host: &str) -> StatusMember {
+    fn member(id: u128, addr: &str, role: MemberRole, host: &str) -> StatusMember {
         StatusMember {
             id: NodeId::from_u128(id),
             hostname: host.into(),
@@ -137,10 +140,10 @@ mod tests {
             iface: "eth1".into(),
             gpus: 8,
             nproc: 2,
-            state: if role == "waiting" { NodeState::Waiting } else { NodeState::Running },
-            health: "alive".into(),
+            state: if role == MemberRole::Waiting { NodeState::Waiting } else { NodeState::Running },
+            health: MemberStatus::Alive,
             rtt_us: Some(210),
-            role: role.into(),
+            role,
             restarts: 0,
         }
     }
@@ -148,11 +151,11 @@ mod tests {
     #[test]
     fn rows_in_node_rank_order_with_hosts_and_the_flags_words() {
         let mut m = vec![
-            member(1, "198.19.0.30:29400", "worker", "gpu3"),
-            member(2, "198.19.0.50:29400", "waiting", "gpu9"),
-            member(3, "198.19.0.19:29400", "worker", "gpu2"),
-            member(4, "198.19.0.7:29400", "master", "gpu1"),
-            member(5, "198.19.0.9:29400", "waiting", ""),
+            member(1, "198.19.0.30:29400", MemberRole::Worker, "gpu3"),
+            member(2, "198.19.0.50:29400", MemberRole::Waiting, "gpu9"),
+            member(3, "198.19.0.19:29400", MemberRole::Worker, "gpu2"),
+            member(4, "198.19.0.7:29400", MemberRole::Master, "gpu1"),
+            member(5, "198.19.0.9:29400", MemberRole::Waiting, ""),
         ];
         in_rank_order(&mut m);
         let order: Vec<String> = m.iter().map(|m| m.addr.ip().to_string()).collect();
@@ -162,8 +165,17 @@ mod tests {
         assert!(lines[0].contains(" nproc ") && !lines[0].contains("procs"), "{}", lines[0]);
         assert!(lines[0].contains(" host ") && !lines[0].contains(" node "), "{}", lines[0]);
         assert!(lines[1].starts_with("198.19.0.7 ") && lines[1].contains(" gpu1 "), "{}", lines[1]);
+        // The words `meshd status` always showed, aligned under their headers.
+        let col = |line: &str, word: &str| line.find(&format!(" {word} ")).map(|i| i + 1);
+        assert_eq!(col(lines[1], "running"), col(lines[0], "state"), "{t}");
+        assert_eq!(col(lines[1], "alive"), col(lines[0], "health"), "{t}");
+        assert_eq!(col(lines[1], "master"), col(lines[0], "role"), "{t}");
+        assert_eq!(col(lines[4], "waiting"), col(lines[0], "state"), "{t}");
         assert!(!t.contains(&NodeId::from_u128(4).to_string()), "no internal ids: {t}");
         assert!(lines[4].contains(" - "), "no host name: {}", lines[4]);
+        // `--json` keeps the words too.
+        let j = json!({ "state": m[0].state, "health": m[0].health, "role": m[0].role });
+        assert_eq!(j.to_string(), r#"{"health":"alive","role":"master","state":"running"}"#);
         // Another port than meshd's is shown.
         assert!(table(&m, 29500).contains("198.19.0.7:29400"));
     }

@@ -22,8 +22,8 @@
 use libfuzzer_sys::fuzz_target;
 use meshd_proto::reduce::{DType, ReduceOp};
 use meshd_proto::ring::{
-    CHUNK_HEADER_LEN, RingError, RingPlan, RingState, Transfer, decode_chunk_header, decode_transfer_id,
-    encode_chunk_header, transfer_id,
+    CHUNK_HEADER_LEN, Reduction, RingError, RingPlan, RingState, Transfer, decode_chunk_header,
+    decode_transfer_id, encode_chunk_header, transfer_id,
 };
 use std::collections::BTreeSet;
 
@@ -115,7 +115,9 @@ fuzz_target!(|data: &[u8]| {
                 assert_eq!(state.recvs_left() + 1, before.0);
                 if len % dtype.size() == 0 {
                     let payload = vec![0x3cu8; len];
-                    action.apply(&mut buf, &payload, dtype, ReduceOp::Avg, n).expect("apply");
+                    action
+                        .apply(&mut buf, &payload, Reduction { dtype, op: ReduceOp::Avg, divisor: n })
+                        .expect("apply");
                 }
             }
             Err(e) => {

@@ -3,12 +3,12 @@
 
 use meshd_proto::membership::{MemberState, MemberStatus, Message as Gm, Update, UpdateKind};
 use meshd_proto::meta::{IfaceAddr, NodeMeta, NodeState};
-use meshd_proto::preflight::{NodeReport, TcpProbe};
+use meshd_proto::preflight::{NodeReport, TcpProbe, TcpTarget};
 use meshd_proto::rendezvous::{Message as Rm, Roster, RosterMember};
 use meshd_proto::ring::{Phase, transfer_id};
 use meshd_proto::store::{StoreError, Version};
 use meshd_proto::wire::{
-    self, AuthHello, Frame, PROTOCOL_VERSION, Query, StatusMember, StatusReply, StoreMsg,
+    self, AuthHello, Frame, MemberRole, PROTOCOL_VERSION, Query, StatusMember, StatusReply, StoreMsg,
 };
 use meshd_proto::{NodeId, ring};
 use std::net::SocketAddr;
@@ -97,7 +97,7 @@ pub fn frames() -> Vec<Frame> {
             target: "198.19.0.2:41234".into(),
             ok: false,
             detail: "connection refused".into(),
-            what: "ephemeral".into(),
+            what: TcpTarget::EphemeralPort,
         }],
         cmd_hash: 7,
         cmd: "python train.py".into(),
@@ -196,9 +196,9 @@ pub fn handshake_inputs() -> Vec<Vec<u8>> {
                 gpus: 8,
                 nproc: 8,
                 state: NodeState::Waiting,
-                health: "alive".into(),
+                health: MemberStatus::Alive,
                 rtt_us: Some(180),
-                role: if n == 1 { "master".into() } else { "worker".into() },
+                role: if n == 1 { MemberRole::Master } else { MemberRole::Worker },
                 restarts: 0,
             })
             .collect(),

@@ -1,6 +1,5 @@
 //! Error type of this crate.
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 
 /// Everything that can go wrong between meshd and CUDA/NCCL. Messages name the cause and,
@@ -68,18 +67,6 @@ pub enum NcclError {
         what: &'static str,
         /// The panic message.
         message: String,
-    },
-    /// A unique id in hex did not parse.
-    #[error("invalid NCCL unique id: {0} (expected 256 hex characters)")]
-    BadHex(String),
-    /// TCP to the bootstrap root failed.
-    #[error("NCCL bootstrap root {root} unreachable: {source}")]
-    Probe {
-        /// The root address.
-        root: SocketAddr,
-        /// The socket error.
-        #[source]
-        source: std::io::Error,
     },
 }
 

@@ -28,15 +28,20 @@
 //!
 //! Panics from cudarc are caught with `catch_unwind`, which needs the default
 //! `panic = "unwind"`; do not build meshd with `panic = "abort"`.
+//!
+//! The id's bytes (hex form, root address) are plain code in `meshd_proto::nccl_id`,
+//! re-exported here as [`UniqueId`]; the root probe is plain TCP in `meshd::nccl_root`.
+//!
+//! Modules (private; their items are re-exported): `lib_nccl` ([`NcclLib`]), `cuda`
+//! ([`cuda_info`]), `root` ([`serve_root_blocking`]), `error` ([`NcclError`]).
 
 mod cuda;
 mod error;
-mod id;
 mod lib_nccl;
 mod root;
 
 pub use cuda::{CudaInfo, cuda_info};
 pub use error::{NcclError, nccl_result_name};
-pub use id::UniqueId;
 pub use lib_nccl::NcclLib;
-pub use root::{probe_root, serve_root_blocking};
+pub use meshd_proto::nccl_id::{BadHex, UniqueId};
+pub use root::serve_root_blocking;

@@ -1,37 +1,10 @@
-//! The bootstrap root: probing it, and serving it from a dedicated child process.
+//! The bootstrap root, served from a dedicated child process (`meshd::nccl_root` spawns it
+//! and probes it).
 
-use crate::{NcclError, NcclLib, UniqueId};
+use crate::{NcclLib, UniqueId};
 use std::fs::File;
 use std::io::{Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::os::fd::FromRawFd;
-use std::time::Duration;
-
-/// Eight bytes that are not a magic NCCL would use (ids carry a random magic; NCCL_COMM_ID
-/// uses a fixed one that differs from this).
-const PROBE_BYTES: [u8; 8] = *b"meshdprb";
-
-/// Probes an NCCL bootstrap root safely on every NCCL version: connects, sends 8 bytes that
-/// are not the magic (a bare connect+close kills the root before NCCL 2.27), then closes.
-/// `Ok(())` when the TCP connection was established and the bytes were sent.
-pub fn probe_root(root: SocketAddr, timeout: Duration) -> Result<(), NcclError> {
-    let err = |source| NcclError::Probe { root, source };
-    let timeout = if timeout.is_zero() { Duration::from_millis(1) } else { timeout };
-    let mut s = TcpStream::connect_timeout(&root, timeout).map_err(err)?;
-    // A dead root on this host can "answer" through a TCP self-connect (the kernel picked
-    // the freed port as our source port): that is no root.
-    if s.local_addr().ok() == Some(root) {
-        return Err(err(std::io::Error::new(
-            std::io::ErrorKind::ConnectionRefused,
-            "connected to itself: nothing listens there",
-        )));
-    }
-    s.set_write_timeout(Some(timeout)).map_err(err)?;
-    s.set_nodelay(true).map_err(err)?;
-    s.write_all(&PROBE_BYTES).map_err(err)?;
-    let _ = s.shutdown(Shutdown::Both);
-    Ok(())
-}
 
 /// Body of `meshd __nccl-root`: loads NCCL ([`NcclLib::load`]), gets a unique id (starting
 /// the bootstrap root in this process, on the interface `NCCL_SOCKET_IFNAME` names), prints
@@ -44,7 +17,7 @@ pub fn probe_root(root: SocketAddr, timeout: Duration) -> Result<(), NcclError> 
 /// initialised. Before NCCL is called, file descriptor 1 is pointed at stderr for the rest
 /// of the process, so NCCL's own log lines (`NCCL_DEBUG` writes to stdout by default)
 /// cannot mix with the protocol line, which goes to the original stdout. NCCL may log to
-/// stderr (e.g. a `wrong magic` warning for each [`probe_root`] on NCCL < 2.27).
+/// stderr (e.g. a `wrong magic` warning for each of meshd's root probes on NCCL < 2.27).
 pub fn serve_root_blocking() -> i32 {
     let mut out = protocol_stdout();
     let result = NcclLib::load().and_then(|lib| lib.unique_id().map(|b| (lib, UniqueId(b))));

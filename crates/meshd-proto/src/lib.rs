@@ -16,14 +16,17 @@
 //! - [`rendezvous`]: election of the master and the roster every node acknowledges.
 //! - [`node`]: one node's whole job lifecycle (membership, rounds, preflight, launch, Done,
 //!   Abort, restarts) as one state machine.
-//! - [`reduce`]: reduction descriptors and the element-wise arithmetic of the collectives.
-//! - [`ring`]: the ring collective's schedule.
 //! - [`store`]: the job-wide key-value store: versioned, acknowledged, bounded.
+//! - [`ring`]: the ring allreduce schedule (segments, chunks, transfer ids) and the
+//!   [`ring::Reduction`] every chunk is applied with.
+//! - [`reduce`]: the element-wise reduction kernels (f32, f16, bf16, integers).
+//! - [`nccl_id`]: the NCCL unique id's bytes: hex form and the root address inside it.
 //! - [`sim`]: a deterministic network simulator over the real membership and node cores.
 
 pub mod id;
 pub mod membership;
 pub mod meta;
+pub mod nccl_id;
 pub mod node;
 pub mod preflight;
 pub mod reduce;

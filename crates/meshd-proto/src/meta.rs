@@ -4,7 +4,11 @@ use serde::{Deserialize, Serialize};
 use std::net::{IpAddr, SocketAddr};
 
 /// The life cycle of a node as others see it.
+///
+/// Displayed (and serialized by name, as in `meshd status --json`) in lowercase: `waiting`,
+/// `running`, `done`, `failed`. On the wire (postcard) it is the variant's index.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
 pub enum NodeState {
     /// Joined the mesh, waiting for the roster.
     #[default]
@@ -15,6 +19,25 @@ pub enum NodeState {
     Done,
     /// A rank failed or the node is stopping the job.
     Failed,
+}
+
+impl NodeState {
+    /// The word `meshd status` shows.
+    pub fn name(self) -> &'static str {
+        match self {
+            NodeState::Waiting => "waiting",
+            NodeState::Running => "running",
+            NodeState::Done => "done",
+            NodeState::Failed => "failed",
+        }
+    }
+}
+
+impl std::fmt::Display for NodeState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // `pad`, not `write_str`: tables align these words with width specifiers.
+        f.pad(self.name())
+    }
 }
 
 /// One address of a local interface.

@@ -14,6 +14,65 @@ use crate::rendezvous::Roster;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
+/// How the ranks of a job talk to other nodes: the value of `MESHD_COLLECTIVE`.
+///
+/// Displayed (and serialized by name, as in `meshd doctor --json`) in lowercase: `nccl`,
+/// `quic`, `tunnel`. On the wire (postcard) it is the variant's index.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Collective {
+    /// TCP works between the nodes: NCCL and Gloo as usual.
+    Nccl,
+    /// meshd's own ring over its UDP port (the Python client and DDP hook).
+    Quic,
+    /// The ranks' TCP connections to other nodes travel through meshd's UDP port.
+    Tunnel,
+}
+
+impl Collective {
+    /// The word ranks get in `MESHD_COLLECTIVE` and `--collective` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Collective::Nccl => "nccl",
+            Collective::Quic => "quic",
+            Collective::Tunnel => "tunnel",
+        }
+    }
+
+    /// Whether meshd's QUIC ring serves the ranks (it does in tunnel mode too: the local
+    /// service stays up).
+    pub fn uses_quic_ring(self) -> bool {
+        matches!(self, Collective::Quic | Collective::Tunnel)
+    }
+}
+
+impl std::fmt::Display for Collective {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.pad(self.name())
+    }
+}
+
+/// What a [`TcpProbe`] dialled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum TcpTarget {
+    /// The ephemeral-port listener every node opens (what NCCL and Gloo sockets need).
+    EphemeralPort,
+    /// MASTER_PORT on the master (the TCPStore's).
+    MasterPort,
+    /// The root address inside the master's NCCL unique id.
+    NcclRoot,
+}
+
+impl std::fmt::Display for TcpTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.pad(match self {
+            TcpTarget::EphemeralPort => "ephemeral port",
+            TcpTarget::MasterPort => "MASTER_PORT",
+            TcpTarget::NcclRoot => "NCCL id root",
+        })
+    }
+}
+
 /// One TCP attempt from the reporting node.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TcpProbe {
@@ -25,8 +84,8 @@ pub struct TcpProbe {
     pub ok: bool,
     /// Error text when not.
     pub detail: String,
-    /// What kind of port: "ephemeral", "master-port", "nccl-root".
-    pub what: String,
+    /// What kind of port.
+    pub what: TcpTarget,
 }
 
 /// What one node reports.
@@ -75,8 +134,8 @@ pub struct Check {
 pub struct Verdict {
     /// Launch may go ahead.
     pub ok: bool,
-    /// "nccl" when every TCP path works, else "tunnel"; or what `--collective` forced.
-    pub collective: String,
+    /// Nccl when every TCP path works, else Tunnel; or what `--collective` forced.
+    pub collective: Collective,
     /// Every check.
     pub checks: Vec<Check>,
     /// Pairs of nodes between which a TCP connection failed, each once, in report order
@@ -97,7 +156,7 @@ impl Verdict {
         if self.tcp_blocked.is_empty() {
             return None;
         }
-        if self.collective == "tunnel" {
+        if self.collective == Collective::Tunnel {
             return Some(format!(
                 "TCP between nodes is blocked ({}): the ranks' TCP connections to other nodes \
                  (init_process_group(\"gloo\") or (\"nccl\"), the TCPStore, user sockets) go through \
@@ -122,7 +181,7 @@ impl Verdict {
         if !self.ok {
             return "a job would NOT start: fix the FAIL lines above".into();
         }
-        if !self.tcp_blocked.is_empty() && self.collective == "tunnel" {
+        if !self.tcp_blocked.is_empty() && self.collective == Collective::Tunnel {
             return format!(
                 "a job would start: the ranks' TCP connections to other nodes (Gloo, NCCL's sockets, the \
                  TCPStore, user code) go through meshd's UDP port (tunnel mode), and meshd's client and DDP \
@@ -145,24 +204,25 @@ impl Verdict {
     /// The collective as ranks will really get it, for the launch line and `doctor`.
     pub fn collective_line(&self) -> String {
         let tcp = if self.nodes == 1 { "one node" } else { "TCP open between the nodes" };
-        match self.collective.as_str() {
-            "nccl" if self.nccl_id => {
+        match self.collective {
+            Collective::Nccl if self.nccl_id => {
                 format!("nccl ({tcp}; MESHD_NCCL_UNIQUE_ID from the master's libnccl)")
             }
-            "nccl" => format!(
+            Collective::Nccl => format!(
                 "nccl ({tcp}; no MESHD_NCCL_UNIQUE_ID: no GPU or no libnccl on the master; PyTorch's own \
                  NCCL or Gloo work as usual)"
             ),
-            "quic" if self.tcp_blocked.is_empty() => "quic (forced by --collective)".into(),
-            "quic" => "quic (TCP between nodes is blocked: only meshd's UDP port works)".into(),
-            "tunnel" if self.tcp_blocked.is_empty() => {
+            Collective::Quic if self.tcp_blocked.is_empty() => "quic (forced by --collective)".into(),
+            Collective::Quic => "quic (TCP between nodes is blocked: only meshd's UDP port works)".into(),
+            Collective::Tunnel if self.tcp_blocked.is_empty() => {
                 "tunnel (forced by --collective: the ranks' TCP connections to other nodes go through meshd)"
                     .into()
             }
-            "tunnel" => "tunnel (TCP between nodes is blocked: the ranks' TCP connections to other nodes go \
-                         through meshd's UDP port)"
-                .into(),
-            other => other.to_string(),
+            Collective::Tunnel => {
+                "tunnel (TCP between nodes is blocked: the ranks' TCP connections to other \
+                                   nodes go through meshd's UDP port)"
+                    .into()
+            }
         }
     }
 }
@@ -227,7 +287,11 @@ fn blocked_pairs(roster: &Roster, blocked: &std::collections::BTreeSet<(NodeId, 
 }
 
 /// Turns every node's report into the verdict. `forced` is `--collective nccl|quic|tunnel`.
-pub fn evaluate(roster: &Roster, reports: &BTreeMap<NodeId, NodeReport>, forced: Option<&str>) -> Verdict {
+pub fn evaluate(
+    roster: &Roster,
+    reports: &BTreeMap<NodeId, NodeReport>,
+    forced: Option<Collective>,
+) -> Verdict {
     let mut checks = Vec::new();
     let missing: Vec<String> =
         roster.members.iter().filter(|m| !reports.contains_key(&m.id)).map(|m| label(roster, m.id)).collect();
@@ -329,11 +393,11 @@ pub fn evaluate(roster: &Roster, reports: &BTreeMap<NodeId, NodeReport>, forced:
     }
     checks.push(mtu);
     let collective = match forced {
-        Some(c) => c.to_string(),
-        None if tcp_ok => "nccl".into(),
-        None => "tunnel".into(),
+        Some(c) => c,
+        None if tcp_ok => Collective::Nccl,
+        None => Collective::Tunnel,
     };
-    let nccl_impossible = forced == Some("nccl") && !tcp_ok;
+    let nccl_impossible = forced == Some(Collective::Nccl) && !tcp_ok;
     let ok = !nccl_impossible && checks.iter().all(|c| c.ok || !c.fatal);
     let nccl_id = roster.master().and_then(|m| reports.get(&m.id)).is_some_and(|r| !r.nccl_root.is_empty());
     Verdict { ok, collective, checks, tcp_blocked, nccl_id, nodes: roster.members.len() }
@@ -370,7 +434,7 @@ mod tests {
                     target: format!("198.19.0.{i}:40000"),
                     ok: true,
                     detail: String::new(),
-                    what: "ephemeral".into(),
+                    what: TcpTarget::EphemeralPort,
                 })
                 .collect(),
             cmd_hash: 7,
@@ -394,7 +458,7 @@ mod tests {
     fn open_network_is_nccl() {
         let v = evaluate(&roster(3), &all(3), None);
         assert!(v.ok, "{v:?}");
-        assert_eq!(v.collective, "nccl");
+        assert_eq!(v.collective, Collective::Nccl);
     }
 
     #[test]
@@ -418,9 +482,13 @@ mod tests {
         );
         let v = evaluate(&roster(3), &reps, None);
         assert!(v.ok, "blocked TCP is not fatal: {v:?}");
-        assert_eq!(v.collective, "tunnel", "auto: the ranks' TCP goes through meshd");
+        assert_eq!(v.collective, Collective::Tunnel, "auto: the ranks' TCP goes through meshd");
         let tcp = v.checks.iter().find(|c| c.name == "tcp").expect("tcp");
-        assert!(tcp.detail.contains("198.19.0.2 -> 198.19.0.3:40000"), "{}", tcp.detail);
+        assert!(
+            tcp.detail.contains("198.19.0.2 -> 198.19.0.3:40000 (198.19.0.3, ephemeral port)"),
+            "{}",
+            tcp.detail
+        );
         assert!(tcp.detail.contains("open TCP"), "{}", tcp.detail);
         // One launch warning names each blocked pair once and both ways out.
         assert_eq!(v.tcp_blocked, vec!["198.19.0.2 -> 198.19.0.3".to_string()]);
@@ -435,8 +503,8 @@ mod tests {
         assert!(c.contains("TCP between nodes is blocked (198.19.0.2 -> 198.19.0.3)"), "{c}");
         assert!(v.collective_line().starts_with("tunnel (TCP between nodes is blocked"));
         // Forcing the QUIC collective keeps the old advice: Gloo/NCCL would hang.
-        let q = evaluate(&roster(3), &reps, Some("quic"));
-        assert_eq!(q.collective, "quic");
+        let q = evaluate(&roster(3), &reps, Some(Collective::Quic));
+        assert_eq!(q.collective, Collective::Quic);
         let w = q.tcp_warning("eth1").expect("a warning");
         assert!(w.contains("init_process_group") && w.contains("will hang"), "{w}");
         assert!(w.contains("meshd.torch.allreduce_hook"), "{w}");
@@ -445,15 +513,15 @@ mod tests {
         assert!(c.contains("Gloo/NCCL sockets directly will not: TCP between nodes is blocked"), "{c}");
         assert!(q.collective_line().starts_with("quic (TCP between nodes is blocked"));
         // Forcing the tunnel on an open network says so.
-        let t = evaluate(&roster(3), &all(3), Some("tunnel"));
-        assert!(t.ok && t.collective == "tunnel" && t.tcp_warning("eth1").is_none());
+        let t = evaluate(&roster(3), &all(3), Some(Collective::Tunnel));
+        assert!(t.ok && t.collective == Collective::Tunnel && t.tcp_warning("eth1").is_none());
         assert!(t.collective_line().starts_with("tunnel (forced by --collective"), "{}", t.collective_line());
         // An open network has no warning, and a verdict that says so.
         let open = evaluate(&roster(3), &all(3), None);
         assert_eq!(open.tcp_warning("eth1"), None);
         assert!(open.conclusion().starts_with("a job would work"), "{}", open.conclusion());
         // Forcing NCCL on a network where it cannot work is refused.
-        assert!(!evaluate(&roster(3), &reps, Some("nccl")).ok);
+        assert!(!evaluate(&roster(3), &reps, Some(Collective::Nccl)).ok);
     }
 
     #[test]
@@ -487,7 +555,7 @@ mod tests {
         let v = evaluate(&roster(3), &reps, None);
         assert!(v.ok, "a missing NCCL is not fatal");
         // The collective is still nccl (TCP works), but the line says no id comes from meshd.
-        assert_eq!(v.collective, "nccl");
+        assert_eq!(v.collective, Collective::Nccl);
         assert!(!v.nccl_id);
         assert!(
             v.collective_line().contains("no GPU or no libnccl on the master"),
@@ -510,5 +578,21 @@ mod tests {
         let v = evaluate(&roster(3), &reps, None);
         assert!(!v.ok);
         assert!(v.checks[0].detail.contains("198.19.0.2"));
+    }
+
+    #[test]
+    fn words_are_the_ones_ranks_logs_and_scripts_read() {
+        let words: Vec<String> =
+            [Collective::Nccl, Collective::Quic, Collective::Tunnel].iter().map(|c| c.to_string()).collect();
+        assert_eq!(words, ["nccl", "quic", "tunnel"]);
+        let targets: Vec<String> = [TcpTarget::EphemeralPort, TcpTarget::MasterPort, TcpTarget::NcclRoot]
+            .iter()
+            .map(|t| t.to_string())
+            .collect();
+        assert_eq!(targets, ["ephemeral port", "MASTER_PORT", "NCCL id root"]);
+        // Tables pad them like strings.
+        assert_eq!(format!("{:<7}|", Collective::Quic), "quic   |");
+        assert!(Collective::Tunnel.uses_quic_ring() && Collective::Quic.uses_quic_ring());
+        assert!(!Collective::Nccl.uses_quic_ring());
     }
 }

@@ -111,9 +111,9 @@ pub fn decode_transfer_id(id: u64) -> (Phase, usize, usize) {
 /// Allreduces of at most this many bytes, among at most [`DIRECT_MAX_WORLD`] nodes, go
 /// straight from every node to every other node, and each node reduces all contributions
 /// itself: one hop instead of the ring's 2(n-1), each of which waits for the one before.
-/// Part of the wire protocol: every node must choose the same way ([`is_direct`]).
-/// Measured on 3 lab hosts (MTU 9000): 64 KiB took 796 us direct against 1117 us around
-/// the ring, 256 KiB 2388 against 1939 us.
+/// Part of the wire protocol: every node must choose the same way ([`is_direct`]). The
+/// limit is the largest size at which going direct was still faster on the lab
+/// (docs/PERFORMANCE.md, "Small allreduces go direct").
 pub const DIRECT_MAX_BYTES: usize = 64 << 10;
 /// Most nodes for a direct allreduce: each node sends n - 1 copies of its buffer.
 pub const DIRECT_MAX_WORLD: usize = 16;
@@ -129,15 +129,14 @@ pub fn is_direct(world: usize, len_bytes: usize) -> bool {
 }
 
 /// The result of a direct allreduce into `out`: every node's contribution (in rank order,
-/// so every node computes the same bits whatever order they arrived in) reduced with `op`,
-/// and for `Avg` divided by `divisor`.
+/// so every node computes the same bits whatever order they arrived in) reduced with
+/// `how.op`, and for `Avg` divided by `how.divisor`.
 pub fn direct_reduce<P: AsRef<[u8]>>(
     contributions: &[P],
-    dtype: DType,
-    op: ReduceOp,
-    divisor: u32,
+    how: Reduction,
     out: &mut [u8],
 ) -> Result<(), RingError> {
+    let Reduction { dtype, op, divisor } = how;
     let Some((first, rest)) = contributions.split_first() else {
         return Err(ReduceError::LengthMismatch { acc: out.len(), other: 0 }.into());
     };
@@ -150,7 +149,7 @@ pub fn direct_reduce<P: AsRef<[u8]>>(
         reduce::reduce_into(dtype, op, out, c.as_ref())?;
     }
     if op == ReduceOp::Avg {
-        reduce::finish_avg(dtype, out, divisor)?;
+        reduce::finish_avg(dtype, out, u32::try_from(divisor).unwrap_or(u32::MAX))?;
     }
     Ok(())
 }
@@ -459,6 +458,18 @@ impl RingPlan {
     }
 }
 
+/// How received chunks are combined: the element type, the operation, and what `Avg`
+/// divides by (the number of nodes whose data is summed).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Reduction {
+    /// Element type.
+    pub dtype: DType,
+    /// Element-wise operation.
+    pub op: ReduceOp,
+    /// `Avg` divides the sum by this (the world size); other operations ignore it.
+    pub divisor: usize,
+}
+
 /// What to do with a received chunk's payload.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Action {
@@ -493,16 +504,9 @@ impl Action {
     }
 
     /// Applies the payload to `buf`: reduces or copies, and for `Avg` divides a final
-    /// chunk by the world size `n`, so the divided bytes are what the all-gather spreads.
-    pub fn apply(
-        &self,
-        buf: &mut [u8],
-        payload: &[u8],
-        dtype: DType,
-        op: ReduceOp,
-        n: usize,
-    ) -> Result<(), RingError> {
-        self.apply_parts(buf, &[payload], dtype, op, n)
+    /// chunk by `how.divisor`, so the divided bytes are what the all-gather spreads.
+    pub fn apply(&self, buf: &mut [u8], payload: &[u8], how: Reduction) -> Result<(), RingError> {
+        self.apply_parts(buf, &[payload], how)
     }
 
     /// The chunk's range of `buf`, once `parts` is known to fill it exactly.
@@ -525,11 +529,9 @@ impl Action {
         &self,
         buf: &mut [u8],
         parts: &[P],
-        dtype: DType,
-        op: ReduceOp,
-        n: usize,
+        how: Reduction,
     ) -> Result<(), RingError> {
-        self.apply_to(self.chunk_of(buf)?, parts, dtype, op, n)
+        self.apply_to(self.chunk_of(buf)?, parts, how)
     }
 
     /// [`Action::apply_parts`] onto `dst`, the chunk's own bytes (`range()` of the buffer)
@@ -539,10 +541,9 @@ impl Action {
         &self,
         dst: &mut [u8],
         parts: &[P],
-        dtype: DType,
-        op: ReduceOp,
-        n: usize,
+        how: Reduction,
     ) -> Result<(), RingError> {
+        let Reduction { dtype, op, divisor: n } = how;
         if dst.len() != self.range().len() {
             return Err(ReduceError::LengthMismatch { acc: dst.len(), other: self.range().len() }.into());
         }
@@ -574,12 +575,11 @@ impl Action {
         &self,
         buf: &mut [u8],
         parts: &[P],
-        dtype: DType,
-        op: ReduceOp,
-        n: usize,
+        how: Reduction,
     ) -> Result<Option<Vec<u8>>, RingError> {
+        let Reduction { dtype, op, divisor: n } = how;
         if let Action::Copy { last: true, .. } = self {
-            self.apply_parts(buf, parts, dtype, op, n)?;
+            self.apply_parts(buf, parts, how)?;
             return Ok(None);
         }
         let dst = self.target(buf, parts)?;

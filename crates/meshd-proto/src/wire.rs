@@ -162,14 +162,47 @@ pub struct StatusMember {
     pub nproc: u32,
     /// Job state it advertises.
     pub state: crate::NodeState,
-    /// Membership verdict: alive, suspect, dead, left.
-    pub health: String,
+    /// Membership verdict.
+    pub health: crate::membership::MemberStatus,
     /// Round-trip time from the answering node, microseconds.
     pub rtt_us: Option<u64>,
-    /// master, worker, or waiting (no roster yet).
-    pub role: String,
+    /// Its place in the roster.
+    pub role: MemberRole,
     /// Restarts so far.
     pub restarts: u32,
+}
+
+/// A member's place in the roster, as `meshd status` shows it.
+///
+/// Displayed (and serialized by name, as in `meshd status --json`) in lowercase: `master`,
+/// `worker`, `waiting`. On the wire (postcard) it is the variant's index.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MemberRole {
+    /// The roster's master (node rank 0).
+    Master,
+    /// Another roster member.
+    Worker,
+    /// No roster yet.
+    Waiting,
+}
+
+impl MemberRole {
+    /// The word `meshd status` shows.
+    pub fn name(self) -> &'static str {
+        match self {
+            MemberRole::Master => "master",
+            MemberRole::Worker => "worker",
+            MemberRole::Waiting => "waiting",
+        }
+    }
+}
+
+impl std::fmt::Display for MemberRole {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // `pad`, not `write_str`: tables align these words with width specifiers.
+        f.pad(self.name())
+    }
 }
 
 /// Answer to [`Query::Status`].

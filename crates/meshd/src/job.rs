@@ -25,7 +25,7 @@ use crate::supervisor::{self, RankSpec, Supervisor};
 use crate::transport::DataStream;
 use meshd_proto::NodeId;
 use meshd_proto::node::{self as core, Input};
-use meshd_proto::preflight::Verdict;
+use meshd_proto::preflight::{Collective, Verdict};
 use meshd_proto::rendezvous::{RankFailure, RdzvConfig, Roster};
 use meshd_proto::wire::StoreMsg;
 use std::net::{IpAddr, SocketAddr, TcpListener};
@@ -66,6 +66,12 @@ pub struct JobConfig {
     /// Stop the job, with the ranks' Python stacks, when no rank of this node wrote output
     /// or called the local service for this long (`--stall-timeout`).
     pub stall_timeout: Option<Duration>,
+    /// The QUIC ring's lanes and chunk size (`MESHD_LANES`, `MESHD_RING_CHUNK`).
+    pub ring: crate::collective::RingConfig,
+    /// The tunnel's preload library, when the user gave one (`MESHD_PRELOAD_LIB`).
+    pub preload_lib: Option<PathBuf>,
+    /// Where the job's owner-only socket directory goes (`$XDG_RUNTIME_DIR`, else `/tmp`).
+    pub runtime_dir: PathBuf,
 }
 
 /// How a job ended on this node.
@@ -334,9 +340,7 @@ pub async fn run(
 ) -> Result<JobOutcome, MeshError> {
     // Bulk data streams of the QUIC ring, shared by every restart round's service.
     let incoming = Arc::new(tokio::sync::Mutex::new(
-        mesh.transport()
-            .take_data_streams()
-            .ok_or_else(|| MeshError::Iface("data streams already taken".into()))?,
+        mesh.transport().take_data_streams().ok_or(MeshError::DataStreamsTaken)?,
     ));
     // Per-round files: error files always, output files with --log-dir (or --redirects).
     let redirected = cfg.output.redirects_any() && cfg.log_dir.is_none();
@@ -488,26 +492,33 @@ impl JobIo {
             return Input::SpawnFailed("not part of the agreed roster".into());
         };
         let restart = roster.restart;
+        // The ranks inherit meshd's environment: a variable the user set there wins.
         let user_has = |k: &str| std::env::var_os(k).is_some();
         let iface = self.iface.clone();
         let addrs: Vec<SocketAddr> = roster.members.iter().map(|m| m.addr).collect();
-        let ring = RingNet::new(self.transport.clone(), node_rank, addrs.clone(), self.incoming.clone());
+        let ring = RingNet::new(
+            self.transport.clone(),
+            node_rank,
+            addrs.clone(),
+            self.incoming.clone(),
+            &self.cfg.ring,
+        );
         if let Some(w) = verdict.tcp_warning(&iface) {
             warn!("{w}");
         }
         // The QUIC ring serves meshd's client in tunnel mode too (MESHD_SOCKET stays set).
-        if verdict.collective == "quic" || verdict.collective == "tunnel" {
+        if verdict.collective.uses_quic_ring() {
             info!(
                 "preflight passed; collective: {}; ring over {} to the next node (MESHD_LANES)",
                 verdict.collective_line(),
-                crate::plural(ring.lanes as u64, "lane")
+                crate::plural(ring.lanes.get() as u64, "lane")
             );
         } else {
             info!("preflight passed; collective: {}", verdict.collective_line());
         }
         let activity = Arc::new(supervisor::output::Activity::default());
         let svc_cfg = ServiceConfig {
-            path: service::default_path(&self.run_id, self.addr.port()),
+            path: service::default_path(&self.cfg.runtime_dir, &self.run_id, self.addr.port()),
             local_world: roster.members[node_rank].nproc,
             first_global: roster.first_global_rank(node_rank),
             world: roster.world_size(),
@@ -543,12 +554,13 @@ impl JobIo {
         let first = roster.first_global_rank(node_rank);
         let globals: Vec<u32> = (0..roster.members[node_rank].nproc).map(|l| first + l).collect();
         let round_dir = self.dirs.as_ref().map(|d| d.round(restart, &globals));
-        let tunnel = (verdict.collective == "tunnel")
+        let tunnel = (verdict.collective == Collective::Tunnel)
             .then(|| {
                 crate::tunnel::start_for_round(
                     roster,
                     node_rank,
                     svc.as_ref().map(|s| s.path()),
+                    self.cfg.preload_lib.as_deref(),
                     &self.transport,
                     self.tunnel_in.as_ref(),
                     &self.tunnel_stats,
@@ -565,7 +577,7 @@ impl JobIo {
                     self.addr.ip(),
                     &self.run_id,
                     self.cfg.max_restarts,
-                    &verdict.collective,
+                    verdict.collective.name(),
                     &user_has,
                 );
                 if self.cfg.role != "default" {
@@ -599,6 +611,7 @@ impl JobIo {
                     env.push(("MESHD_SOCKET".into(), s.path().display().to_string()));
                 }
                 if let Some(t) = &tunnel {
+                    // The ranks inherit meshd's LD_PRELOAD: the tunnel's library goes first.
                     env.extend(t.env(std::env::var("LD_PRELOAD").ok().as_deref()));
                 }
                 if let Some(id) = nccl_id {

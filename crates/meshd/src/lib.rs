@@ -1,17 +1,20 @@
 //! meshd: start a multi-node GPU job with one identical command on every node.
 //!
-//! This crate is the IO shell around the sans-IO core in `meshd-proto`:
+//! This crate is the IO shell around the sans-IO core in `meshd-proto`. It reads no
+//! environment variables of its own (the CLI passes them in its config structs); it reads
+//! only what the ranks it starts inherit. It does not link CUDA or NCCL (`meshd-nccl`).
 //! - [`interfaces`]: enumerate and classify interfaces, choose the one that reaches peers.
 //! - [`transport`]: one quinn endpoint on one UDP port, token authentication bound to TLS.
 //! - [`peers`]: the `--peers` syntax (`host[:port]` lists, `@file`, `dns:NAME`, SLURM).
 //! - [`mesh`]: interface choice, the UDP port, background name resolution (the mesh's IO).
-//! - [`node`]: the actor that owns the `Node` core over the transport, and the library handle.
+//! - [`node`]: the actor that owns the `Node` core over the transport, and the library
+//!   handle ([`Node::spawn`]).
 //! - [`job`]: `meshd run`'s IO edges: ranks with torchrun's environment, stops, causes.
 //! - [`preflight`]: the preflight's TCP listeners and dials.
-//! - [`collective`]: the QUIC ring and the node-local service.
-//! - [`tunnel`]: the ranks' TCP through meshd's port.
-//! - [`nccl_root`]: the NCCL id's root process.
 //! - [`supervisor`]: spawning ranks with torchrun's environment, teardown.
+//! - [`collective`]: the QUIC ring allreduce and the ranks' local service (`MESHD_SOCKET`).
+//! - [`tunnel`]: the ranks' TCP connections to other nodes carried over meshd's QUIC.
+//! - [`nccl_root`]: the NCCL root child process (`meshd __nccl-root`) and its probe.
 //! - [`signals`]: SIGINT/SIGTERM watched once, so that every wait of a job ends on them.
 
 pub mod collective;

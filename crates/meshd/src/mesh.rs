@@ -6,7 +6,7 @@
 pub mod report;
 pub mod seed;
 
-use crate::interfaces::{self, Choice, Interface};
+use crate::interfaces::{self, Choice, ChoiceError, Interface};
 use crate::peers::PeerSpec;
 use crate::transport::auth::Token;
 use crate::transport::{Transport, TransportConfig, TransportError, TransportEvent};
@@ -47,14 +47,35 @@ pub struct MeshConfig {
     pub cmd_hash: u64,
     /// Membership tuning.
     pub membership: MembershipConfig,
+    /// UDP segmentation offload ([`TransportConfig::gso`]).
+    pub gso: bool,
+    /// Congestion control ([`TransportConfig::cc`]).
+    pub cc: crate::transport::CongestionControl,
 }
 
 /// Errors forming or running the mesh.
 #[derive(Debug, thiserror::Error)]
 pub enum MeshError {
-    /// Interface enumeration or choice failed.
+    /// The interfaces could not be listed.
     #[error("interface: {0}")]
-    Iface(String),
+    ListInterfaces(std::io::Error),
+    /// No interface fits (the one `--iface` names, or one that reaches the peers).
+    #[error("interface: {0}")]
+    Choice(ChoiceError),
+    /// The task resolving peer names ended without an answer (it panicked).
+    #[error("interface: the resolver task failed")]
+    Resolver,
+    /// The preflight's TCP listener could not be opened on the chosen address.
+    #[error("preflight listener on {ip}: {error}")]
+    PreflightListener {
+        /// The chosen interface's address.
+        ip: IpAddr,
+        /// Why (part of the message, not a source: the CLI prints one line).
+        error: std::io::Error,
+    },
+    /// The transport's data streams were already taken by another user of this mesh.
+    #[error("the mesh transport's data streams were already taken")]
+    DataStreamsTaken,
     /// The transport could not start.
     #[error(transparent)]
     Transport(#[from] TransportError),
@@ -122,7 +143,7 @@ impl Mesh {
     /// Chooses the interface, binds the port and starts joining through the listed peers.
     pub async fn start(mut cfg: MeshConfig) -> Result<Mesh, MeshError> {
         let started = Instant::now();
-        let ifs = interfaces::list().map_err(|e| MeshError::Iface(e.to_string()))?;
+        let ifs = interfaces::list().map_err(MeshError::ListInterfaces)?;
         let single_node = cfg.max_nodes <= 1;
         if !single_node {
             Self::await_a_usable_entry(&mut cfg, &ifs).await?;
@@ -134,13 +155,14 @@ impl Mesh {
             // join through, on the interface of its listed address.
             seed::alone(&ifs, &reach, single_node, cfg.max_nodes).map_err(MeshError::Peers)?
         } else {
-            interfaces::choose(&ifs, &reach, cfg.iface.as_deref())
-                .map_err(|e| MeshError::Iface(e.to_string()))?
+            interfaces::choose(&ifs, &reach, cfg.iface.as_deref()).map_err(MeshError::Choice)?
         };
         let run_hash = stable_hash(&[cfg.run_id.as_bytes()]);
         let mut tc = TransportConfig::new(cfg.node, cfg.port);
         tc.token = cfg.token.clone();
         tc.run_hash = run_hash;
+        tc.gso = cfg.gso;
+        tc.cc = cfg.cc;
         tc.mtu = ifs.iter().find(|i| i.name == choice.name).and_then(|i| i.mtu);
         if choice.addr.is_ipv6() {
             tc.bind = IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED);
@@ -218,9 +240,8 @@ impl Mesh {
         loop {
             tokio::time::sleep(delay.min(deadline.saturating_duration_since(Instant::now()))).await;
             delay = (delay * 2).min(seed::RESOLVE_MAX);
-            let results = seed::resolve_each(cfg.unresolved.clone(), cfg.port)
-                .await
-                .ok_or_else(|| MeshError::Iface("the resolver task failed".into()))?;
+            let results =
+                seed::resolve_each(cfg.unresolved.clone(), cfg.port).await.ok_or(MeshError::Resolver)?;
             let mut still = Vec::new();
             let mut errors = Vec::new();
             for (spec, (addrs, errs)) in std::mem::take(&mut cfg.unresolved).into_iter().zip(results) {

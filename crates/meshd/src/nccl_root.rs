@@ -5,7 +5,13 @@
 //! runs it in a child (`meshd __nccl-root`) started with `NCCL_SOCKET_IFNAME==IFACE`; the
 //! child prints the id and stays alive while its stdin pipe is open, which is as long as
 //! this [`NcclRoot`] lives: the whole launch round, so every rank's init finds the root.
+//!
+//! The id is parsed with `meshd_proto::nccl_id` and its root probed here with plain TCP
+//! ([`probe_root`]): this crate never links CUDA or NCCL; only the child does.
 
+use meshd_proto::nccl_id::UniqueId;
+use std::io::Write;
+use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::process::Stdio;
 use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, BufReader};
@@ -41,6 +47,7 @@ impl NcclRoot {
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .kill_on_drop(true);
+        // The root process inherits meshd's environment: the user's NCCL_SOCKET_IFNAME wins.
         if std::env::var_os("NCCL_SOCKET_IFNAME").is_none() {
             cmd.env("NCCL_SOCKET_IFNAME", format!("={iface}"));
         }
@@ -57,10 +64,48 @@ impl NcclRoot {
             .map_err(|e| e.to_string())?
             .ok_or("the NCCL root process exited without an id")?;
         if let Some(hex) = line.strip_prefix("NCCLID ") {
-            let id = meshd_nccl::UniqueId::from_hex(hex.trim()).map_err(|e| e.to_string())?;
+            let id = UniqueId::from_hex(hex.trim()).map_err(|e| e.to_string())?;
             Ok(NcclRoot { id: id.0.to_vec(), _child: child, _helper: guard })
         } else {
             Err(line.strip_prefix("NCCLERR ").unwrap_or(&line).to_string())
         }
     }
+}
+
+/// TCP to an NCCL bootstrap root failed. The io error is part of the message, not a
+/// source (so an error chain prints it once).
+#[derive(Debug, thiserror::Error)]
+#[error("NCCL bootstrap root {root} unreachable: {error}")]
+pub struct RootProbeError {
+    /// The root address.
+    pub root: SocketAddr,
+    /// The socket error.
+    pub error: std::io::Error,
+}
+
+/// Eight bytes that are not a magic NCCL would use (ids carry a random magic; NCCL_COMM_ID
+/// uses a fixed one that differs from this).
+const PROBE_BYTES: [u8; 8] = *b"meshdprb";
+
+/// Probes an NCCL bootstrap root safely on every NCCL version: connects, sends 8 bytes that
+/// are not the magic (a bare connect+close kills the root before NCCL 2.27), then closes.
+/// `Ok(())` when the TCP connection was established and the bytes were sent. Blocking: run
+/// it where blocking is allowed (`spawn_blocking`).
+pub fn probe_root(root: SocketAddr, timeout: Duration) -> Result<(), RootProbeError> {
+    let err = |error| RootProbeError { root, error };
+    let timeout = if timeout.is_zero() { Duration::from_millis(1) } else { timeout };
+    let mut s = TcpStream::connect_timeout(&root, timeout).map_err(err)?;
+    // A dead root on this host can "answer" through a TCP self-connect (the kernel picked
+    // the freed port as our source port): that is no root.
+    if s.local_addr().ok() == Some(root) {
+        return Err(err(std::io::Error::new(
+            std::io::ErrorKind::ConnectionRefused,
+            "connected to itself: nothing listens there",
+        )));
+    }
+    s.set_write_timeout(Some(timeout)).map_err(err)?;
+    s.set_nodelay(true).map_err(err)?;
+    s.write_all(&PROBE_BYTES).map_err(err)?;
+    let _ = s.shutdown(Shutdown::Both);
+    Ok(())
 }

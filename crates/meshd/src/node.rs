@@ -8,7 +8,7 @@ pub(crate) mod library;
 
 pub use library::Snapshot;
 
-use crate::collective::RingNet;
+use crate::collective::{RingConfig, RingNet};
 use crate::interfaces::Choice;
 use crate::mesh::{Mesh, MeshConfig, MeshError, stable_hash};
 use crate::preflight::PreflightInput;
@@ -41,6 +41,8 @@ pub struct NodeConfig {
     pub max_restarts: u32,
     /// What this node reports in the preflight (compared across the roster).
     pub preflight: PreflightInput,
+    /// The QUIC ring's lanes and chunk size for [`NodeHandle::ring`].
+    pub ring: RingConfig,
     /// Make the round's NCCL unique id when master. Only a `meshd` binary can (the id's
     /// root runs as `meshd __nccl-root`); library programs leave this false.
     pub make_nccl_id: bool,
@@ -64,6 +66,7 @@ impl NodeConfig {
             rdzv_timeout: Duration::from_secs(60),
             max_restarts: 0,
             preflight,
+            ring: RingConfig::default(),
             make_nccl_id: false,
         }
     }
@@ -99,7 +102,7 @@ pub(crate) fn core_config(
             nccl_version: facts.nccl_version,
             mtu: crate::preflight::mtu(&iface),
             iface,
-            forced: facts.forced.clone(),
+            forced: facts.forced,
         },
         seed: stable_hash(&[&mesh.node().0]),
         timing: Timing::default(),
@@ -121,9 +124,7 @@ impl Node {
         };
         let mesh = Mesh::start(cfg.mesh.clone()).await?;
         let transport = mesh.transport().clone();
-        let incoming = transport
-            .take_data_streams()
-            .ok_or_else(|| MeshError::Iface("data streams already taken".into()))?;
+        let incoming = transport.take_data_streams().ok_or(MeshError::DataStreamsTaken)?;
         let master_port = crate::job::free_tcp_port(mesh.addr().ip()).unwrap_or(29500);
         let core_cfg =
             core_config(&mesh, &cfg.rdzv, cfg.rdzv_timeout, cfg.max_restarts, &cfg.preflight, master_port);
@@ -141,6 +142,7 @@ impl Node {
             addr,
             choice,
             incoming: Arc::new(tokio::sync::Mutex::new(incoming)),
+            ring: cfg.ring.clone(),
             task,
         })
     }
@@ -156,6 +158,7 @@ pub struct NodeHandle {
     addr: SocketAddr,
     choice: Choice,
     incoming: Arc<tokio::sync::Mutex<mpsc::Receiver<DataStream>>>,
+    ring: RingConfig,
     task: tokio::task::JoinHandle<Result<Outcome, MeshError>>,
 }
 
@@ -227,7 +230,7 @@ impl NodeHandle {
         let roster = self.snap.borrow().roster.clone()?;
         let rank = roster.node_rank(self.id)?;
         let addrs = roster.members.iter().map(|m| m.addr).collect();
-        Some(RingNet::new(self.transport.clone(), rank, addrs, self.incoming.clone()))
+        Some(RingNet::new(self.transport.clone(), rank, addrs, self.incoming.clone(), &self.ring))
     }
 
     /// Sets `key` to `value` in the job-wide store of this round; returns once every live

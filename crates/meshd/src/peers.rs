@@ -148,11 +148,6 @@ pub fn slurm_nnodes(get: impl Fn(&str) -> Option<String>) -> Option<(&'static st
         .find_map(|k| get(k).filter(|v| !v.trim().is_empty()).map(|v| (k, v)))
 }
 
-/// The process environment, for [`slurm_nodelist`] and [`slurm_nnodes`].
-pub fn env_var(k: &str) -> Option<String> {
-    std::env::var(k).ok()
-}
-
 /// Expands a SLURM hostlist (`gpu[01-03,07],login1`) into host names.
 pub fn expand_hostlist(list: &str) -> Result<Vec<String>, PeersError> {
     let err = |m: &str| PeersError::Hostlist(list.to_string(), m.to_string());

@@ -2,8 +2,9 @@
 //! (the exchanges and the verdict are the `Node` core's, `meshd_proto::node`).
 
 use meshd_proto::NodeId;
+use meshd_proto::nccl_id::UniqueId;
 use meshd_proto::node::DialTarget;
-use meshd_proto::preflight::TcpProbe;
+use meshd_proto::preflight::{Collective, TcpProbe, TcpTarget};
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 use tokio::net::{TcpListener, TcpStream};
@@ -24,7 +25,7 @@ pub struct PreflightInput {
     /// NCCL version.
     pub nccl_version: u32,
     /// `--collective nccl|quic|tunnel` when forced.
-    pub forced: Option<String>,
+    pub forced: Option<Collective>,
     /// How long one TCP connect may take.
     pub connect_timeout: Duration,
     /// The NCCL unique id this node created (the master only).
@@ -81,14 +82,14 @@ pub async fn bind(
                 target: format!("{ip}:{mp}"),
                 ok: false,
                 detail: format!("MASTER_PORT {mp} cannot be bound on the master: {e}"),
-                what: "MASTER_PORT".into(),
+                what: TcpTarget::MasterPort,
             }),
         }
     }
     Ok((port, tasks, problems))
 }
 
-async fn dial(to: NodeId, addr: SocketAddr, what: String, limit: Duration) -> TcpProbe {
+async fn dial(to: NodeId, addr: SocketAddr, what: TcpTarget, limit: Duration) -> TcpProbe {
     let res = tokio::time::timeout(limit, TcpStream::connect(addr)).await;
     let (ok, detail) = match res {
         Ok(Ok(_)) => (true, String::new()),
@@ -114,18 +115,18 @@ pub async fn dial_all(
     let root = nccl_id
         .as_ref()
         .and_then(|b| <[u8; 128]>::try_from(b.as_slice()).ok())
-        .and_then(|b| meshd_nccl::UniqueId(b).root());
+        .and_then(|b| UniqueId(b).root());
     if let (Some(root), Some(master_id)) = (root, master) {
         set.spawn(async move {
             // NCCL's root is probed the way that is safe on every NCCL version.
-            let r = tokio::task::spawn_blocking(move || meshd_nccl::probe_root(root, limit)).await;
+            let r = tokio::task::spawn_blocking(move || crate::nccl_root::probe_root(root, limit)).await;
             let (ok, detail) = match r {
                 Ok(Ok(())) => (true, String::new()),
                 Ok(Err(e)) => (false, e.to_string()),
                 Err(e) => (false, e.to_string()),
             };
             let p =
-                TcpProbe { to: master_id, target: root.to_string(), ok, detail, what: "NCCL id root".into() };
+                TcpProbe { to: master_id, target: root.to_string(), ok, detail, what: TcpTarget::NcclRoot };
             (usize::MAX, p)
         });
     }

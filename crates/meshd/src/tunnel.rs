@@ -158,6 +158,9 @@ pub struct TunnelConfig {
     pub members: HashSet<NodeId>,
     /// This node's roster address: the only destination served for peers.
     pub local_ip: IpAddr,
+    /// The preload library the ranks load, when the user gave one (the CLI's
+    /// `MESHD_PRELOAD_LIB`); else meshd writes its embedded copy to `dir`.
+    pub preload_lib: Option<PathBuf>,
 }
 
 /// A running tunnel; dropping it stops it and removes its socket and library.
@@ -184,7 +187,7 @@ impl Tunnel {
         let _ = std::fs::remove_file(&socket);
         let listener = UnixListener::bind(&socket)?;
         std::fs::set_permissions(&socket, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
-        let (lib, wrote_lib) = preload_library(&cfg.dir)?;
+        let (lib, wrote_lib) = preload_library(&cfg.dir, cfg.preload_lib.as_deref())?;
         let mut peers: Vec<IpAddr> = cfg.routes.keys().copied().collect();
         peers.sort();
         let peers = peers.iter().map(|ip| ip.to_string()).collect::<Vec<_>>().join(",");
@@ -229,13 +232,13 @@ impl Drop for Tunnel {
     }
 }
 
-/// Where the ranks load the library from: `MESHD_PRELOAD_LIB` when set, else the embedded
-/// bytes written to `dir` (owner-only), else (when `dir` is on a noexec mount, where the
-/// dynamic loader cannot map it) `libmeshd_preload.so` next to the meshd executable.
-/// Returns the path and whether it was written here.
-fn preload_library(dir: &Path) -> std::io::Result<(PathBuf, bool)> {
-    if let Some(p) = std::env::var_os("MESHD_PRELOAD_LIB").filter(|p| !p.is_empty()) {
-        return Ok((PathBuf::from(p), false));
+/// Where the ranks load the library from: `given` when set, else the embedded bytes written
+/// to `dir` (owner-only), else (when `dir` is on a noexec mount, where the dynamic loader
+/// cannot map it) `libmeshd_preload.so` next to the meshd executable. Returns the path and
+/// whether it was written here.
+fn preload_library(dir: &Path, given: Option<&Path>) -> std::io::Result<(PathBuf, bool)> {
+    if let Some(p) = given {
+        return Ok((p.to_path_buf(), false));
     }
     if noexec(dir) {
         if let Some(beside) = std::env::current_exe()
@@ -484,10 +487,12 @@ async fn pipe<R, W>(
 /// Starts the tunnel of one round of `roster` on node `node_rank`, next to the local
 /// service's socket `service_socket` (in the job's owner-only directory); says why when it
 /// cannot (the ranks then run without it, and their connections to other nodes fail).
+/// `preload_lib`: the library the user gave ([`TunnelConfig::preload_lib`]).
 pub fn start_for_round(
     roster: &meshd_proto::rendezvous::Roster,
     node_rank: usize,
     service_socket: Option<&Path>,
+    preload_lib: Option<&Path>,
     transport: &Transport,
     incoming: Option<&Incoming>,
     stats: &Arc<TunnelStats>,
@@ -507,6 +512,7 @@ pub fn start_for_round(
             .collect(),
         members: roster.members.iter().map(|m| m.id).filter(|id| *id != me.id).collect(),
         local_ip: me.addr.ip().to_canonical(),
+        preload_lib: preload_lib.map(Path::to_path_buf),
     };
     match Tunnel::start(cfg, transport.clone(), incoming.clone(), stats.clone()) {
         Ok(t) => {

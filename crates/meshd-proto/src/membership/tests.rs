@@ -2,6 +2,7 @@
 //! and hostile input.
 
 use super::*;
+use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr};
 
 fn addr(n: u32) -> SocketAddr {

@@ -59,8 +59,8 @@ pub struct LocalFacts {
     pub mtu: u32,
     /// Chosen interface.
     pub iface: String,
-    /// `--collective` when forced ("nccl", "quic", "tunnel").
-    pub forced: Option<String>,
+    /// `--collective` when forced.
+    pub forced: Option<crate::preflight::Collective>,
 }
 
 /// Periods and bounds of the job lifecycle. The defaults are what `meshd run` uses.

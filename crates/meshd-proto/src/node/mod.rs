@@ -226,8 +226,8 @@ pub struct DialTarget {
     pub to: NodeId,
     /// Where.
     pub addr: SocketAddr,
-    /// "ephemeral port" or "MASTER_PORT".
-    pub what: String,
+    /// Which port.
+    pub what: crate::preflight::TcpTarget,
 }
 
 /// How the job ended on this node.

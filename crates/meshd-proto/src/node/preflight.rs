@@ -10,7 +10,7 @@ use super::{DialTarget, Event, Input, Node, Outcome, OutcomeKind, Phase};
 use crate::id::NodeId;
 use crate::membership::MemberEvent;
 use crate::meta::NodeState;
-use crate::preflight::{self, NodeReport, TcpProbe};
+use crate::preflight::{self, Collective, NodeReport, TcpProbe, TcpTarget};
 use crate::rendezvous::{Message, Roster};
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -206,7 +206,7 @@ impl Node {
             return;
         }
         if p.stage == Stage::Reports && (p.reports.len() >= p.roster.members.len() || late) {
-            let verdict = preflight::evaluate(&p.roster, &p.reports, self.cfg.report.forced.as_deref());
+            let verdict = preflight::evaluate(&p.roster, &p.reports, self.cfg.report.forced);
             let roster = p.roster.clone();
             let nccl_id = p.nccl_id.clone();
             self.events.push_back(Event::Preflight(verdict.clone()));
@@ -221,7 +221,7 @@ impl Node {
                 .filter(|c| !c.ok && c.fatal)
                 .map(|c| format!("{} {}", c.name, c.detail))
                 .collect();
-            let why = if failed.is_empty() && self.cfg.report.forced.as_deref() == Some("nccl") {
+            let why = if failed.is_empty() && self.cfg.report.forced == Some(Collective::Nccl) {
                 "--collective nccl was forced but TCP between the nodes fails".to_string()
             } else {
                 failed.join("; ")
@@ -270,7 +270,7 @@ fn dial_plan(
             targets.push(DialTarget {
                 to: m.id,
                 addr: std::net::SocketAddr::new(m.addr.ip(), *p),
-                what: "ephemeral port".into(),
+                what: TcpTarget::EphemeralPort,
             });
         }
     }
@@ -278,7 +278,7 @@ fn dial_plan(
         targets.push(DialTarget {
             to: master.id,
             addr: std::net::SocketAddr::new(master.addr.ip(), roster.master_port),
-            what: "MASTER_PORT".into(),
+            what: TcpTarget::MasterPort,
         });
     }
     targets

@@ -182,10 +182,13 @@ fn hostile_inputs_are_refused_without_changing_state() {
     // Applying an action checks its buffer and payload.
     let a = Action::Copy { transfer: p.transfer(4, 0, 0).expect("chunk"), last: false };
     assert!(matches!(
-        a.apply(&mut [0; 4], &[0; 8], DType::F32, ReduceOp::Sum, 4),
+        a.apply(&mut [0; 4], &[0; 8], Reduction { dtype: DType::F32, op: ReduceOp::Sum, divisor: 4 }),
         Err(RingError::BufferTooSmall { .. })
     ));
-    assert!(a.apply(&mut [0; 40], &[0; 4], DType::F32, ReduceOp::Sum, 4).is_err());
+    assert!(
+        a.apply(&mut [0; 40], &[0; 4], Reduction { dtype: DType::F32, op: ReduceOp::Sum, divisor: 4 })
+            .is_err()
+    );
 }
 
 // ---- in-process simulation -----------------------------------------------------------
@@ -326,12 +329,14 @@ fn simulate_mode(
             cuts.extend([0, p.len()]);
             cuts.sort_unstable();
             let parts: Vec<&[u8]> = cuts.windows(2).map(|w| &p[w[0]..w[1]]).collect();
-            let out = action.apply_forward(&mut bufs[to], &parts, dtype, op, n).expect(&what);
+            let out = action
+                .apply_forward(&mut bufs[to], &parts, Reduction { dtype, op, divisor: n })
+                .expect(&what);
             let last_copy = matches!(action, Action::Copy { last: true, .. });
             assert_eq!(out.is_none(), last_copy, "{what}: only the last all-gather step is not sent on");
             prepared[to] = out.map(|o| (action.range(), o));
         } else {
-            action.apply(&mut bufs[to], &msg.payload, dtype, op, n).expect(&what);
+            action.apply(&mut bufs[to], &msg.payload, Reduction { dtype, op, divisor: n }).expect(&what);
         }
         drain(to, &mut states, &bufs, &mut links, &mut prepared);
     }
@@ -437,7 +442,7 @@ fn apply_parts_equals_apply_for_any_split() {
                 let base: Vec<u8> = (0..plan.len_bytes()).map(|_| (rng.below(7) as u8) << 2).collect();
                 let payload: Vec<u8> = (0..t.range.len()).map(|_| (rng.below(7) as u8) << 2).collect();
                 let mut want = base.clone();
-                action.apply(&mut want, &payload, dtype, op, 3).expect("apply");
+                action.apply(&mut want, &payload, Reduction { dtype, op, divisor: 3 }).expect("apply");
                 // Random cuts, including cuts inside elements and empty pieces.
                 let mut cuts: Vec<usize> = (0..rng.below(6)).map(|_| rng.below(payload.len() + 1)).collect();
                 cuts.push(0);
@@ -445,11 +450,15 @@ fn apply_parts_equals_apply_for_any_split() {
                 cuts.sort_unstable();
                 let parts: Vec<&[u8]> = cuts.windows(2).map(|w| &payload[w[0]..w[1]]).collect();
                 let mut got = base.clone();
-                action.apply_parts(&mut got, &parts, dtype, op, 3).expect("apply_parts");
+                action
+                    .apply_parts(&mut got, &parts, Reduction { dtype, op, divisor: 3 })
+                    .expect("apply_parts");
                 assert_eq!(got, want, "{dtype:?} {op:?} cuts {cuts:?}");
                 let short = &parts[..parts.len() - 1];
                 if payload.len() > cuts[cuts.len() - 2] {
-                    assert!(action.apply_parts(&mut got, short, dtype, op, 3).is_err());
+                    assert!(
+                        action.apply_parts(&mut got, short, Reduction { dtype, op, divisor: 3 }).is_err()
+                    );
                 }
             }
         }
@@ -484,14 +493,23 @@ fn direct_reduce_is_rank_order_whatever_the_data() {
                 finish_avg(dtype, &mut want, n as u32).expect("avg");
             }
             let mut got = vec![0u8; want.len()];
-            direct_reduce(&data, dtype, op, n as u32, &mut got).expect("direct");
+            direct_reduce(&data, Reduction { dtype, op, divisor: n }, &mut got).expect("direct");
             assert_eq!(got, want, "{dtype:?} {op:?} n={n}");
         }
     }
     let mut out = [0u8; 8];
-    assert!(direct_reduce(&[[0u8; 4]], DType::I32, ReduceOp::Sum, 1, &mut out).is_err(), "length mismatch");
     assert!(
-        direct_reduce::<[u8; 8]>(&[], DType::I32, ReduceOp::Sum, 1, &mut out).is_err(),
+        direct_reduce(&[[0u8; 4]], Reduction { dtype: DType::I32, op: ReduceOp::Sum, divisor: 1 }, &mut out)
+            .is_err(),
+        "length mismatch"
+    );
+    assert!(
+        direct_reduce::<[u8; 8]>(
+            &[],
+            Reduction { dtype: DType::I32, op: ReduceOp::Sum, divisor: 1 },
+            &mut out
+        )
+        .is_err(),
         "nothing to reduce"
     );
 }

@@ -101,3 +101,35 @@ fn mutated_frames_never_panic() {
         let _ = decode::<Frame>(&b);
     }
 }
+
+#[test]
+fn status_replies_round_trip_with_their_words() {
+    use crate::membership::MemberStatus;
+    let member = |n: u128, health, role| StatusMember {
+        id: NodeId::from_u128(n),
+        hostname: format!("gpu{n}"),
+        addr: "198.19.0.7:29400".parse().expect("addr"),
+        iface: "eth1".into(),
+        gpus: 8,
+        nproc: 8,
+        state: crate::NodeState::Running,
+        health,
+        rtt_us: Some(180),
+        role,
+        restarts: 0,
+    };
+    let reply = StatusReply {
+        node: NodeId::from_u128(1),
+        members: vec![
+            member(1, MemberStatus::Alive, MemberRole::Master),
+            member(2, MemberStatus::Suspect, MemberRole::Worker),
+            member(3, MemberStatus::Left, MemberRole::Waiting),
+        ],
+    };
+    assert_eq!(decode::<StatusReply>(&encode(&reply)).expect("status"), reply);
+    // `meshd status` prints these words; scripts and the lab tests read them.
+    let words: Vec<String> =
+        reply.members.iter().map(|m| format!("{} {} {}", m.state, m.health, m.role)).collect();
+    assert_eq!(words, ["running alive master", "running suspect worker", "running left waiting"]);
+    assert_eq!(MemberStatus::Dead.to_string(), "dead");
+}

@@ -79,9 +79,9 @@ mod tests {
         let mut theirs = vec![7u8; 100];
         let r = Remote { pid, addr: theirs.as_mut_ptr() as u64, len: theirs.len() };
         let mut mine = [0u8; 10];
-        read(&r, 90, &mut mine).unwrap();
+        read(&r, 90, &mut mine).expect("read");
         assert_eq!(mine, [7; 10]);
-        write(&r, 5, &[1, 2, 3]).unwrap();
+        write(&r, 5, &[1, 2, 3]).expect("write");
         assert_eq!(&theirs[4..9], &[7, 1, 2, 3, 7]);
         assert!(read(&r, 95, &mut mine).is_err(), "past the end");
         assert!(write(&r, usize::MAX, &[1]).is_err(), "overflow");
@@ -90,7 +90,7 @@ mod tests {
     #[test]
     fn unmapped_memory_is_an_error_not_a_crash() {
         let r = Remote { pid: std::process::id() as i32, addr: 8, len: 4096 };
-        let err = read(&r, 0, &mut [0u8; 16]).unwrap_err();
+        let err = read(&r, 0, &mut [0u8; 16]).expect_err("out of range");
         assert_eq!(err.raw_os_error(), Some(libc::EFAULT), "{err}");
     }
 }

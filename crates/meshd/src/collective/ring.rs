@@ -12,12 +12,13 @@ use crate::transport::{DataStream, Transport, TransportError};
 use bytes::Bytes;
 use meshd_proto::reduce::{DType, ReduceOp};
 use meshd_proto::ring::{
-    Action, CHUNK_HEADER_LEN, DIRECT_TRANSFER_ID, RingError, RingPlan, RingState, decode_chunk_header,
-    direct_reduce, encode_chunk_header, is_direct,
+    Action, CHUNK_HEADER_LEN, DIRECT_TRANSFER_ID, Reduction, RingError, RingPlan, RingState,
+    decode_chunk_header, direct_reduce, encode_chunk_header, is_direct,
 };
 use meshd_proto::wire::MAX_LANES;
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
+use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{Mutex, Notify, mpsc};
@@ -26,17 +27,36 @@ use tokio::sync::{Mutex, Notify, mpsc};
 /// uses for the operation.
 const LANE_PREAMBLE: usize = 2;
 
-/// Lanes when `MESHD_LANES` does not say: one per two runtime workers (each lane keeps one
-/// task busy sending to the next node and one receiving from the previous), at least one.
-fn default_lanes() -> usize {
-    if let Ok(v) = std::env::var("MESHD_LANES") {
-        match v.trim().parse::<usize>() {
-            Ok(n) if (1..=MAX_LANES).contains(&n) => return n,
-            _ => tracing::warn!("MESHD_LANES={v:?} is not a number from 1 to {MAX_LANES}; using the default"),
-        }
-    }
+/// Lanes when the configuration does not say: one per two runtime workers (each lane keeps
+/// one task busy sending to the next node and one receiving from the previous), at least
+/// one.
+fn default_lanes() -> NonZeroUsize {
     let workers = tokio::runtime::Handle::try_current().map(|h| h.metrics().num_workers()).unwrap_or(1);
-    (workers / 2).clamp(1, MAX_LANES)
+    NonZeroUsize::new((workers / 2).clamp(1, MAX_LANES)).unwrap_or(NonZeroUsize::MIN)
+}
+
+/// How a node runs its ring operations (the CLI fills it from `MESHD_LANES` and
+/// `MESHD_RING_CHUNK`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RingConfig {
+    /// Lanes (QUIC connections) to the next node; `None`: one per two runtime workers.
+    /// Values above `MAX_LANES` are capped.
+    pub lanes: Option<NonZeroUsize>,
+    /// Chunk size in bytes (the pipelining grain).
+    pub chunk_bytes: NonZeroUsize,
+    /// How long to wait for a neighbour to start an operation.
+    pub join_timeout: Duration,
+}
+
+impl RingConfig {
+    /// The chunk size when none is given: 1 MiB.
+    pub const DEFAULT_CHUNK: NonZeroUsize = NonZeroUsize::new(1 << 20).expect("1 MiB is not zero");
+}
+
+impl Default for RingConfig {
+    fn default() -> Self {
+        RingConfig { lanes: None, chunk_bytes: Self::DEFAULT_CHUNK, join_timeout: Duration::from_secs(300) }
+    }
 }
 
 /// Data streams that arrived for an operation other than the one being run, oldest first.
@@ -107,9 +127,32 @@ pub enum CollectiveError {
         /// How long we waited.
         timeout: Duration,
     },
-    /// Bad request from a local client.
-    #[error("{0}")]
-    Request(String),
+    /// The buffer has an incomplete element at its end.
+    #[error("buffer of {len} bytes is not a whole number of {dtype} elements")]
+    Misaligned {
+        /// The buffer's length in bytes.
+        len: usize,
+        /// Its element type.
+        dtype: DType,
+    },
+    /// Part of the buffer is still lent to the transport (an earlier operation's chunks
+    /// being sent) where this one must write.
+    #[error("ring: bytes {range:?} of the buffer are still being sent")]
+    BufferLent {
+        /// The bytes that could not be written.
+        range: std::ops::Range<usize>,
+    },
+    /// A broadcast named a root that is not a node of the ring.
+    #[error("broadcast root {root} is not a node (world {world})")]
+    NoSuchRoot {
+        /// The root asked for.
+        root: usize,
+        /// Nodes in the ring.
+        world: usize,
+    },
+    /// The local reduction failed (an element type the operation does not support).
+    #[error(transparent)]
+    Reduce(#[from] meshd_proto::reduce::ReduceError),
 }
 
 /// The nodes of a job, in ring (= roster) order, and the link state for ring operations.
@@ -121,11 +164,11 @@ pub struct RingNet {
     incoming: Arc<Mutex<mpsc::Receiver<DataStream>>>,
     stash: Stash<quinn::RecvStream>,
     /// Chunk size in bytes (pipelining grain).
-    pub chunk_bytes: usize,
+    pub chunk_bytes: NonZeroUsize,
     /// Most lanes (QUIC connections) this node sends an operation's data over to the next
     /// node: chunk `c` of every segment travels on lane `c % lanes`. Each connection is
     /// driven by its own task, so lanes let a fast link use several cores.
-    pub lanes: usize,
+    pub lanes: NonZeroUsize,
     /// How long to wait for a neighbour to start an operation.
     pub join_timeout: Duration,
 }
@@ -138,18 +181,17 @@ impl RingNet {
         rank: usize,
         addrs: Vec<SocketAddr>,
         incoming: Arc<Mutex<mpsc::Receiver<DataStream>>>,
+        config: &RingConfig,
     ) -> Self {
-        let chunk_bytes =
-            std::env::var("MESHD_RING_CHUNK").ok().and_then(|v| v.parse().ok()).unwrap_or(1 << 20);
         RingNet {
             transport,
             rank,
             addrs,
             incoming,
             stash: Stash::default(),
-            chunk_bytes,
-            lanes: default_lanes(),
-            join_timeout: Duration::from_secs(300),
+            chunk_bytes: config.chunk_bytes,
+            lanes: config.lanes.unwrap_or_else(default_lanes),
+            join_timeout: config.join_timeout,
         }
     }
 
@@ -300,12 +342,10 @@ impl RingNet {
     ) -> Result<(), CollectiveError> {
         if self.addrs.len() <= 1 && op == ReduceOp::Avg {
             // No ring to divide where it completes a chunk: divide here.
-            let bytes = buf
-                .try_as_mut()
-                .ok_or_else(|| CollectiveError::Request("the buffer is still lent".into()))?;
+            let len = buf.len();
+            let bytes = buf.try_as_mut().ok_or(CollectiveError::BufferLent { range: 0..len })?;
             let divisor = u32::try_from(divisor).unwrap_or(u32::MAX);
-            return meshd_proto::reduce::finish_avg(dtype, bytes, divisor)
-                .map_err(|e| CollectiveError::Request(e.to_string()));
+            return Ok(meshd_proto::reduce::finish_avg(dtype, bytes, divisor)?);
         }
         self.run_ring(op_id, buf, dtype, op, divisor).await
     }
@@ -320,11 +360,7 @@ impl RingNet {
     ) -> Result<(), CollectiveError> {
         let n = self.addrs.len();
         if buf.len() % dtype.size() != 0 {
-            return Err(CollectiveError::Request(format!(
-                "buffer of {} bytes is not a whole number of {} elements",
-                buf.len(),
-                dtype.name()
-            )));
+            return Err(CollectiveError::Misaligned { len: buf.len(), dtype });
         }
         if n <= 1 {
             return Ok(());
@@ -332,13 +368,14 @@ impl RingNet {
         if is_direct(n, buf.len()) {
             return self.run_direct(op_id, buf, Reduction { dtype, op, divisor }).await;
         }
-        let plan = RingPlan::new(n, self.rank, buf.len() / dtype.size(), dtype.size(), self.chunk_bytes)?;
+        let plan =
+            RingPlan::new(n, self.rank, buf.len() / dtype.size(), dtype.size(), self.chunk_bytes.get())?;
         let max_chunk = plan.chunk_bytes().max(dtype.size());
         let mut state = RingState::new(plan);
         let next = self.addrs[(self.rank + 1) % n];
         let prev = self.addrs[(self.rank + n - 1) % n];
         // More lanes than chunks per segment would carry nothing.
-        let lanes = self.lanes.clamp(1, MAX_LANES).min(state.plan().chunk_count(0).max(1));
+        let lanes = self.lanes.get().min(MAX_LANES).min(state.plan().chunk_count(0).max(1));
         let sends = self.open_lanes(next, op_id, lanes).await?;
         let recvs = self.accept_lanes(prev, op_id).await?;
 
@@ -509,8 +546,7 @@ impl RingNet {
             contributions.push(got);
         }
         let mut out = vec![0u8; len];
-        let divisor = u32::try_from(how.divisor).unwrap_or(u32::MAX);
-        direct_reduce(&contributions, how.dtype, how.op, divisor, &mut out)?;
+        direct_reduce(&contributions, how, &mut out)?;
         // A loan from an earlier, larger operation on this buffer ends at its ACK.
         let released = buf.released();
         while buf.is_lent(&(0..len)) {
@@ -567,14 +603,6 @@ fn apply_received<M: RingMemory>(
     Ok(())
 }
 
-/// How received chunks are combined: element type, operation, and what `Avg` divides by.
-#[derive(Clone, Copy)]
-struct Reduction {
-    dtype: DType,
-    op: ReduceOp,
-    divisor: usize,
-}
-
 /// What the ring driver needs of the memory it reduces in: a plain slice (chunks sent are
 /// copies) or a [`CollectiveBuffer`] (chunks sent are loans).
 trait RingMemory {
@@ -622,7 +650,7 @@ impl RingMemory for Plain<'_> {
     ) -> Result<Option<Bytes>, CollectiveError> {
         // Reduce or copy straight from the received pieces (no gathering copy), making
         // the bytes sent on in the same pass.
-        Ok(action.apply_forward(self.0, parts, how.dtype, how.op, how.divisor)?.map(Bytes::from))
+        Ok(action.apply_forward(self.0, parts, how)?.map(Bytes::from))
     }
     fn released(&self) -> Arc<Notify> {
         Arc::new(Notify::new()) // nothing is lent
@@ -653,12 +681,12 @@ impl RingMemory for CollectiveBuffer {
         how: Reduction,
     ) -> Result<Option<Bytes>, CollectiveError> {
         let range = action.range();
-        let dst = self.range_mut(range.clone()).ok_or_else(|| {
-            CollectiveError::Request(format!("ring: bytes {range:?} of the buffer are still being sent"))
-        })?;
+        let dst = self
+            .range_mut(range.clone())
+            .ok_or_else(|| CollectiveError::BufferLent { range: range.clone() })?;
         // In place; what goes on is a loan of the result (a partial sum until the
         // last reduce-scatter step, which the all-gather overwrites once the loan ends).
-        action.apply_to(dst, parts, how.dtype, how.op, how.divisor)?;
+        action.apply_to(dst, parts, how)?;
         Ok((!matches!(action, Action::Copy { last: true, .. })).then(|| self.lend(range)))
     }
     fn released(&self) -> Arc<Notify> {
@@ -666,9 +694,7 @@ impl RingMemory for CollectiveBuffer {
     }
     fn overwrite(&mut self, src: &[u8]) -> Result<(), CollectiveError> {
         let len = src.len();
-        let dst = self
-            .range_mut(0..len)
-            .ok_or_else(|| CollectiveError::Request("ring: the buffer is still being sent".into()))?;
+        let dst = self.range_mut(0..len).ok_or(CollectiveError::BufferLent { range: 0..len })?;
         dst.copy_from_slice(src);
         Ok(())
     }
@@ -686,7 +712,7 @@ impl RingNet {
     ) -> Result<(), CollectiveError> {
         let n = self.addrs.len();
         if root >= n {
-            return Err(CollectiveError::Request(format!("broadcast root {root} is not a node (world {n})")));
+            return Err(CollectiveError::NoSuchRoot { root, world: n });
         }
         if n <= 1 {
             return Ok(());
@@ -711,8 +737,8 @@ impl RingNet {
     /// busbw with `data.len() / time` of this.
     ///
     /// Pass a buffer as large as the transfer, as a ring's is: repeating one small
-    /// cache-resident block made this ceiling about 10% higher than any real transfer of
-    /// that size reaches (docs/PERFORMANCE.md).
+    /// cache-resident block makes this ceiling higher than any real transfer of that size
+    /// reaches (docs/PERFORMANCE.md, "The bare ring's buffer").
     pub async fn stream_ceiling(&mut self, op_id: u64, data: Vec<u8>) -> Result<Duration, CollectiveError> {
         let bytes = data.len();
         let data = Bytes::from(data); // no copy
@@ -722,7 +748,7 @@ impl RingNet {
         }
         let next = self.addrs[(self.rank + 1) % n];
         let prev = self.addrs[(self.rank + n - 1) % n];
-        let lanes = self.lanes.clamp(1, MAX_LANES);
+        let lanes = self.lanes.get().min(MAX_LANES);
         let start = tokio::time::Instant::now();
         let sends = self.open_lanes(next, op_id, lanes).await?;
         let recvs = self.accept_lanes(prev, op_id).await?;

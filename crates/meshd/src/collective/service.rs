@@ -107,11 +107,12 @@ struct CollReq {
 }
 
 /// A default socket path for this job: `sock` in a directory of its own
-/// (`meshd-RUN-PORT-PID-RANDOM` in `$XDG_RUNTIME_DIR`, else `/tmp`, created owner-only by
-/// [`Service::start`]), so the socket is never reachable by another user, not even between
-/// its creation and its chmod, and another user cannot guess the name to create it first.
-pub fn default_path(run_id: &str, port: u16) -> PathBuf {
-    let dir = std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/tmp"));
+/// (`meshd-RUN-PORT-PID-RANDOM` in `runtime_dir`, which the CLI takes from
+/// `$XDG_RUNTIME_DIR`, else `/tmp`; created owner-only by [`Service::start`]), so the socket
+/// is never reachable by another user, not even between its creation and its chmod, and
+/// another user cannot guess the name to create it first.
+pub fn default_path(runtime_dir: &Path, run_id: &str, port: u16) -> PathBuf {
+    let dir = runtime_dir;
     // The default run id already starts with `meshd-`: not twice.
     let run_id = run_id.strip_prefix("meshd-").unwrap_or(run_id);
     let safe: String = run_id.chars().filter(|c| c.is_ascii_alphanumeric() || *c == '-').take(40).collect();
@@ -566,9 +567,9 @@ const PARALLEL_FROM: usize = 4 << 20;
 /// Other local ranks' buffers are read and reduced this much at a time (stays in cache).
 const SLICE: usize = 1 << 20;
 
-/// Threads for the local phase of a `len`-byte collective (one per core, at most 8). On 2
-/// cores, 2 ranks x 64 MiB took 71 ms on one thread and 45-49 ms on two; a node with eight
-/// ranks has four times the bytes to move.
+/// Threads for the local phase of a `len`-byte collective (one per core, at most 8): the
+/// local phase is memory-bound work that splits evenly, and a node with eight ranks has
+/// four times the bytes of one with two to move (docs/PERFORMANCE.md, "Local ranks").
 fn local_threads(len: usize) -> usize {
     if len < PARALLEL_FROM {
         return 1;
@@ -710,12 +711,13 @@ async fn reduce_parts(
 #[cfg(test)]
 mod tests {
     use super::{default_path, sweep_stale};
+    use std::path::Path;
 
     #[test]
     fn socket_directory_names_meshd_once() {
         let pid = std::process::id();
         let dir = |run: &str| {
-            default_path(run, 29400)
+            default_path(Path::new("/tmp"), run, 29400)
                 .parent()
                 .and_then(|d| d.file_name())
                 .map(|n| n.to_string_lossy().into_owned())
@@ -724,7 +726,7 @@ mod tests {
         let a = dir("meshd-0123456789ab");
         assert!(a.starts_with(&format!("meshd-0123456789ab-29400-{pid}-")), "{a}");
         assert!(dir("train-7").starts_with(&format!("meshd-train-7-29400-{pid}-")));
-        assert!(default_path("meshd-x", 1).ends_with("sock"));
+        assert!(default_path(Path::new("/tmp"), "meshd-x", 1).ends_with("sock"));
         // Unpredictable: another user cannot create it first.
         let random = |n: &str| n.rsplit('-').next().unwrap_or_default().to_string();
         assert_eq!(random(&a).len(), 16);

@@ -13,7 +13,7 @@ use crate::transport::TransportEvent;
 use meshd_proto::NodeId;
 use meshd_proto::membership::Delivery;
 use meshd_proto::node::{self as core, Event, Input, Level, Node, Outcome, OutcomeKind};
-use meshd_proto::wire::{StatusMember, StatusReply};
+use meshd_proto::wire::{MemberRole, StatusMember, StatusReply};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -466,7 +466,7 @@ impl Actor {
                 gpus: m.meta.gpus,
                 nproc: m.meta.nproc,
                 state: m.meta.state,
-                health: format!("{:?}", m.status).to_lowercase(),
+                health: m.status,
                 rtt_us: if m.id == me {
                     None
                 } else {
@@ -477,9 +477,9 @@ impl Actor {
                         .map(|d| d.as_micros() as u64)
                 },
                 role: match master {
-                    Some(id) if id == m.id => "master".into(),
-                    Some(_) => "worker".into(),
-                    None => "waiting".into(),
+                    Some(id) if id == m.id => MemberRole::Master,
+                    Some(_) => MemberRole::Worker,
+                    None => MemberRole::Waiting,
                 },
                 restarts: m.meta.restarts,
             })

@@ -101,8 +101,8 @@ pub const STREAM_RECEIVE_WINDOW: u32 = 16 << 20;
 /// Unidirectional streams an authenticated peer may have open at once. A neighbour has at
 /// most 2 x 16 lanes of ring data streams open to us, plus a few messages. quinn keeps a
 /// finished stream's receive state, with its reassembly queue, for reuse, up to this many
-/// per connection: at 256, meshd's RSS after 1,500 allreduces of 16 MiB at MTU 1500 was
-/// 107-111 MiB, at 64, 89-94 MiB (docs/PERFORMANCE.md).
+/// per connection, so a larger limit costs resident memory over a long job
+/// (docs/PERFORMANCE.md, "Memory over a long job").
 pub const UNI_STREAMS: u32 = 64;
 /// Bidirectional streams an authenticated peer may have open at once: the hello, status
 /// queries and, in tunnel mode, one per TCP connection a rank of that node holds to this

@@ -47,8 +47,10 @@ pub struct TransportConfig {
     pub run_hash: u64,
     /// This node.
     pub node: NodeId,
-    /// UDP generic segmentation offload (some kernels mangle it; `MESHD_GSO=0`).
+    /// UDP generic segmentation offload (some kernels mangle it; the CLI's `MESHD_GSO=0`).
     pub gso: bool,
+    /// Congestion controller of every connection (the CLI's `MESHD_CC`).
+    pub cc: CongestionControl,
     /// QUIC keep-alive.
     pub keep_alive: Duration,
     /// A silent connection is dropped after this.
@@ -70,11 +72,54 @@ impl TransportConfig {
             token: None,
             run_hash: 0,
             node,
-            gso: std::env::var("MESHD_GSO").map(|v| v != "0").unwrap_or(true),
+            gso: true,
+            cc: CongestionControl::default(),
             keep_alive: Duration::from_millis(500),
             idle_timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(3),
             mtu: None,
+        }
+    }
+}
+
+/// The congestion controller QUIC runs on every connection.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CongestionControl {
+    /// CUBIC (quinn's default).
+    #[default]
+    Cubic,
+    /// BBR (v1, as quinn implements it).
+    Bbr,
+    /// NewReno.
+    NewReno,
+}
+
+impl CongestionControl {
+    /// The name `MESHD_CC` takes: `cubic`, `bbr`, `newreno`.
+    pub fn name(self) -> &'static str {
+        match self {
+            CongestionControl::Cubic => "cubic",
+            CongestionControl::Bbr => "bbr",
+            CongestionControl::NewReno => "newreno",
+        }
+    }
+}
+
+impl std::fmt::Display for CongestionControl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for CongestionControl {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "cubic" => Ok(CongestionControl::Cubic),
+            "bbr" => Ok(CongestionControl::Bbr),
+            "newreno" => Ok(CongestionControl::NewReno),
+            other => Err(format!("unknown congestion control {other:?} (cubic, bbr or newreno)")),
         }
     }
 }
@@ -376,15 +421,15 @@ impl Transport {
         // needs) and gets the bulk-data ones only once the peer's MAC verified
         // (`guard::open_up`), on both ends.
         guard::pre_auth_limits(&mut tc);
-        // Congestion control: cubic (quinn's default), or `MESHD_CC=bbr|newreno`.
-        match std::env::var("MESHD_CC").as_deref() {
-            Ok("bbr") => {
+        match cfg.cc {
+            // quinn's default.
+            CongestionControl::Cubic => {}
+            CongestionControl::Bbr => {
                 tc.congestion_controller_factory(Arc::new(quinn::congestion::BbrConfig::default()));
             }
-            Ok("newreno") => {
+            CongestionControl::NewReno => {
                 tc.congestion_controller_factory(Arc::new(quinn::congestion::NewRenoConfig::default()));
             }
-            _ => {}
         }
         // Jumbo frames: let MTU discovery probe up to the interface's MTU (it starts at
         // 1200 and backs off on loss, so a path that cannot carry them costs nothing).

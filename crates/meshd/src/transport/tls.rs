@@ -34,8 +34,8 @@ pub(crate) fn configs_with_alpn(
 }
 
 /// The ring provider with AES-128-GCM first (rustls puts AES-256 first): every byte of a
-/// collective is sealed and opened once per link, and 10 AES rounds instead of 14 made
-/// that about 10 % cheaper here (docs/PERFORMANCE.md). It is TLS 1.3's and QUIC's
+/// collective is sealed and opened once per link, and 10 AES rounds instead of 14 cost
+/// less (docs/PERFORMANCE.md, "AES-128-GCM"). It is TLS 1.3's and QUIC's
 /// mandatory suite; the others stay acceptable.
 fn provider() -> CryptoProvider {
     let mut provider = rustls::crypto::ring::default_provider();

@@ -67,6 +67,7 @@ fn pair(name: &str) -> Pair {
         routes: [(ts[1 - me].local_addr().ip(), ts[1 - me].local_addr())].into_iter().collect(),
         members: [NodeId::from_u128(2 - me as u128)].into_iter().collect(),
         local_ip: ts[me].local_addr().ip(),
+        preload_lib: None,
     };
     let start = |d: &PathBuf, me: usize| {
         Tunnel::start(

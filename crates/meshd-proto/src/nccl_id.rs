@@ -1,6 +1,8 @@
 //! `ncclUniqueId`: 128 opaque bytes, hex transport, root address decoding.
+//!
+//! Plain byte layout code, here rather than in `meshd-nccl`, so that the parts of meshd
+//! that only carry an id and check its root (the preflight) never link CUDA or NCCL.
 
-use crate::NcclError;
 use std::fmt;
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
 
@@ -8,6 +10,11 @@ use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
 const AF_INET: u16 = 2;
 /// `AF_INET6` on Linux.
 const AF_INET6: u16 = 10;
+
+/// A unique id in hex that did not parse.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("invalid NCCL unique id: {0} (expected 256 hex characters)")]
+pub struct BadHex(String);
 
 /// An `ncclUniqueId`: 128 bytes, opaque (it contains NULs). Layout (NCCL bootstrap.h):
 /// u64 magic, then the root's `sockaddr` (bytes 8..36), from NCCL 2.29 nRanks at 36..40;
@@ -28,10 +35,10 @@ impl UniqueId {
     }
 
     /// Parses 256 hex characters (either case; surrounding whitespace is ignored).
-    pub fn from_hex(s: &str) -> Result<Self, NcclError> {
+    pub fn from_hex(s: &str) -> Result<Self, BadHex> {
         let s = s.trim();
         if s.len() != 256 {
-            return Err(NcclError::BadHex(format!("{} characters", s.len())));
+            return Err(BadHex(format!("{} characters", s.len())));
         }
         let mut out = [0u8; 128];
         for (i, pair) in s.as_bytes().chunks_exact(2).enumerate() {
@@ -40,7 +47,7 @@ impl UniqueId {
             match (hi, lo) {
                 (Some(hi), Some(lo)) => out[i] = (hi << 4) | lo,
                 _ => {
-                    return Err(NcclError::BadHex(format!(
+                    return Err(BadHex(format!(
                         "non-hex character at offset {}",
                         if hi.is_none() { 2 * i } else { 2 * i + 1 }
                     )));
@@ -131,7 +138,7 @@ impl fmt::Display for UniqueId {
 }
 
 impl std::str::FromStr for UniqueId {
-    type Err = NcclError;
+    type Err = BadHex;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         Self::from_hex(s)
     }
@@ -161,7 +168,7 @@ mod tests {
 
     #[test]
     fn hex_errors() {
-        assert!(matches!(UniqueId::from_hex("abc"), Err(NcclError::BadHex(_))));
+        assert_eq!(UniqueId::from_hex("abc"), Err(BadHex("3 characters".into())));
         let mut bad = "0".repeat(256);
         bad.replace_range(7..8, "g");
         let e = UniqueId::from_hex(&bad).expect_err("must fail");
