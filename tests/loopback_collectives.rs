@@ -139,8 +139,9 @@ fn rust_library_allreduce_broadcast_barrier() {
             let mut big: Vec<u8> =
                 (0..100_003).flat_map(|i| ((rank as i32 - 1) * (i % 1000)).to_le_bytes()).collect();
             ring.allreduce(5, &mut big, DType::I32, ReduceOp::Max).await?;
+            // The main connection (control only) and one data connection per lane.
             let conns = ring.next_link_stats().map(|p| p.connections);
-            assert_eq!(conns, Some(rank + 1), "node {rank}: connections to the next node");
+            assert_eq!(conns, Some(rank + 2), "node {rank}: connections to the next node");
             // Segments larger than what a link buffers (a 16 MiB stream window plus the
             // driver's queues of 4 KiB chunks): every node must keep reading while its
             // sends wait, or the ring deadlocks.
@@ -341,6 +342,19 @@ fn hook_thread_stops_at_exit_and_a_forked_child_cannot_use_the_connection() {
     assert!(!stderr.contains("allreduce failed"), "stopping at exit is not a failure to report:\n{stderr}");
 }
 
+/// The client against a stand-in meshd that goes silent (`tests/python/client_timeout.py`):
+/// a call whose reply never comes raises `MeshdError` after `MESHD_TIMEOUT` / the client's
+/// timeout, naming the request, instead of blocking the rank forever; `store_get` waits its
+/// own timeout; a meshd that closes mid-call raises too.
+#[test]
+fn client_calls_to_a_silent_meshd_raise_after_the_timeout() {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/python/client_timeout.py");
+    let out = Command::new("/usr/bin/python3").arg(script).output().expect("python3");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("TIMEOUT OK"), "{stdout}\n{stderr}");
+}
+
 /// README's DDP snippet as written: the hook's allreduces on their background thread, and
 /// no barrier at the end, so each rank exits the moment its last `backward()` returned.
 /// That thread was then still inside `Future.set_result` (torch's C++, GIL released) when
@@ -373,4 +387,69 @@ fn ddp_example_without_a_final_barrier_exits_cleanly_run_after_run() {
         }
     }
     assert!(failed.is_empty(), "{} of {runs} runs failed:\n{}", failed.len(), failed.join("\n"));
+}
+
+/// Issue 17: a ring neighbour whose QUIC link is up (keep-alives answered) but whose
+/// collective stalled: it took this node's stream and opened its own for the operation,
+/// then sent nothing. The allreduce fails within the progress timeout (not the 300 s join
+/// timeout, not never), naming the node and its address.
+#[test]
+fn an_allreduce_with_a_stalled_neighbour_fails_in_time_naming_it() {
+    use meshd::collective::RingNet;
+    use meshd::proto::NodeId;
+    use meshd::proto::reduce::{DType, ReduceOp};
+    use meshd::transport::auth::Token;
+    use meshd::transport::{Transport, TransportConfig};
+    use std::sync::Arc;
+
+    let rt =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    rt.block_on(async {
+        let bind = |n: u128| {
+            let mut cfg = TransportConfig::new(NodeId::from_u128(n), 0);
+            cfg.bind = "127.0.0.1".parse().expect("ip");
+            cfg.token = Some(Token::new("stall-test"));
+            cfg.run_hash = 17;
+            Transport::bind(cfg).expect("bind").0
+        };
+        let (a, b) = (bind(1), bind(2));
+        let (a_addr, b_addr) = (a.local_addr(), b.local_addr());
+        let mut b_in = b.take_data_streams().expect("b's data streams");
+        let staller = b.clone();
+        let stall = tokio::spawn(async move {
+            let theirs = b_in.recv().await.expect("a's stream for the operation");
+            let mut mine = staller.open_data(a_addr, theirs.op).await.expect("open");
+            mine.write_all(&[0, 1]).await.expect("lane preamble");
+            // Then nothing, with the stream held open.
+            tokio::time::sleep(Duration::from_secs(60)).await;
+            drop((theirs, mine));
+        });
+        let incoming = Arc::new(tokio::sync::Mutex::new(a.take_data_streams().expect("a's data streams")));
+        let mut ring = RingNet::new(a.clone(), 0, vec![a_addr, b_addr], incoming);
+        ring.progress_timeout = Duration::from_secs(2);
+        ring.lanes = 1;
+        // Above the direct limit: around the ring.
+        let mut buf = vec![0u8; 1 << 20];
+        let t = Instant::now();
+        let err = tokio::time::timeout(
+            Duration::from_secs(30),
+            ring.allreduce(7, &mut buf, DType::F32, ReduceOp::Sum),
+        )
+        .await
+        .expect("a stalled neighbour must not hang the allreduce")
+        .expect_err("a stalled neighbour must fail it");
+        let took = t.elapsed();
+        let msg = err.to_string();
+        let want = format!(
+            "no data from node {} ({b_addr}) for 2s in collective operation #7",
+            NodeId::from_u128(2)
+        );
+        assert!(msg.contains(&want), "{msg}");
+        assert!(took >= Duration::from_secs(2) && took < Duration::from_secs(5), "failed after {took:?}");
+        stall.abort();
+        // The link itself was fine all along.
+        assert!(a.node_at(b_addr).is_some());
+        a.shutdown().await;
+        b.shutdown().await;
+    });
 }

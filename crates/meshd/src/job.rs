@@ -60,6 +60,9 @@ pub struct JobConfig {
     /// Stop the job, with the ranks' Python stacks, when no rank of this node wrote output
     /// or called the local service for this long (`--stall-timeout`).
     pub stall_timeout: Option<Duration>,
+    /// A collective of the QUIC ring fails when no byte moved to or from a neighbour for
+    /// this long (`--collective-timeout`; [`RingNet::progress_timeout`]).
+    pub collective_timeout: Duration,
 }
 
 /// How a job ended on this node.
@@ -452,7 +455,8 @@ pub async fn run(
         let user_has = |k: &str| std::env::var_os(k).is_some();
         let iface = mesh.choice().name.clone();
         let addrs: Vec<SocketAddr> = roster.members.iter().map(|m| m.addr).collect();
-        let ring = RingNet::new(mesh.transport().clone(), node_rank, addrs.clone(), incoming.clone());
+        let mut ring = RingNet::new(mesh.transport().clone(), node_rank, addrs.clone(), incoming.clone());
+        ring.progress_timeout = cfg.collective_timeout;
         if let Some(w) = verdict.tcp_warning(&iface) {
             warn!("{w}");
         }
