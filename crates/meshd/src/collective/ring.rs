@@ -601,8 +601,10 @@ impl RingNet {
         .await;
         drop(wtxs);
         let mut w = Ok(());
-        if result.is_err() {
-            // The operation failed: a writer may wait on a neighbour that takes nothing.
+        if matches!(result, Err(CollectiveError::Stalled { sending: true, .. })) {
+            // The next node takes nothing: its writers would only wait out another timeout.
+            // After other failures they send what they hold (the next node then reads why,
+            // say a ring frame where it expected a direct contribution), watched as below.
             for writer in &writers {
                 writer.abort();
             }
