@@ -392,7 +392,8 @@ fn ddp_example_without_a_final_barrier_exits_cleanly_run_after_run() {
 /// Issue 17: a ring neighbour whose QUIC link is up (keep-alives answered) but whose
 /// collective stalled: it took this node's stream and opened its own for the operation,
 /// then sent nothing. The allreduce fails within the progress timeout (not the 300 s join
-/// timeout, not never), naming the node and its address.
+/// timeout, not never), naming the node and its address; through the local service, a
+/// rank's allreduce gets that error as its reply.
 #[test]
 fn an_allreduce_with_a_stalled_neighbour_fails_in_time_naming_it() {
     use meshd::collective::RingNet;
@@ -417,15 +418,16 @@ fn an_allreduce_with_a_stalled_neighbour_fails_in_time_naming_it() {
         let mut b_in = b.take_data_streams().expect("b's data streams");
         let staller = b.clone();
         let stall = tokio::spawn(async move {
-            let theirs = b_in.recv().await.expect("a's stream for the operation");
-            let mut mine = staller.open_data(a_addr, theirs.op).await.expect("open");
-            mine.write_all(&[0, 1]).await.expect("lane preamble");
-            // Then nothing, with the stream held open.
-            tokio::time::sleep(Duration::from_secs(60)).await;
-            drop((theirs, mine));
+            let mut held = Vec::new();
+            while let Some(theirs) = b_in.recv().await {
+                let mut mine = staller.open_data(a_addr, theirs.op).await.expect("open");
+                mine.write_all(&[0, 1]).await.expect("lane preamble");
+                // Then nothing, with the streams held open.
+                held.push((theirs, mine));
+            }
         });
         let incoming = Arc::new(tokio::sync::Mutex::new(a.take_data_streams().expect("a's data streams")));
-        let mut ring = RingNet::new(a.clone(), 0, vec![a_addr, b_addr], incoming);
+        let mut ring = RingNet::new(a.clone(), 0, vec![a_addr, b_addr], incoming.clone());
         ring.progress_timeout = Duration::from_secs(2);
         ring.lanes = 1;
         // Above the direct limit: around the ring.
@@ -446,10 +448,69 @@ fn an_allreduce_with_a_stalled_neighbour_fails_in_time_naming_it() {
         );
         assert!(msg.contains(&want), "{msg}");
         assert!(took >= Duration::from_secs(2) && took < Duration::from_secs(5), "failed after {took:?}");
+
+        // The same through the local service, as a rank sees it.
+        let mut ring = RingNet::new(a.clone(), 0, vec![a_addr, b_addr], incoming);
+        ring.progress_timeout = Duration::from_secs(2);
+        ring.lanes = 1;
+        let dir = std::env::temp_dir().join(format!("meshd-stall-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let cfg = meshd::collective::ServiceConfig {
+            path: dir.join("sock"),
+            local_world: 1,
+            first_global: 0,
+            world: 2,
+            restart: 0,
+            others: vec![b_addr],
+            activity: None,
+        };
+        let svc = meshd::collective::Service::start(cfg, ring, a.clone()).expect("service");
+        let mut rank = tokio::net::UnixStream::connect(svc.path()).await.expect("connect");
+        let reply = call(&mut rank, serde_json::json!({"op": "hello", "rank": 0}), &[]).await;
+        assert_eq!(reply["ok"], true, "{reply}");
+        let t = Instant::now();
+        let reply = tokio::time::timeout(
+            Duration::from_secs(30),
+            call(&mut rank, serde_json::json!({"op": "allreduce", "dtype": "float32"}), &[0u8; 1 << 20]),
+        )
+        .await
+        .expect("the rank's allreduce must be answered");
+        assert_eq!(reply["ok"], false, "{reply}");
+        let error = reply["error"].as_str().unwrap_or_default();
+        let want = format!(
+            "no data from node {} ({b_addr}) for 2s in collective operation #1",
+            NodeId::from_u128(2)
+        );
+        assert!(error.contains(&want), "{reply}");
+        assert!(t.elapsed() < Duration::from_secs(5), "answered after {:?}", t.elapsed());
+        drop(svc);
+        let _ = std::fs::remove_dir_all(&dir);
         stall.abort();
         // The link itself was fine all along.
         assert!(a.node_at(b_addr).is_some());
         a.shutdown().await;
         b.shutdown().await;
     });
+}
+
+/// One request on the local service socket and its reply's header (the payload skipped).
+async fn call(
+    s: &mut tokio::net::UnixStream,
+    mut head: serde_json::Value,
+    payload: &[u8],
+) -> serde_json::Value {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    head["nbytes"] = payload.len().into();
+    let h = serde_json::to_vec(&head).expect("json");
+    s.write_all(&(h.len() as u32).to_be_bytes()).await.expect("write");
+    s.write_all(&h).await.expect("write");
+    s.write_all(payload).await.expect("write");
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len).await.expect("reply length");
+    let mut h = vec![0u8; u32::from_be_bytes(len) as usize];
+    s.read_exact(&mut h).await.expect("reply header");
+    let reply: serde_json::Value = serde_json::from_slice(&h).expect("reply json");
+    let mut body = vec![0u8; reply["nbytes"].as_u64().unwrap_or(0) as usize];
+    s.read_exact(&mut body).await.expect("reply payload");
+    reply
 }
