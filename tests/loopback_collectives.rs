@@ -390,10 +390,11 @@ fn ddp_example_without_a_final_barrier_exits_cleanly_run_after_run() {
 }
 
 /// Issue 17: a ring neighbour whose QUIC link is up (keep-alives answered) but whose
-/// collective stalled: it took this node's stream and opened its own for the operation,
-/// then sent nothing. The allreduce fails within the progress timeout (not the 300 s join
-/// timeout, not never), naming the node and its address; through the local service, a
-/// rank's allreduce gets that error as its reply.
+/// collective stalled: it took this node's stream, opened its own for the operation and
+/// began a chunk, then sent nothing more. The allreduce fails within the progress timeout
+/// (not the 300 s join timeout, not never), naming the node and its address; through the
+/// local service, a rank's allreduce gets that error as its reply. One that opened its
+/// stream and never sent a byte has not joined: that fails at the join timeout, named.
 #[test]
 fn an_allreduce_with_a_stalled_neighbour_fails_in_time_naming_it() {
     use meshd::collective::RingNet;
@@ -422,6 +423,12 @@ fn an_allreduce_with_a_stalled_neighbour_fails_in_time_naming_it() {
             while let Some(theirs) = b_in.recv().await {
                 let mut mine = staller.open_data(a_addr, theirs.op).await.expect("open");
                 mine.write_all(&[0, 1]).await.expect("lane preamble");
+                if theirs.op != 8 {
+                    // A chunk's header and its first bytes.
+                    let head = meshd::proto::ring::encode_chunk_header(0, 1024);
+                    mine.write_all(&head).await.expect("chunk header");
+                    mine.write_all(&[0u8; 100]).await.expect("first bytes");
+                }
                 // Then nothing, with the streams held open.
                 held.push((theirs, mine));
             }
@@ -448,6 +455,24 @@ fn an_allreduce_with_a_stalled_neighbour_fails_in_time_naming_it() {
         );
         assert!(msg.contains(&want), "{msg}");
         assert!(took >= Duration::from_secs(2) && took < Duration::from_secs(5), "failed after {took:?}");
+
+        // Not a byte after the preamble: not joined (its own previous node may be late).
+        ring.join_timeout = Duration::from_secs(3);
+        let t = Instant::now();
+        let err = tokio::time::timeout(
+            Duration::from_secs(30),
+            ring.allreduce(8, &mut buf, DType::F32, ReduceOp::Sum),
+        )
+        .await
+        .expect("a neighbour that never sends must not hang the allreduce")
+        .expect_err("a neighbour that never sends must fail it");
+        let took = t.elapsed();
+        let msg = err.to_string();
+        assert!(
+            msg.contains(&format!("node {b_addr} did not join collective operation 8 within 3s")),
+            "{msg}"
+        );
+        assert!(took >= Duration::from_secs(3) && took < Duration::from_secs(6), "failed after {took:?}");
 
         // The same through the local service, as a rank sees it.
         let mut ring = RingNet::new(a.clone(), 0, vec![a_addr, b_addr], incoming);

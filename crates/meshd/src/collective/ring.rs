@@ -8,7 +8,8 @@
 //! writing would deadlock), while this task owns the buffer and the state.
 //!
 //! No wait on a neighbour is unbounded. Joining an operation (the neighbour's streams and
-//! preambles) has [`RingNet::join_timeout`]; once joined, an operation fails when no byte
+//! preambles, and its first byte of data, which it sends only once its own previous node
+//! joined) has [`RingNet::join_timeout`]; after that, an operation fails when no byte
 //! arrives from the previous node nor leaves for the next for [`RingNet::progress_timeout`]
 //! ([`CollectiveError::Stalled`], naming the neighbour): a peer whose QUIC connection is up
 //! (keep-alives answered, so membership sees it alive) but whose collective stalled ends the
@@ -253,10 +254,13 @@ pub struct RingNet {
     /// node: chunk `c` of every segment travels on lane `c % lanes`. Each connection is
     /// driven by its own task, so lanes let a fast link use several cores.
     pub lanes: usize,
-    /// How long to wait for a neighbour to start an operation.
+    /// How long to wait for a neighbour to start an operation: its streams, and its first
+    /// byte of data (it sends that only once its own previous node started, so a late node
+    /// delays the whole ring by as much).
     pub join_timeout: Duration,
-    /// How long a started operation may go without a single byte from the previous node
-    /// or to the next one before it fails, naming the neighbour ([`CollectiveError::Stalled`]).
+    /// How long an operation may go, once the previous node sent its first byte, without a
+    /// single byte from it or to the next one before it fails, naming the neighbour
+    /// ([`CollectiveError::Stalled`]).
     /// It measures silence, not the whole operation: a huge tensor on a slow link is fine
     /// as long as bytes move.
     pub progress_timeout: Duration,
@@ -507,7 +511,8 @@ impl RingNet {
         let released = buf.released();
         let how = Reduction { dtype, op, divisor };
         let writer_stopped = || CollectiveError::Link { peer: next, reason: "writer stopped".into() };
-        let mut watch = Watch::new(self.progress_timeout, progress.total(), Instant::now());
+        let started = Instant::now();
+        let mut watch = Watch::new(self.progress_timeout, progress.total(), started);
         let mut check_at = tokio::time::Instant::now() + watch.every();
         let result = async {
             loop {
@@ -584,7 +589,15 @@ impl RingNet {
                     // node taking nothing) for the progress timeout ends the operation.
                     _ = tokio::time::sleep_until(check_at), if waiting => {
                         check_at += watch.every();
-                        if watch.stalled(progress.total(), Instant::now()) {
+                        let now = Instant::now();
+                        // Until its first byte the previous node may still wait for its own
+                        // previous node to join (a late rank's local work): a join wait.
+                        if receiving && progress.received.load(Ordering::Relaxed) == 0 {
+                            if now.saturating_duration_since(started) >= self.join_timeout {
+                                return Err(CollectiveError::Timeout { peer: prev, op: op_id, timeout: self.join_timeout });
+                            }
+                            watch = Watch::new(self.progress_timeout, progress.total(), now);
+                        } else if watch.stalled(progress.total(), now) {
                             return Err(if receiving {
                                 self.stalled(prev, op_id, false)
                             } else {
