@@ -900,10 +900,20 @@ async fn peer_sender(inner: Arc<Inner>, to: SocketAddr, q: Arc<PeerQueue>) {
                 Err(e) => match existing(&inner, to) {
                     Some(c) => c,
                     None => {
-                        debug!(peer = %to, error = %e, "connect failed; frames kept");
                         last_error = e.to_string();
+                        let mut o = lock(&q.outbox);
                         // Datagrams would be stale by the next attempt.
-                        lock(&q.outbox).drop_datagrams();
+                        o.drop_datagrams();
+                        if matches!(e, TransportError::Auth { .. }) {
+                            // A refusal is final (another token, run or version) and was
+                            // logged once already: frames for it can never be delivered.
+                            let n = o.clear();
+                            inner.undelivered.fetch_add(n as u64, Ordering::Relaxed);
+                            debug!(peer = %to, error = %e, "refused: {} dropped", crate::plural(n as u64, "reliable frame"));
+                        } else {
+                            debug!(peer = %to, error = %e, "connect failed; frames kept");
+                        }
+                        drop(o);
                         retry_at = Some(tokio::time::Instant::now() + backoff.failed());
                         continue;
                     }
@@ -1854,6 +1864,24 @@ mod tests {
         a.forget(elsewhere);
         assert_eq!((a.undelivered(), a.queued(elsewhere)), (3, 0));
         a.shutdown().await;
+    }
+
+    /// Frames for a peer that refuses this node (another token) can never be delivered:
+    /// they are counted at once, not retried until the horizon.
+    #[tokio::test]
+    async fn frames_for_a_peer_that_refuses_us_are_counted_at_once() {
+        let (a, _a_events) = loopback(1, Some("t"), 7);
+        let (b, mut b_events) = loopback(2, Some("another token"), 7);
+        a.send(b.local_addr(), &store_frame("never"), true);
+        let t = Instant::now();
+        while a.undelivered() < 1 && t.elapsed() < Duration::from_secs(10) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!((a.undelivered(), a.queued(b.local_addr())), (1, 0));
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}: long before the 30 s horizon", t.elapsed());
+        assert_eq!(next_store(&mut b_events, Duration::from_millis(200)).await, None);
+        a.shutdown().await;
+        b.shutdown().await;
     }
 
     /// Another run with the same token: the refusal names what separates runs.
