@@ -850,27 +850,22 @@ async fn peer_sender(inner: Arc<Inner>, to: SocketAddr, q: Arc<PeerQueue>) {
             }
             return;
         }
-        // Wait for something to send, for the end of a backoff, or for the next expiry.
+        // Wait for something to send, or for the end of a backoff or the next expiry,
+        // whichever is first (a wake-up meanwhile may be a stop: it is looked at above).
         let (empty, expiry) = {
             let o = lock(&q.outbox);
             (o.is_empty(), o.next_expiry(horizon))
         };
-        let wake_at = match (retry_at, expiry) {
-            (Some(r), Some(e)) => Some(r.min(e.into())),
-            (Some(r), None) => Some(r),
-            (None, e) if !empty => e.map(Into::into).or(Some(tokio::time::Instant::now())),
-            (None, _) => None,
-        };
-        if empty || retry_at.is_some_and(|r| r > tokio::time::Instant::now()) {
-            match wake_at {
-                Some(t) => {
-                    tokio::select! {
-                        _ = tokio::time::sleep_until(t) => {}
-                        _ = q.wake.notified(), if retry_at.is_none() => {}
-                    }
+        match retry_at.filter(|r| *r > tokio::time::Instant::now()) {
+            Some(r) => {
+                let until = expiry.map_or(r, |e| r.min(e.into()));
+                tokio::select! {
+                    _ = tokio::time::sleep_until(until) => {}
+                    _ = q.wake.notified() => {}
                 }
-                None => q.wake.notified().await,
             }
+            None if empty => q.wake.notified().await,
+            None => {}
         }
         let expired = lock(&q.outbox).expire(Instant::now(), horizon);
         if expired > 0 {
@@ -887,7 +882,11 @@ async fn peer_sender(inner: Arc<Inner>, to: SocketAddr, q: Arc<PeerQueue>) {
             unreported = 0;
             reported = Some(Instant::now());
         }
-        if retry_at.is_some_and(|r| r > tokio::time::Instant::now()) || lock(&q.outbox).is_empty() {
+        if retry_at.is_some_and(|r| r > tokio::time::Instant::now())
+            || lock(&q.outbox).is_empty()
+            || inner.closing.load(Ordering::Relaxed)
+            || q.gone.load(Ordering::Relaxed)
+        {
             continue;
         }
         retry_at = None;
