@@ -288,6 +288,10 @@ struct Inner {
     tunnel_stats: Mutex<Option<Arc<crate::tunnel::TunnelStats>>>,
     /// Lane connections, opened by either end: (peer, lane 1..) -> connection.
     lanes: Mutex<HashMap<(SocketAddr, u8), (quinn::Connection, NodeId)>>,
+    /// Every data connection while it is open, whichever end opened it: when both ends
+    /// open a lane at once, `lanes` keeps one of the two, but the peer's data may come on
+    /// the other, and its traffic is proof of life ([`Transport::rx_datagrams`]).
+    data_links: Mutex<Vec<(SocketAddr, NodeId, quinn::Connection)>>,
     /// Held while a lane is being connected, so that two operations do not open it twice
     /// (one lock per peer and lane: a dead peer's connect timeout delays no other peer).
     lane_connect: Mutex<HashMap<(SocketAddr, u8), OneAtATime>>,
@@ -481,6 +485,7 @@ impl Transport {
             tunnel_rx: Mutex::new(Some(tunnel_rx)),
             tunnel_stats: Mutex::new(None),
             lanes: Mutex::new(HashMap::new()),
+            data_links: Mutex::new(Vec::new()),
             lane_connect: Mutex::new(HashMap::new()),
         });
         tokio::spawn(accept_loop(inner.clone()));
@@ -741,14 +746,14 @@ impl Transport {
     /// Lanes count with their peer's main connection.
     pub fn rx_datagrams(&self) -> Vec<(NodeId, u64)> {
         let conns = lock(&self.inner.conns);
-        let lanes = lock(&self.inner.lanes);
+        let links = lock(&self.inner.data_links);
         conns
             .iter()
             .map(|(addr, (c, n))| {
-                let on_lanes: u64 = lanes
+                let on_lanes: u64 = links
                     .iter()
-                    .filter(|((a, _), (_, ln))| a == addr && ln == n)
-                    .map(|(_, (l, _))| l.stats().udp_rx.datagrams)
+                    .filter(|(a, ln, _)| a == addr && ln == n)
+                    .map(|(_, _, l)| l.stats().udp_rx.datagrams)
                     .sum();
                 (*n, c.stats().udp_rx.datagrams + on_lanes)
             })
@@ -1298,7 +1303,7 @@ async fn connect(
     if lane == 0 {
         register(inner, conn.clone(), node, observed);
     } else {
-        lock(&inner.lanes).insert((to, lane), (conn.clone(), node));
+        add_lane(inner, to, lane, &conn, node);
         tokio::spawn(read_bidi_streams(inner.clone(), conn.clone(), node));
         tokio::spawn(read_streams(inner.clone(), conn.clone(), node));
     }
@@ -1454,7 +1459,7 @@ async fn accept_loop(inner: Arc<Inner>) {
                 // Kept so that this node may send on it too (either end may open streams).
                 Ok(Some((conn, node, Accepted::Lane(lane)))) => {
                     let from = canonical(conn.remote_address());
-                    lock(&inner.lanes).insert((from, lane), (conn.clone(), node));
+                    add_lane(&inner, from, lane, &conn, node);
                     tokio::spawn(read_bidi_streams(inner.clone(), conn.clone(), node));
                     read_streams(inner, conn, node).await
                 }
@@ -1600,6 +1605,15 @@ async fn read_streams(inner: Arc<Inner>, conn: quinn::Connection, node: NodeId) 
     if conns.get(&from).is_some_and(|(c, _)| c.stable_id() == conn.stable_id()) {
         conns.remove(&from);
     }
+    drop(conns);
+    lock(&inner.data_links).retain(|(_, _, c)| c.stable_id() != conn.stable_id());
+}
+
+/// Keeps an authenticated data connection: as the one to send on for `(addr, lane)`, and
+/// among the peer's links whose traffic counts as proof of life.
+fn add_lane(inner: &Inner, addr: SocketAddr, lane: u8, conn: &quinn::Connection, node: NodeId) {
+    lock(&inner.lanes).insert((addr, lane), (conn.clone(), node));
+    lock(&inner.data_links).push((addr, node, conn.clone()));
 }
 
 #[cfg(test)]
