@@ -66,6 +66,9 @@ pub struct JobConfig {
     pub preload_lib: Option<PathBuf>,
     /// Where the job's owner-only socket directory goes (`$XDG_RUNTIME_DIR`, else `/tmp`).
     pub runtime_dir: PathBuf,
+    /// A collective of the QUIC ring fails when no byte moved to or from a neighbour for
+    /// this long (`--collective-timeout`; [`RingNet::progress_timeout`]).
+    pub collective_timeout: Duration,
 }
 
 /// How a job ended on this node.
@@ -457,8 +460,9 @@ pub async fn run(
         let user_has = |k: &str| std::env::var_os(k).is_some();
         let iface = mesh.choice().name.clone();
         let addrs: Vec<SocketAddr> = roster.members.iter().map(|m| m.addr).collect();
-        let ring =
+        let mut ring =
             RingNet::new(mesh.transport().clone(), node_rank, addrs.clone(), incoming.clone(), &cfg.ring);
+        ring.progress_timeout = cfg.collective_timeout;
         if let Some(w) = verdict.tcp_warning(&iface) {
             warn!("{w}");
         }

@@ -394,6 +394,26 @@ impl Mesh {
         }
         let mut changed = false;
         while let Some(ev) = self.membership.poll_event() {
+            // Frames still queued for a member that is gone can no longer arrive: the
+            // transport stops retrying them (and counts them as undelivered).
+            // Not when another live member has the address (a node restarted there).
+            if let MemberEvent::Down(id) | MemberEvent::Left(id) = &ev {
+                let members = self.membership.members();
+                let live = |a: SocketAddr| {
+                    members.iter().any(|o| {
+                        o.id != *id
+                            && matches!(o.status, MemberStatus::Alive | MemberStatus::Suspect)
+                            && (o.addr == a || o.meta.gossip_addr == Some(a))
+                    })
+                };
+                if let Some(m) = members.iter().find(|m| m.id == *id) {
+                    for a in std::iter::once(m.addr).chain(m.meta.gossip_addr) {
+                        if !live(a) {
+                            self.transport.forget(a);
+                        }
+                    }
+                }
+            }
             self.pending.push_back(MeshInput::Member(ev));
             changed = true;
         }
