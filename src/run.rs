@@ -108,6 +108,9 @@ pub struct JobArgs {
     /// Stop the job, printing the ranks' Python stacks, when no rank of a node wrote output or called meshd's local service for this long (exit status 124).
     #[arg(long, alias = "stall_timeout", value_parser = parse_duration)]
     pub stall_timeout: Option<Duration>,
+    /// Fail a collective of meshd's QUIC ring, naming the node, when no byte moved between this node and a neighbour for this long (the ranks get the error).
+    #[arg(long, default_value = "60s", value_parser = parse_positive_duration)]
+    pub collective_timeout: Duration,
     /// The ranks' ROLE_NAME (torchrun's --role).
     #[arg(long, env = "PET_ROLE", default_value = "default")]
     pub role: String,
@@ -137,6 +140,12 @@ pub struct JobArgs {
     pub local_addr: Option<String>,
     #[command(flatten)]
     pub net: NetArgs,
+}
+
+/// [`parse_duration`], refusing zero (a deadline that always passed).
+pub fn parse_positive_duration(s: &str) -> Result<Duration, String> {
+    parse_duration(s)
+        .and_then(|d| if d.is_zero() { Err(format!("{s:?}: must be more than zero")) } else { Ok(d) })
 }
 
 /// Parses `300`, `300s`, `1500ms`, `5m`, `1h`.
@@ -511,6 +520,7 @@ pub fn prepare(a: &JobArgs, cmd: &[String], env: &EnvConfig) -> Result<Prepared>
         ring: env.ring(),
         preload_lib: env.preload_lib.clone(),
         runtime_dir: env.runtime_dir.clone(),
+        collective_timeout: a.collective_timeout,
     };
     Ok(Prepared { mesh, job, run_id })
 }

@@ -158,9 +158,10 @@ fn bench_allreduce_checks_results_and_interleaves_the_bare_ring_over_lanes() {
         assert_eq!(ratios.len(), 2, "{out}");
         assert!(ratios.iter().all(|r| r.as_f64().is_some_and(|r| r > 0.0 && r.is_finite())), "{out}");
         assert!(v["ceiling_gbs"].as_f64().is_some_and(|c| c > 0.0), "{out}");
-        // Three connections to the next node, all through the firewall's one UDP port.
+        // Three data connections to the next node and the main one (control only), all
+        // through the firewall's one UDP port.
         assert_eq!(v["lanes"], 3, "{out}");
-        assert_eq!(v["path"]["connections"], 3, "{out}");
+        assert_eq!(v["path"]["connections"], 4, "{out}");
     }
     ranks.sort();
     assert_eq!(ranks, [0, 1, 2]);

@@ -136,8 +136,9 @@ fn rust_library_allreduce_broadcast_barrier() {
             let mut big: Vec<u8> =
                 (0..100_003).flat_map(|i| ((rank as i32 - 1) * (i % 1000)).to_le_bytes()).collect();
             ring.allreduce(5, &mut big, DType::I32, ReduceOp::Max).await?;
+            // The main connection (control only) and one data connection per lane.
             let conns = ring.next_link_stats().map(|p| p.connections);
-            assert_eq!(conns, Some(rank + 1), "node {rank}: connections to the next node");
+            assert_eq!(conns, Some(rank + 2), "node {rank}: connections to the next node");
             // Segments larger than what a link buffers (a 16 MiB stream window plus the
             // driver's queues of 4 KiB chunks): every node must keep reading while its
             // sends wait, or the ring deadlocks.
@@ -331,6 +332,19 @@ fn hook_thread_stops_at_exit_and_a_forked_child_cannot_use_the_connection() {
     assert!(!stderr.contains("allreduce failed"), "stopping at exit is not a failure to report:\n{stderr}");
 }
 
+/// The client against a stand-in meshd that goes silent (`tests/python/client_timeout.py`):
+/// a call whose reply never comes raises `MeshdError` after `MESHD_TIMEOUT` / the client's
+/// timeout, naming the request, instead of blocking the rank forever; `store_get` waits its
+/// own timeout; a meshd that closes mid-call raises too.
+#[test]
+fn client_calls_to_a_silent_meshd_raise_after_the_timeout() {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/python/client_timeout.py");
+    let out = Command::new("/usr/bin/python3").arg(script).output().expect("python3");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("TIMEOUT OK"), "{stdout}\n{stderr}");
+}
+
 /// README's DDP snippet as written: the hook's allreduces on their background thread, and
 /// no barrier at the end, so each rank exits the moment its last `backward()` returned.
 /// That thread was then still inside `Future.set_result` (torch's C++, GIL released) when
@@ -477,4 +491,165 @@ fn rust_library_store_sets_arrive_everywhere_and_converge() {
         assert_eq!(own, vec![vec![0u8; 3], vec![1; 3], vec![2; 3]], "node {rank}: every node's own key");
         assert_eq!(same, winner, "node {rank}: the shared key converged");
     }
+}
+
+/// Issue 17: a ring neighbour whose QUIC link is up (keep-alives answered) but whose
+/// collective stalled: it took this node's stream, opened its own for the operation and
+/// began a chunk, then sent nothing more. The allreduce fails within the progress timeout
+/// (not the 300 s join timeout, not never), naming the node and its address; through the
+/// local service, a rank's allreduce gets that error as its reply. One that opened its
+/// stream and never sent a byte has not joined: that fails at the join timeout, named.
+#[test]
+fn an_allreduce_with_a_stalled_neighbour_fails_in_time_naming_it() {
+    use meshd::collective::RingNet;
+    use meshd::proto::NodeId;
+    use meshd::proto::reduce::{DType, ReduceOp};
+    use meshd::transport::auth::Token;
+    use meshd::transport::{Transport, TransportConfig};
+    use std::sync::Arc;
+
+    let rt =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    rt.block_on(async {
+        let bind = |n: u128| {
+            let mut cfg = TransportConfig::new(NodeId::from_u128(n), 0);
+            cfg.bind = "127.0.0.1".parse().expect("ip");
+            cfg.token = Some(Token::new("stall-test"));
+            cfg.run_hash = 17;
+            Transport::bind(cfg).expect("bind").0
+        };
+        let (a, b) = (bind(1), bind(2));
+        let (a_addr, b_addr) = (a.local_addr(), b.local_addr());
+        let mut b_in = b.take_data_streams().expect("b's data streams");
+        let staller = b.clone();
+        let stall = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Some(theirs) = b_in.recv().await {
+                let mut mine = staller.open_data(a_addr, theirs.op).await.expect("open");
+                mine.write_all(&[0, 1]).await.expect("lane preamble");
+                if theirs.op != 8 {
+                    // A chunk's header and its first bytes.
+                    let head = meshd::proto::ring::encode_chunk_header(0, 1024);
+                    mine.write_all(&head).await.expect("chunk header");
+                    mine.write_all(&[0u8; 100]).await.expect("first bytes");
+                }
+                // Then nothing, with the streams held open.
+                held.push((theirs, mine));
+            }
+        });
+        let incoming = Arc::new(tokio::sync::Mutex::new(a.take_data_streams().expect("a's data streams")));
+        let one_lane = meshd::collective::RingConfig {
+            lanes: std::num::NonZeroUsize::new(1),
+            ..meshd::collective::RingConfig::default()
+        };
+        let mut ring = RingNet::new(a.clone(), 0, vec![a_addr, b_addr], incoming.clone(), &one_lane);
+        ring.progress_timeout = Duration::from_secs(2);
+        // Above the direct limit: around the ring.
+        let mut buf = vec![0u8; 1 << 20];
+        let t = Instant::now();
+        let err = tokio::time::timeout(
+            Duration::from_secs(30),
+            ring.allreduce(7, &mut buf, DType::F32, ReduceOp::Sum),
+        )
+        .await
+        .expect("a stalled neighbour must not hang the allreduce")
+        .expect_err("a stalled neighbour must fail it");
+        let took = t.elapsed();
+        let msg = err.to_string();
+        let want = format!(
+            "no data from node {} ({b_addr}) for 2s in collective operation #7",
+            NodeId::from_u128(2)
+        );
+        assert!(msg.contains(&want), "{msg}");
+        assert!(took >= Duration::from_secs(2) && took < Duration::from_secs(5), "failed after {took:?}");
+
+        // Not a byte after the preamble: not joined (its own previous node may be late).
+        ring.join_timeout = Duration::from_secs(3);
+        let t = Instant::now();
+        let err = tokio::time::timeout(
+            Duration::from_secs(30),
+            ring.allreduce(8, &mut buf, DType::F32, ReduceOp::Sum),
+        )
+        .await
+        .expect("a neighbour that never sends must not hang the allreduce")
+        .expect_err("a neighbour that never sends must fail it");
+        let took = t.elapsed();
+        let msg = err.to_string();
+        assert!(
+            msg.contains(&format!("node {b_addr} did not join collective operation 8 within 3s")),
+            "{msg}"
+        );
+        assert!(took >= Duration::from_secs(3) && took < Duration::from_secs(6), "failed after {took:?}");
+
+        // The same through the local service, as a rank sees it.
+        let mut ring = RingNet::new(a.clone(), 0, vec![a_addr, b_addr], incoming, &one_lane);
+        ring.progress_timeout = Duration::from_secs(2);
+        let dir = std::env::temp_dir().join(format!("meshd-stall-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let cfg = meshd::collective::ServiceConfig {
+            path: dir.join("sock"),
+            local_world: 1,
+            first_global: 0,
+            world: 2,
+            restart: 0,
+            peers: meshd::collective::StorePeers {
+                me: NodeId::from_u128(1),
+                others: vec![meshd::proto::rendezvous::RosterMember {
+                    id: NodeId::from_u128(2),
+                    addr: b_addr,
+                    nproc: 1,
+                    hostname: "b".into(),
+                }],
+            },
+            activity: None,
+        };
+        let svc = meshd::collective::Service::start(cfg, ring, a.clone()).expect("service");
+        let mut rank = tokio::net::UnixStream::connect(svc.path()).await.expect("connect");
+        let reply = call(&mut rank, serde_json::json!({"op": "hello", "rank": 0}), &[]).await;
+        assert_eq!(reply["ok"], true, "{reply}");
+        let t = Instant::now();
+        let reply = tokio::time::timeout(
+            Duration::from_secs(30),
+            call(&mut rank, serde_json::json!({"op": "allreduce", "dtype": "float32"}), &[0u8; 1 << 20]),
+        )
+        .await
+        .expect("the rank's allreduce must be answered");
+        assert_eq!(reply["ok"], false, "{reply}");
+        let error = reply["error"].as_str().unwrap_or_default();
+        let want = format!(
+            "no data from node {} ({b_addr}) for 2s in collective operation #1",
+            NodeId::from_u128(2)
+        );
+        assert!(error.contains(&want), "{reply}");
+        assert!(t.elapsed() < Duration::from_secs(5), "answered after {:?}", t.elapsed());
+        drop(svc);
+        let _ = std::fs::remove_dir_all(&dir);
+        stall.abort();
+        // The link itself was fine all along.
+        assert!(a.node_at(b_addr).is_some());
+        a.shutdown().await;
+        b.shutdown().await;
+    });
+}
+
+/// One request on the local service socket and its reply's header (the payload skipped).
+async fn call(
+    s: &mut tokio::net::UnixStream,
+    mut head: serde_json::Value,
+    payload: &[u8],
+) -> serde_json::Value {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    head["nbytes"] = payload.len().into();
+    let h = serde_json::to_vec(&head).expect("json");
+    s.write_all(&(h.len() as u32).to_be_bytes()).await.expect("write");
+    s.write_all(&h).await.expect("write");
+    s.write_all(payload).await.expect("write");
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len).await.expect("reply length");
+    let mut h = vec![0u8; u32::from_be_bytes(len) as usize];
+    s.read_exact(&mut h).await.expect("reply header");
+    let reply: serde_json::Value = serde_json::from_slice(&h).expect("reply json");
+    let mut body = vec![0u8; reply["nbytes"].as_u64().unwrap_or(0) as usize];
+    s.read_exact(&mut body).await.expect("reply payload");
+    reply
 }

@@ -11,6 +11,11 @@ tensors are used in place when those packages are present.
     c.broadcast(buf, root=0)
     c.barrier()
     c.store_set("key", b"value"); c.store_get("key", timeout=30.0)
+
+No call waits on meshd forever: a reply (or room to send a request) that does not come
+within ``timeout`` seconds of silence on the socket raises MeshdError, and the connection
+is closed. The default, 1800 s, is generous (other ranks may be that far behind at a
+collective); ``MESHD_TIMEOUT`` sets it in seconds, ``0`` waits forever.
 """
 
 import ctypes
@@ -39,9 +44,29 @@ _TORCH = {
 }
 _OPS = ("sum", "avg", "min", "max")
 
+# Seconds a call may wait on a silent meshd socket (MESHD_TIMEOUT; 0 = forever).
+DEFAULT_TIMEOUT = 1800.0
+# A store_get waits for its own timeout plus this long for meshd's answer.
+_STORE_MARGIN = 30.0
+
+
+def _timeout_from_env():
+    """MESHD_TIMEOUT in seconds: None (wait forever) for 0, the default when unset."""
+    raw = os.environ.get("MESHD_TIMEOUT", "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT
+    try:
+        t = float(raw)
+    except ValueError:
+        raise MeshdError(f"MESHD_TIMEOUT={raw!r} is not a number of seconds (0 waits forever)") from None
+    if t != t or t < 0:
+        raise MeshdError(f"MESHD_TIMEOUT={raw!r} must be 0 (forever) or more seconds")
+    return None if t == 0 else t
+
 
 class MeshdError(RuntimeError):
-    """A request meshd refused or could not complete; the message says why."""
+    """A request meshd refused or could not complete, or meshd did not answer; the message
+    says why."""
 
 
 def _as_bytes_view(buf, dtype=None):
@@ -152,12 +177,16 @@ if hasattr(os, "register_at_fork"):
 
 
 class Client:
-    """A connection from one rank to its node's meshd."""
+    """A connection from one rank to its node's meshd.
+
+    ``timeout``: seconds a call may wait on a silent socket before it raises MeshdError
+    (None waits forever); default ``MESHD_TIMEOUT``, else 1800."""
 
     _forked = False
     _pid = None
+    _broken = None
 
-    def __init__(self, path=None, rank=None, world_size=None):
+    def __init__(self, path=None, rank=None, world_size=None, timeout=None):
         self.path = path or os.environ.get("MESHD_SOCKET")
         if not self.path:
             raise MeshdError(
@@ -167,7 +196,9 @@ class Client:
         self.rank = int(rank if rank is not None else os.environ.get("RANK", "0"))
         self.world_size = int(world_size if world_size is not None else os.environ.get("WORLD_SIZE", "1"))
         self._pid = os.getpid()
+        self.timeout = _timeout_from_env() if timeout is None else (float(timeout) or None)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(self.timeout)
         _CLIENTS.add(self)
         # Replies are read through this buffer: the length, the header and a small body
         # usually arrive in one recv.
@@ -177,6 +208,7 @@ class Client:
         try:
             self._sock.connect(self.path)
         except OSError as e:
+            self._sock.close()
             raise MeshdError(f"cannot reach meshd at {self.path}: {e}") from e
         hello = {"op": "hello", "rank": self.rank}
         # In place: meshd reads our buffers and writes results straight into them
@@ -244,11 +276,40 @@ class Client:
             self._recv_exact(body[took:])
         return head, (None if direct else bytes(body))
 
-    def _call(self, head, payload=b"", into=None):
+    def _call(self, head, payload=b"", into=None, wait=None):
+        """One request and its reply; ``wait`` (seconds) replaces the client's timeout for
+        this call when longer (a store_get's own wait)."""
         if self._forked:
             raise MeshdError(_forked_message(self._pid))
-        self._send(head, payload)
-        reply, body = self._recv(into)
+        if self._broken:
+            raise MeshdError(self._broken)
+        limit = self.timeout
+        if limit is not None and wait is not None and wait > limit:
+            self._sock.settimeout(wait)
+            limit = wait
+        try:
+            self._send(head, payload)
+            reply, body = self._recv(into)
+        except socket.timeout:
+            # A reply may still come: the stream is out of step, so no later call may use it.
+            self._broken = (
+                f"meshd at {self.path} did not answer {head.get('op')!r} for {limit:g} s "
+                "(its node's collective or a peer may be stuck; MESHD_TIMEOUT or Client(timeout=) "
+                "sets this limit); the connection is closed"
+            )
+            self._sock.close()
+            raise MeshdError(self._broken) from None
+        except MeshdError as e:
+            self._broken = str(e)
+            self._sock.close()
+            raise
+        except OSError as e:
+            self._broken = f"lost meshd at {self.path} during {head.get('op')!r}: {e}"
+            self._sock.close()
+            raise MeshdError(self._broken) from e
+        finally:
+            if limit != self.timeout and not self._broken:
+                self._sock.settimeout(self.timeout)
         if not reply.get("ok"):
             raise MeshdError(reply.get("error", "meshd refused the request"))
         return reply, body
@@ -296,7 +357,8 @@ class Client:
 
     def store_get(self, key, timeout=30.0):
         """Waits up to ``timeout`` seconds for ``key`` and returns its value (bytes)."""
-        _, body = self._call({"op": "store_get", "key": str(key), "timeout": float(timeout)})
+        t = float(timeout)
+        _, body = self._call({"op": "store_get", "key": str(key), "timeout": t}, wait=t + _STORE_MARGIN)
         return body
 
     def close(self):

@@ -72,6 +72,9 @@ pub struct JobConfig {
     pub preload_lib: Option<PathBuf>,
     /// Where the job's owner-only socket directory goes (`$XDG_RUNTIME_DIR`, else `/tmp`).
     pub runtime_dir: PathBuf,
+    /// A collective of the QUIC ring fails when no byte moved to or from a neighbour for
+    /// this long (`--collective-timeout`; [`RingNet::progress_timeout`]).
+    pub collective_timeout: Duration,
 }
 
 /// How a job ended on this node.
@@ -496,13 +499,14 @@ impl JobIo {
         let user_has = |k: &str| std::env::var_os(k).is_some();
         let iface = self.iface.clone();
         let addrs: Vec<SocketAddr> = roster.members.iter().map(|m| m.addr).collect();
-        let ring = RingNet::new(
+        let mut ring = RingNet::new(
             self.transport.clone(),
             node_rank,
             addrs.clone(),
             self.incoming.clone(),
             &self.cfg.ring,
         );
+        ring.progress_timeout = self.cfg.collective_timeout;
         if let Some(w) = verdict.tcp_warning(&iface) {
             warn!("{w}");
         }

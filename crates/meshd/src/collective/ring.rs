@@ -6,10 +6,19 @@
 //! reduce or copy it, comes from the sans-IO `meshd_proto::ring::RingState`. A reader task
 //! and a writer task keep both directions moving at once (a ring where every node blocks
 //! writing would deadlock), while this task owns the buffer and the state.
+//!
+//! No wait on a neighbour is unbounded. Joining an operation (the neighbour's streams and
+//! preambles, and its first byte of data, which it sends only once its own previous node
+//! joined) has [`RingNet::join_timeout`]; after that, an operation fails when no byte
+//! arrives from the previous node nor leaves for the next for [`RingNet::progress_timeout`]
+//! ([`CollectiveError::Stalled`], naming the neighbour): a peer whose QUIC connection is up
+//! (keep-alives answered, so membership sees it alive) but whose collective stalled ends the
+//! operation with an error the ranks see, rather than hanging the job.
 
 use super::buffer::CollectiveBuffer;
 use crate::transport::{DataStream, Transport, TransportError};
 use bytes::Bytes;
+use meshd_proto::NodeId;
 use meshd_proto::reduce::{DType, ReduceOp};
 use meshd_proto::ring::{
     Action, CHUNK_HEADER_LEN, DIRECT_TRANSFER_ID, Reduction, RingError, RingPlan, RingState,
@@ -20,7 +29,8 @@ use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::num::NonZeroUsize;
 use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 use tokio::sync::{Mutex, Notify, mpsc};
 
 /// Bytes at the start of each ring data stream: its lane, then how many lanes the sender
@@ -153,7 +163,125 @@ pub enum CollectiveError {
     /// The local reduction failed (an element type the operation does not support).
     #[error(transparent)]
     Reduce(#[from] meshd_proto::reduce::ReduceError),
+    /// A neighbour's link is up but the operation moved no byte from it (or to it, when
+    /// only sends are left) for `timeout`.
+    #[error("{}", stalled_text(*.peer, *.node, *.op, *.timeout, *.sending))]
+    Stalled {
+        /// The neighbour.
+        peer: SocketAddr,
+        /// Its node id, when connected.
+        node: Option<NodeId>,
+        /// The operation.
+        op: u64,
+        /// How long nothing moved.
+        timeout: Duration,
+        /// Whether it was the neighbour taking our data that stalled (else: sending us its).
+        sending: bool,
+    },
 }
+
+/// The operation's sequence number and restart round, as the service numbers it.
+fn op_name(op: u64) -> String {
+    match op >> 40 {
+        0 => format!("collective operation #{}", op & ((1 << 40) - 1)),
+        r => format!("collective operation #{} (restart round {r})", op & ((1 << 40) - 1)),
+    }
+}
+
+fn stalled_text(peer: SocketAddr, node: Option<NodeId>, op: u64, timeout: Duration, sending: bool) -> String {
+    let who = match node {
+        Some(n) => format!("node {n} ({peer})"),
+        None => format!("node {peer}"),
+    };
+    if sending {
+        format!(
+            "{who} took no data for {timeout:?} in {}: its link is up, but its collective stalled",
+            op_name(op)
+        )
+    } else {
+        format!(
+            "no data from {who} for {timeout:?} in {}: its link is up, but its collective stalled",
+            op_name(op)
+        )
+    }
+}
+
+/// Bytes an operation moved on its links, counted by its reader and writer tasks: any
+/// change is progress.
+#[derive(Debug, Default)]
+struct Progress {
+    received: AtomicU64,
+    sent: AtomicU64,
+}
+
+impl Progress {
+    fn received(&self, n: usize) {
+        self.received.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    fn sent(&self, n: usize) {
+        self.sent.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    fn total(&self) -> u64 {
+        self.received.load(Ordering::Relaxed).wrapping_add(self.sent.load(Ordering::Relaxed))
+    }
+}
+
+/// Watches a byte count for `timeout` without change. It is looked at every quarter of
+/// the timeout, so a stall is found between 1 and 1.25 timeouts after the last byte (the
+/// hot path only bumps a counter, never reads the clock).
+#[derive(Debug)]
+struct Watch {
+    timeout: Duration,
+    seen: u64,
+    since: Instant,
+}
+
+impl Watch {
+    fn new(timeout: Duration, count: u64, now: Instant) -> Self {
+        Watch { timeout, seen: count, since: now }
+    }
+
+    /// How often to [`Watch::stalled`].
+    fn every(&self) -> Duration {
+        (self.timeout / 4).max(Duration::from_millis(1))
+    }
+
+    /// Whether `count` has not moved for the timeout as of `now`.
+    fn stalled(&mut self, count: u64, now: Instant) -> bool {
+        if count != self.seen {
+            self.seen = count;
+            self.since = now;
+            return false;
+        }
+        now.saturating_duration_since(self.since) >= self.timeout
+    }
+}
+
+/// Runs `fut` while `count` shows progress; `None` once it has not moved for `timeout`.
+async fn watched<T>(
+    fut: impl std::future::Future<Output = T>,
+    count: impl Fn() -> u64,
+    timeout: Duration,
+) -> Option<T> {
+    tokio::pin!(fut);
+    let mut watch = Watch::new(timeout, count(), Instant::now());
+    loop {
+        tokio::select! {
+            r = &mut fut => return Some(r),
+            _ = tokio::time::sleep(watch.every()) => {
+                if watch.stalled(count(), Instant::now()) {
+                    return None;
+                }
+            }
+        }
+    }
+}
+
+/// Default of [`RingNet::progress_timeout`]: generous, since a node may be slowed by its
+/// own ranks' work (the local gather of a huge tensor), but bounded.
+pub const DEFAULT_PROGRESS_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The nodes of a job, in ring (= roster) order, and the link state for ring operations.
 #[derive(Debug)]
@@ -169,8 +297,16 @@ pub struct RingNet {
     /// node: chunk `c` of every segment travels on lane `c % lanes`. Each connection is
     /// driven by its own task, so lanes let a fast link use several cores.
     pub lanes: NonZeroUsize,
-    /// How long to wait for a neighbour to start an operation.
+    /// How long to wait for a neighbour to start an operation: its streams, and its first
+    /// byte of data (it sends that only once its own previous node started, so a late node
+    /// delays the whole ring by as much).
     pub join_timeout: Duration,
+    /// How long an operation may go, once the previous node sent its first byte, without a
+    /// single byte from it or to the next one before it fails, naming the neighbour
+    /// ([`CollectiveError::Stalled`]).
+    /// It measures silence, not the whole operation: a huge tensor on a slow link is fine
+    /// as long as bytes move.
+    pub progress_timeout: Duration,
 }
 
 impl RingNet {
@@ -192,6 +328,7 @@ impl RingNet {
             chunk_bytes: config.chunk_bytes,
             lanes: config.lanes.unwrap_or_else(default_lanes),
             join_timeout: config.join_timeout,
+            progress_timeout: DEFAULT_PROGRESS_TIMEOUT,
         }
     }
 
@@ -255,12 +392,19 @@ impl RingNet {
         let mut sends = Vec::with_capacity(lanes);
         for lane in 0..lanes {
             let mut s = self.transport.open_data_lane(next, op, lane).await?;
-            s.write_all(&[lane as u8, lanes as u8])
+            tokio::time::timeout(self.progress_timeout, s.write_all(&[lane as u8, lanes as u8]))
                 .await
+                .map_err(|_| self.stalled(next, op, true))?
                 .map_err(|e| CollectiveError::Link { peer: next, reason: e.to_string() })?;
             sends.push(s);
         }
         Ok(sends)
+    }
+
+    /// The error of an operation whose link with `peer` stalled.
+    fn stalled(&self, peer: SocketAddr, op: u64, sending: bool) -> CollectiveError {
+        let node = self.transport.node_at(peer);
+        CollectiveError::Stalled { peer, node, op, timeout: self.progress_timeout, sending }
     }
 
     /// The data streams `prev` opened for `op`, in lane order: as many as the first one's
@@ -379,17 +523,18 @@ impl RingNet {
         let sends = self.open_lanes(next, op_id, lanes).await?;
         let recvs = self.accept_lanes(prev, op_id).await?;
 
+        let progress = Arc::new(Progress::default());
         let mut wtxs = Vec::with_capacity(lanes);
         let mut writers = Vec::with_capacity(lanes);
         for send in sends {
             let (wtx, wrx) = mpsc::channel::<(u64, Bytes)>(64);
             wtxs.push(wtx);
-            writers.push(tokio::spawn(write_frames(send, wrx, next)));
+            writers.push(tokio::spawn(write_frames(send, wrx, next, progress.clone())));
         }
         let (rtx, mut rrx) = mpsc::channel::<Result<(u64, Vec<Bytes>), CollectiveError>>(64);
         let readers: Vec<_> = recvs
             .into_iter()
-            .map(|recv| tokio::spawn(read_frames(recv, rtx.clone(), prev, max_chunk)))
+            .map(|recv| tokio::spawn(read_frames(recv, rtx.clone(), prev, max_chunk, progress.clone())))
             .collect();
         drop(rtx); // the channel closes when every reader has ended
         // The bytes received chunks go on as, made while applying them, by range start.
@@ -403,6 +548,9 @@ impl RingNet {
         let released = buf.released();
         let how = Reduction { dtype, op, divisor };
         let writer_stopped = || CollectiveError::Link { peer: next, reason: "writer stopped".into() };
+        let started = Instant::now();
+        let mut watch = Watch::new(self.progress_timeout, progress.total(), started);
+        let mut check_at = tokio::time::Instant::now() + watch.every();
         let result = async {
             loop {
                 // Hand every sendable chunk to its lane's writer while the queues take them.
@@ -442,6 +590,8 @@ impl RingNet {
                 // none would read. For the same reason a chunk whose range is still lent
                 // is set aside rather than waited for: reading goes on.
                 let blocked = pending.as_ref().map_or(0, |p| p.0);
+                let receiving = state.recvs_left() > deferred.len();
+                let waiting = pending.is_some() || receiving || !deferred.is_empty();
                 tokio::select! {
                     permit = wtxs[blocked].reserve(), if pending.is_some() => {
                         let permit = permit.map_err(|_| writer_stopped())?;
@@ -472,6 +622,26 @@ impl RingNet {
                             }
                         }
                     }
+                    // Silence from the previous node (or, with only sends left, the next
+                    // node taking nothing) for the progress timeout ends the operation.
+                    _ = tokio::time::sleep_until(check_at), if waiting => {
+                        check_at += watch.every();
+                        let now = Instant::now();
+                        // Until its first byte the previous node may still wait for its own
+                        // previous node to join (a late rank's local work): a join wait.
+                        if receiving && progress.received.load(Ordering::Relaxed) == 0 {
+                            if now.saturating_duration_since(started) >= self.join_timeout {
+                                return Err(CollectiveError::Timeout { peer: prev, op: op_id, timeout: self.join_timeout });
+                            }
+                            watch = Watch::new(self.progress_timeout, progress.total(), now);
+                        } else if watch.stalled(progress.total(), now) {
+                            return Err(if receiving {
+                                self.stalled(prev, op_id, false)
+                            } else {
+                                self.stalled(next, op_id, true)
+                            });
+                        }
+                    }
                     else => {
                         return Err(CollectiveError::Link { peer: prev, reason: "ring stalled: nothing to send or receive".into() });
                     }
@@ -481,11 +651,29 @@ impl RingNet {
         .await;
         drop(wtxs);
         let mut w = Ok(());
-        for writer in writers {
-            let r = writer
-                .await
-                .unwrap_or_else(|e| Err(CollectiveError::Link { peer: next, reason: e.to_string() }));
-            w = w.and(r);
+        if matches!(result, Err(CollectiveError::Stalled { sending: true, .. })) {
+            // The next node takes nothing: its writers would only wait out another timeout.
+            // After other failures they send what they hold (the next node then reads why,
+            // say a ring frame where it expected a direct contribution), watched as below.
+            for writer in &writers {
+                writer.abort();
+            }
+        }
+        let sent = || progress.sent.load(Ordering::Relaxed);
+        for mut writer in writers {
+            if w.is_err() {
+                writer.abort();
+                continue;
+            }
+            w = match watched(&mut writer, sent, self.progress_timeout).await {
+                Some(Ok(r)) => r,
+                Some(Err(e)) if e.is_cancelled() => Ok(()),
+                Some(Err(e)) => Err(CollectiveError::Link { peer: next, reason: e.to_string() }),
+                None => {
+                    writer.abort();
+                    Err(self.stalled(next, op_id, true))
+                }
+            };
         }
         for reader in readers {
             reader.abort();
@@ -539,9 +727,10 @@ impl RingNet {
                 continue;
             }
             let mut recv = self.stream_from(peer, op_id).await?;
-            let got = tokio::time::timeout(self.join_timeout, read_direct(&mut recv, len))
+            // At most 64 KiB: all of it within the progress timeout.
+            let got = tokio::time::timeout(self.progress_timeout, read_direct(&mut recv, len))
                 .await
-                .map_err(|_| CollectiveError::Timeout { peer, op: op_id, timeout: self.join_timeout })?
+                .map_err(|_| self.stalled(peer, op_id, false))?
                 .map_err(|reason| CollectiveError::Link { peer, reason })?;
             contributions.push(got);
         }
@@ -553,10 +742,12 @@ impl RingNet {
             released.notified().await;
         }
         buf.overwrite(&out)?;
-        for (peer, writer) in writers {
-            writer
-                .await
-                .map_err(|e| e.to_string())
+        for (peer, mut writer) in writers {
+            let Ok(done) = tokio::time::timeout(self.progress_timeout, &mut writer).await else {
+                writer.abort();
+                return Err(self.stalled(peer, op_id, true));
+            };
+            done.map_err(|e| e.to_string())
                 .and_then(|r| r)
                 .map_err(|reason| CollectiveError::Link { peer, reason })?;
         }
@@ -809,12 +1000,15 @@ async fn write_frames(
     mut send: quinn::SendStream,
     mut rx: mpsc::Receiver<(u64, Bytes)>,
     peer: SocketAddr,
+    progress: Arc<Progress>,
 ) -> Result<(), CollectiveError> {
     let link = |e: String| CollectiveError::Link { peer, reason: e };
     while let Some((id, payload)) = rx.recv().await {
         let head = encode_chunk_header(id, payload.len() as u32);
+        let n = head.len() + payload.len();
         let mut parts = [Bytes::copy_from_slice(&head), payload];
         send.write_all_chunks(&mut parts).await.map_err(|e| link(e.to_string()))?;
+        progress.sent(n);
     }
     // Finishing is enough: quinn still delivers (and retransmits) a finished stream after
     // it is dropped. Waiting for the peer's ACK here would add its delayed-ACK timer
@@ -828,11 +1022,12 @@ async fn read_frames(
     tx: mpsc::Sender<Result<(u64, Vec<Bytes>), CollectiveError>>,
     peer: SocketAddr,
     max_chunk: usize,
+    progress: Arc<Progress>,
 ) {
     loop {
         let mut head = [0u8; CHUNK_HEADER_LEN];
         match recv.read_exact(&mut head).await {
-            Ok(()) => {}
+            Ok(()) => progress.received(CHUNK_HEADER_LEN),
             Err(quinn::ReadExactError::FinishedEarly(0)) => return,
             Err(e) => {
                 let _ = tx.send(Err(CollectiveError::Link { peer, reason: e.to_string() })).await;
@@ -854,6 +1049,7 @@ async fn read_frames(
             match recv.read_chunk(len - got, true).await {
                 Ok(Some(c)) => {
                     got += c.bytes.len();
+                    progress.received(c.bytes.len());
                     payload.push(c.bytes);
                 }
                 Ok(None) => {
@@ -875,8 +1071,78 @@ async fn read_frames(
 
 #[cfg(test)]
 mod tests {
-    use super::{STASH_PER_PEER, Stash};
+    use super::{CollectiveError, STASH_PER_PEER, Stash, Watch, watched};
+    use meshd_proto::NodeId;
     use std::net::SocketAddr;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn a_watch_measures_silence_not_the_whole_operation() {
+        let t0 = Instant::now();
+        let s = |n| t0 + Duration::from_secs(n);
+        let mut w = Watch::new(Duration::from_secs(60), 0, t0);
+        assert_eq!(w.every(), Duration::from_secs(15));
+        assert!(!w.stalled(0, s(59)));
+        // A byte at 59 s: the clock starts again.
+        assert!(!w.stalled(1, s(59)));
+        assert!(!w.stalled(1, s(118)));
+        assert!(w.stalled(1, s(119)), "60 s without a byte");
+        // Hours of steady progress never stall.
+        let mut w = Watch::new(Duration::from_secs(60), 0, t0);
+        for i in 1..1000 {
+            assert!(!w.stalled(i, s(i * 15)));
+        }
+    }
+
+    #[tokio::test]
+    async fn watched_ends_a_silent_wait_and_lets_a_moving_one_finish() {
+        let count = std::sync::atomic::AtomicU64::new(0);
+        let t = Instant::now();
+        let silent = watched(std::future::pending::<()>(), || 0, Duration::from_millis(200)).await;
+        assert!(silent.is_none());
+        assert!(t.elapsed() >= Duration::from_millis(200) && t.elapsed() < Duration::from_millis(600));
+        // Slower than the timeout in all, but never silent for it.
+        let moving = async {
+            for _ in 0..8 {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            7
+        };
+        let got =
+            watched(moving, || count.load(std::sync::atomic::Ordering::Relaxed), Duration::from_millis(200));
+        assert_eq!(got.await, Some(7));
+    }
+
+    #[test]
+    fn a_stall_names_the_node_the_direction_and_the_operation() {
+        let peer: SocketAddr = "198.19.0.7:29400".parse().expect("addr");
+        let node = NodeId::from_u128(0x0a1b_2c3d_4e5f << 80);
+        let e = CollectiveError::Stalled {
+            peer,
+            node: Some(node),
+            op: 5,
+            timeout: Duration::from_secs(60),
+            sending: false,
+        };
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "no data from node {node} (198.19.0.7:29400) for 60s in collective operation #5: its link is up, but its collective stalled"
+            )
+        );
+        let e = CollectiveError::Stalled {
+            peer,
+            node: None,
+            op: (2 << 40) | 9,
+            timeout: Duration::from_secs(1),
+            sending: true,
+        };
+        assert_eq!(
+            e.to_string(),
+            "node 198.19.0.7:29400 took no data for 1s in collective operation #9 (restart round 2): its link is up, but its collective stalled"
+        );
+    }
 
     fn addr(port: u16) -> SocketAddr {
         SocketAddr::from(([127, 0, 0, 1], port))

@@ -535,6 +535,10 @@ async fn run_one(cfg: &ServiceConfig, ring: &mut RingNet, op_id: u64, parts: Vec
     let started = std::time::Instant::now();
     let result = reduce_parts(ring, op_id, &kind, &parts, work, cfg.world).await;
     let reduced = started.elapsed();
+    if let Err(e) = &result {
+        // The ranks raise it too; here it is on the node's log, where the job's end is read.
+        tracing::warn!("collective #{} ({}) failed: {e}", op_id & ((1 << 40) - 1), describe(&kind, len));
+    }
     let work = work.last();
     let written = match &result {
         Ok(out) => write_back(&parts, &work[..*out]),

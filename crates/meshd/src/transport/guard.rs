@@ -98,15 +98,19 @@ pub const RECEIVE_WINDOW: u32 = 64 << 20;
 /// (quinn cannot raise it per connection); before authentication the connection window
 /// ([`PRE_AUTH_RECEIVE_WINDOW`]) bounds every stream's bytes together, so it costs nothing.
 pub const STREAM_RECEIVE_WINDOW: u32 = 16 << 20;
-/// Unidirectional streams an authenticated peer may have open at once. A neighbour has at
-/// most 2 x 16 lanes of ring data streams open to us, plus a few messages. quinn keeps a
+/// Unidirectional streams an authenticated peer may have open at once, per connection: on
+/// a main connection, control frames only (each on a stream of its own, read at once); on
+/// a data connection, a neighbour's ring data streams, a few per operation and at most one
+/// operation ahead, plus those of operations this node gave up on (bounded by the ring's
+/// stash, which drops a peer's oldest beyond its share). quinn keeps a
 /// finished stream's receive state, with its reassembly queue, for reuse, up to this many
 /// per connection, so a larger limit costs resident memory over a long job
 /// (docs/PERFORMANCE.md, "Memory over a long job").
 pub const UNI_STREAMS: u32 = 64;
 /// Bidirectional streams an authenticated peer may have open at once: the hello, status
-/// queries and, in tunnel mode, one per TCP connection a rank of that node holds to this
-/// node (Gloo: one per pair of ranks, NCCL: bootstrap, proxy and its sockets per peer).
+/// queries and, in tunnel mode (on its first data connection), one per TCP connection a
+/// rank of that node holds to this node (Gloo: one per pair of ranks, NCCL: bootstrap,
+/// proxy and its sockets per peer).
 /// A stream beyond it waits for one to end (the tunnel's open times out and the
 /// application sees ETIMEDOUT); the 64 MiB connection window bounds their buffers together.
 pub const BIDI_STREAMS: u32 = 1024;

@@ -5,11 +5,23 @@
 //! frame from the peer is accepted. Frames then travel as QUIC datagrams (may be lost:
 //! gossip probes) or one per unidirectional stream, length-prefixed (reliable).
 //!
-//! Sending never blocks the caller: each peer has a queue drained by its own task, which
-//! connects on demand, so a dead peer's connect timeout delays nobody else.
+//! Control and bulk data never share a connection: a peer's main connection carries only
+//! control frames (and probes' queries), while ring data streams and tunnelled TCP streams
+//! travel on its *data connections* (lanes `1..`[`MAX_LANES`]). QUIC gives each connection
+//! its own stream limits and flow-control windows, so data streams parked unread (an
+//! operation this node has not started yet) can hold neither the stream slots nor the
+//! window bytes that Abort, Done, store and gossip frames need (docs/PROTOCOL.md, "Control
+//! and data").
+//!
+//! Sending never blocks the caller: each peer has an [`outbox`] drained by its own task,
+//! which connects on demand, so a dead peer's connect timeout delays nobody else. Reliable
+//! frames wait there, in order, through failed connects and sends (retried with backoff)
+//! up to [`TransportConfig::reliable_horizon`]; one given up on is counted
+//! ([`Transport::undelivered`]) and logged with the peer's name.
 
 pub mod auth;
 pub mod guard;
+pub mod outbox;
 mod tls;
 
 use auth::{Refusal, Role, Token};
@@ -20,9 +32,10 @@ use meshd_proto::wire::{
 };
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tokio::sync::mpsc;
+use tokio::sync::{Notify, mpsc};
 use tracing::{debug, warn};
 
 /// Close codes carried in QUIC CONNECTION_CLOSE.
@@ -61,6 +74,14 @@ pub struct TransportConfig {
     /// discovery may grow packets up to it: fewer, larger packets cost far less CPU per
     /// byte. Peers each advertise their own limit, so a mixed cluster stays safe.
     pub mtu: Option<u32>,
+    /// How long a reliable frame is kept and retried while its peer cannot be reached or
+    /// does not take it; then it is given up on, counted and logged. Longer than the
+    /// membership's verdict on a silent peer, so that a frame is given up on only for a
+    /// peer the protocols above already know is gone.
+    pub reliable_horizon: Duration,
+    /// Time allowed to open a stream and write one reliable frame on an established
+    /// connection; past it the attempt is reset and retried.
+    pub send_timeout: Duration,
 }
 
 impl TransportConfig {
@@ -78,6 +99,8 @@ impl TransportConfig {
             idle_timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(3),
             mtu: None,
+            reliable_horizon: Duration::from_secs(30),
+            send_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -225,7 +248,22 @@ pub struct ProbeInfo {
     pub rtt: Duration,
 }
 
-type PeerQueue = mpsc::Sender<(Bytes, bool)>;
+/// One peer's outgoing frames and the wake-up of the task that sends them.
+#[derive(Debug, Default)]
+struct PeerQueue {
+    outbox: Mutex<outbox::Outbox>,
+    wake: Notify,
+    /// Set when the peer is forgotten or the transport stops: the task ends.
+    gone: AtomicBool,
+    /// When a full queue was last logged (at most once a second per peer).
+    full_logged: Mutex<Option<Instant>>,
+}
+
+/// The data connection (lane) that ring lane `lane` travels on: lanes are numbered from 1,
+/// lane 0 being the peer's main connection, which carries control frames only.
+fn data_connection(lane: usize) -> u8 {
+    1 + (lane % (MAX_LANES - 1)) as u8
+}
 
 /// First byte of a unidirectional stream that carries bulk collective data rather than
 /// control frames. Control streams start with a big-endian length below 4 MiB, so their
@@ -268,11 +306,18 @@ pub struct DataStream {
     pub recv: quinn::RecvStream,
 }
 
+/// Held while one task does something that others must not do at the same time.
+type OneAtATime = Arc<tokio::sync::Mutex<()>>;
+
 struct Inner {
     endpoint: quinn::Endpoint,
     cfg: TransportConfig,
     conns: Mutex<HashMap<SocketAddr, (quinn::Connection, NodeId)>>,
-    queues: Mutex<HashMap<SocketAddr, PeerQueue>>,
+    queues: Mutex<HashMap<SocketAddr, Arc<PeerQueue>>>,
+    /// Reliable frames given up on (queue full, peer unreachable past the horizon).
+    undelivered: AtomicU64,
+    /// Set by [`Transport::shutdown`]: senders stop retrying.
+    closing: AtomicBool,
     events: mpsc::Sender<TransportEvent>,
     /// Refusals already logged (once per peer IP and reason, bounded).
     logged: guard::LogOnce,
@@ -287,9 +332,14 @@ struct Inner {
     /// The running tunnel's counters, answered to `meshd status` ([`Query::Tunnel`]).
     tunnel_stats: Mutex<Option<Arc<crate::tunnel::TunnelStats>>>,
     /// Lane connections, opened by either end: (peer, lane 1..) -> connection.
-    lanes: Mutex<HashMap<(SocketAddr, u8), quinn::Connection>>,
-    /// Held while a lane is being connected, so that two operations do not open it twice.
-    lane_connect: tokio::sync::Mutex<()>,
+    lanes: Mutex<HashMap<(SocketAddr, u8), (quinn::Connection, NodeId)>>,
+    /// Every data connection while it is open, whichever end opened it: when both ends
+    /// open a lane at once, `lanes` keeps one of the two, but the peer's data may come on
+    /// the other, and its traffic is proof of life ([`Transport::rx_datagrams`]).
+    data_links: Mutex<Vec<(SocketAddr, NodeId, quinn::Connection)>>,
+    /// Held while a lane is being connected, so that two operations do not open it twice
+    /// (one lock per peer and lane: a dead peer's connect timeout delays no other peer).
+    lane_connect: Mutex<HashMap<(SocketAddr, u8), OneAtATime>>,
 }
 
 /// A node's QUIC endpoint. Cheap to clone.
@@ -468,6 +518,8 @@ impl Transport {
             cfg,
             conns: Mutex::new(HashMap::new()),
             queues: Mutex::new(HashMap::new()),
+            undelivered: AtomicU64::new(0),
+            closing: AtomicBool::new(false),
             events: tx,
             logged: guard::LogOnce::default(),
             gate: Arc::new(guard::Gate::default()),
@@ -478,7 +530,8 @@ impl Transport {
             tunnel_rx: Mutex::new(Some(tunnel_rx)),
             tunnel_stats: Mutex::new(None),
             lanes: Mutex::new(HashMap::new()),
-            lane_connect: tokio::sync::Mutex::new(()),
+            data_links: Mutex::new(Vec::new()),
+            lane_connect: Mutex::new(HashMap::new()),
         });
         tokio::spawn(accept_loop(inner.clone()));
         Ok((Transport { inner }, rx))
@@ -493,20 +546,79 @@ impl Transport {
     }
 
     /// Queues a frame for `to`; `reliable` uses a stream, else a datagram (falls back to a
-    /// stream when too large). Never blocks; a full queue drops the frame (the protocols
-    /// above retry).
+    /// stream when too large). Never blocks. A reliable frame is kept and retried, in
+    /// order, until a stream carried it or [`TransportConfig::reliable_horizon`] passed;
+    /// one that cannot be kept (the peer's queue is full: [`outbox::MAX_QUEUED_FRAMES`],
+    /// [`outbox::MAX_QUEUED_BYTES`]) or is given up on is counted in
+    /// [`Transport::undelivered`] and logged, naming the peer. A datagram may be lost.
     pub fn send(&self, to: SocketAddr, frame: &Frame, reliable: bool) {
         let to = canonical(to);
         let bytes = Bytes::from(wire::encode(frame));
-        let mut queues = lock(&self.inner.queues);
-        let q = queues.entry(to).or_insert_with(|| {
-            let (tx, rx) = mpsc::channel(1024);
-            tokio::spawn(peer_sender(self.inner.clone(), to, rx));
-            tx
-        });
-        if q.try_send((bytes, reliable)).is_err() {
-            debug!(peer = %to, "send queue full or closed; frame dropped");
+        let q = {
+            let mut queues = lock(&self.inner.queues);
+            queues
+                .entry(to)
+                .or_insert_with(|| {
+                    let q = Arc::new(PeerQueue::default());
+                    tokio::spawn(peer_sender(self.inner.clone(), to, q.clone()));
+                    q
+                })
+                .clone()
+        };
+        let refused = {
+            let mut o = lock(&q.outbox);
+            if reliable {
+                o.push_reliable(bytes, Instant::now()).err()
+            } else {
+                o.push_datagram(bytes);
+                None
+            }
+        };
+        match refused {
+            None => q.wake.notify_one(),
+            Some(full) => {
+                self.inner.undelivered.fetch_add(1, Ordering::Relaxed);
+                let mut logged = lock(&q.full_logged);
+                if logged.is_none_or(|t| t.elapsed() >= Duration::from_secs(1)) {
+                    *logged = Some(Instant::now());
+                    warn!(
+                        "peer {}: a reliable frame was not sent: {} ({} bytes) already wait for it \
+                         (undelivered so far: {})",
+                        peer_name(&self.inner, to),
+                        crate::plural(full.frames as u64, "frame"),
+                        full.bytes,
+                        self.inner.undelivered.load(Ordering::Relaxed)
+                    );
+                }
+            }
         }
+    }
+
+    /// Drops what waits to be sent to `to` (the peer left or was declared dead: its frames
+    /// can no longer arrive) and stops its sender; a later [`Transport::send`] starts
+    /// afresh. The reliable frames dropped count as undelivered (logged at debug level:
+    /// the caller knows why).
+    pub fn forget(&self, to: SocketAddr) {
+        let to = canonical(to);
+        let Some(q) = lock(&self.inner.queues).remove(&to) else { return };
+        q.gone.store(true, Ordering::Relaxed);
+        let n = lock(&q.outbox).clear();
+        if n > 0 {
+            self.inner.undelivered.fetch_add(n as u64, Ordering::Relaxed);
+            debug!(peer = %to, "peer forgotten with {} unsent", crate::plural(n as u64, "reliable frame"));
+        }
+        q.wake.notify_one();
+    }
+
+    /// Reliable frames given up on since the transport started: refused by a full queue,
+    /// not delivered within the horizon, or dropped by [`Transport::forget`].
+    pub fn undelivered(&self) -> u64 {
+        self.inner.undelivered.load(Ordering::Relaxed)
+    }
+
+    /// Reliable frames waiting to be sent to `to`.
+    pub fn queued(&self, to: SocketAddr) -> usize {
+        lock(&self.inner.queues).get(&canonical(to)).map_or(0, |q| lock(&q.outbox).reliable_len())
     }
 
     /// Connects to `to`, authenticates, and reports what the peer saw. The connection is
@@ -528,18 +640,16 @@ impl Transport {
         lock(&self.inner.tunnel_rx).take()
     }
 
-    /// Opens a tunnel stream to the meshd at `to` (its main connection) and sends
-    /// `request`; the peer answers one status byte on the returned receive stream.
+    /// Opens a tunnel stream to the meshd at `to` (on its first data connection: tunnelled
+    /// bytes are bulk data) and sends `request`; the peer answers one status byte on the
+    /// returned receive stream.
     pub async fn open_tunnel(
         &self,
         to: SocketAddr,
         request: &[u8; TUNNEL_REQUEST_LEN],
     ) -> Result<(quinn::SendStream, quinn::RecvStream), TransportError> {
         let to = canonical(to);
-        let conn = match existing(&self.inner, to) {
-            Some(c) => c,
-            None => connect(&self.inner, to, 0).await?.0,
-        };
+        let conn = self.data_conn(to, data_connection(0)).await?;
         let err = |reason: String| TransportError::Peer { addr: to, reason };
         let (mut send, recv) = conn.open_bi().await.map_err(|e| err(e.to_string()))?;
         let mut head = [0u8; 1 + TUNNEL_REQUEST_LEN];
@@ -549,30 +659,27 @@ impl Transport {
         Ok((send, recv))
     }
 
-    /// Opens a bulk data stream to `to` for collective operation `op`.
+    /// Opens a bulk data stream to `to` for collective operation `op` (ring lane 0).
     pub async fn open_data(&self, to: SocketAddr, op: u64) -> Result<quinn::SendStream, TransportError> {
-        let to = canonical(to);
-        let conn = match existing(&self.inner, to) {
-            Some(c) => c,
-            None => connect(&self.inner, to, 0).await?.0,
-        };
-        open_data_on(&conn, to, op).await
+        self.open_data_lane(to, op, 0).await
     }
 
-    /// Opens a bulk data stream to `to` for operation `op` on lane `lane`: lane 0 is the
-    /// main connection, lanes `1..`[`MAX_LANES`] are extra connections to the same peer
-    /// (through the same UDP port), opened and authenticated on first use and kept. Each
-    /// connection's packets are built, encrypted and decrypted by its own task, so several
-    /// lanes spread one link's work over several cores.
+    /// Opens a bulk data stream to `to` for operation `op` on ring lane `lane` (`0..`
+    /// [`MAX_LANES`]). Data never travels on the peer's main connection, which is kept for
+    /// control frames: ring lane `l` uses data connection `1 + l % (MAX_LANES - 1)`, an
+    /// extra connection to the same peer (through the same UDP port), opened and
+    /// authenticated on first use and kept. Each connection's packets are built, encrypted
+    /// and decrypted by its own task, so several lanes spread one link's work over several
+    /// cores.
+    ///
+    /// Opening waits for the peer to grant a stream (it may hold its limit of unread
+    /// streams); that wait ends after [`TransportConfig::send_timeout`] with an error.
     pub async fn open_data_lane(
         &self,
         to: SocketAddr,
         op: u64,
         lane: usize,
     ) -> Result<quinn::SendStream, TransportError> {
-        if lane == 0 {
-            return self.open_data(to, op).await;
-        }
         let to = canonical(to);
         if lane >= MAX_LANES {
             return Err(TransportError::Peer {
@@ -580,18 +687,27 @@ impl Transport {
                 reason: format!("lane {lane} is over the {MAX_LANES}-lane limit"),
             });
         }
-        let lane = lane as u8;
-        let conn = match existing_lane(&self.inner, to, lane) {
-            Some(c) => c,
-            None => {
-                let _one = self.inner.lane_connect.lock().await;
-                match existing_lane(&self.inner, to, lane) {
-                    Some(c) => c,
-                    None => connect(&self.inner, to, lane).await?.0,
-                }
-            }
-        };
-        open_data_on(&conn, to, op).await
+        let conn = self.data_conn(to, data_connection(lane)).await?;
+        let timeout = self.inner.cfg.send_timeout;
+        tokio::time::timeout(timeout, open_data_on(&conn, to, op)).await.map_err(|_| TransportError::Peer {
+            addr: to,
+            reason: format!(
+                "it granted no data stream for operation {op} within {timeout:?} (it holds its limit of unread streams)"
+            ),
+        })?
+    }
+
+    /// The data connection `lane` (1..) to `to`, connected on first use.
+    async fn data_conn(&self, to: SocketAddr, lane: u8) -> Result<quinn::Connection, TransportError> {
+        if let Some(c) = existing_lane(&self.inner, to, lane) {
+            return Ok(c);
+        }
+        let one = lock(&self.inner.lane_connect).entry((to, lane)).or_default().clone();
+        let _one = one.lock().await;
+        match existing_lane(&self.inner, to, lane) {
+            Some(c) => Ok(c),
+            None => Ok(connect(&self.inner, to, lane).await?.0),
+        }
     }
 
     /// Sets the tunnel counters `meshd status` probes are told.
@@ -655,6 +771,16 @@ impl Transport {
         lock(&self.inner.conns).iter().map(|(a, (_, n))| (*a, *n)).collect()
     }
 
+    /// The node id of the authenticated peer at `addr` (its main connection, else a data
+    /// connection), if connected.
+    pub fn node_at(&self, addr: SocketAddr) -> Option<NodeId> {
+        let addr = canonical(addr);
+        if let Some((_, n)) = lock(&self.inner.conns).get(&addr) {
+            return Some(*n);
+        }
+        lock(&self.inner.lanes).iter().find(|((a, _), _)| *a == addr).map(|(_, (_, n))| *n)
+    }
+
     /// Round-trip time QUIC measured to `addr`, if connected.
     pub fn rtt(&self, addr: SocketAddr) -> Option<Duration> {
         lock(&self.inner.conns).get(&canonical(addr)).map(|(c, _)| c.rtt())
@@ -665,14 +791,14 @@ impl Transport {
     /// Lanes count with their peer's main connection.
     pub fn rx_datagrams(&self) -> Vec<(NodeId, u64)> {
         let conns = lock(&self.inner.conns);
-        let lanes = lock(&self.inner.lanes);
+        let links = lock(&self.inner.data_links);
         conns
             .iter()
             .map(|(addr, (c, n))| {
-                let on_lanes: u64 = lanes
+                let on_lanes: u64 = links
                     .iter()
-                    .filter(|((a, _), _)| a == addr)
-                    .map(|(_, l)| l.stats().udp_rx.datagrams)
+                    .filter(|(a, ln, _)| a == addr && ln == n)
+                    .map(|(_, _, l)| l.stats().udp_rx.datagrams)
                     .sum();
                 (*n, c.stats().udp_rx.datagrams + on_lanes)
             })
@@ -687,7 +813,9 @@ impl Transport {
         let mut p = PathStats::from(&main);
         // Counters add up over the link's lanes; MTU and RTT are the main connection's.
         let lanes = lock(&self.inner.lanes);
-        for c in lanes.iter().filter(|((a, _), c)| *a == addr && c.close_reason().is_none()).map(|(_, c)| c) {
+        for (c, _) in
+            lanes.iter().filter(|((a, _), (c, _))| *a == addr && c.close_reason().is_none()).map(|(_, c)| c)
+        {
             let l = PathStats::from(&c.stats());
             p.connections += 1;
             p.sent_packets += l.sent_packets;
@@ -703,6 +831,10 @@ impl Transport {
 
     /// Closes every connection and waits briefly for the close to be sent.
     pub async fn shutdown(&self) {
+        self.inner.closing.store(true, Ordering::Relaxed);
+        for q in lock(&self.inner.queues).values() {
+            q.wake.notify_one();
+        }
         self.inner.endpoint.close(code::BYE.into(), b"node stopping");
         let _ = tokio::time::timeout(Duration::from_millis(300), self.inner.endpoint.wait_idle()).await;
     }
@@ -740,44 +872,161 @@ impl From<&quinn::ConnectionStats> for PathStats {
     }
 }
 
-async fn peer_sender(inner: Arc<Inner>, to: SocketAddr, mut rx: mpsc::Receiver<(Bytes, bool)>) {
-    let mut failed_until: Option<Instant> = None;
-    while let Some((bytes, reliable)) = rx.recv().await {
+/// "198.19.0.7:29400 (node 0a1b2c3d4e5f)", or the address alone when not connected.
+fn peer_name(inner: &Inner, to: SocketAddr) -> String {
+    match lock(&inner.conns).get(&to) {
+        Some((_, node)) => format!("{to} (node {node})"),
+        None => to.to_string(),
+    }
+}
+
+/// Sends what `q` holds for `to`: datagrams first (they never wait), then reliable frames
+/// in order, each on its own stream. A failed connect or send keeps the frame and tries
+/// again after a backoff; frames older than the horizon are given up on and reported.
+async fn peer_sender(inner: Arc<Inner>, to: SocketAddr, q: Arc<PeerQueue>) {
+    let horizon = inner.cfg.reliable_horizon;
+    let mut backoff = outbox::Backoff::default();
+    let mut retry_at: Option<tokio::time::Instant> = None;
+    let mut last_error = String::from("not tried yet");
+    // Frames given up on but not logged yet, and when that was last logged.
+    let mut unreported = 0u64;
+    let mut reported: Option<Instant> = None;
+    loop {
+        if inner.closing.load(Ordering::Relaxed) || q.gone.load(Ordering::Relaxed) {
+            let n = lock(&q.outbox).clear();
+            if n > 0 {
+                inner.undelivered.fetch_add(n as u64, Ordering::Relaxed);
+                debug!(peer = %to, "transport stopping with {} unsent", crate::plural(n as u64, "reliable frame"));
+            }
+            return;
+        }
+        // Wait for something to send, or for the end of a backoff or the next expiry,
+        // whichever is first (a wake-up meanwhile may be a stop: it is looked at above).
+        let (empty, expiry) = {
+            let o = lock(&q.outbox);
+            (o.is_empty(), o.next_expiry(horizon))
+        };
+        match retry_at.filter(|r| *r > tokio::time::Instant::now()) {
+            Some(r) => {
+                let until = expiry.map_or(r, |e| r.min(e.into()));
+                tokio::select! {
+                    _ = tokio::time::sleep_until(until) => {}
+                    _ = q.wake.notified() => {}
+                }
+            }
+            None if empty => q.wake.notified().await,
+            None => {}
+        }
+        let expired = lock(&q.outbox).expire(Instant::now(), horizon);
+        if expired > 0 {
+            inner.undelivered.fetch_add(expired as u64, Ordering::Relaxed);
+            unreported += expired as u64;
+        }
+        if unreported > 0 && reported.is_none_or(|t| t.elapsed() >= horizon) {
+            warn!(
+                "peer {}: gave up on {} after {horizon:?} ({last_error}); undelivered so far: {}",
+                peer_name(&inner, to),
+                crate::plural(unreported, "reliable frame"),
+                inner.undelivered.load(Ordering::Relaxed)
+            );
+            unreported = 0;
+            reported = Some(Instant::now());
+        }
+        if retry_at.is_some_and(|r| r > tokio::time::Instant::now())
+            || lock(&q.outbox).is_empty()
+            || inner.closing.load(Ordering::Relaxed)
+            || q.gone.load(Ordering::Relaxed)
+        {
+            continue;
+        }
+        retry_at = None;
         // A peer that just started may have connected to us while our own attempt to reach
-        // it was failing: its connection carries the frame, nothing is dropped.
+        // it was failing: its connection carries the frames.
         let conn = match existing(&inner, to) {
             Some(c) => c,
-            None if failed_until.is_some_and(|t| Instant::now() < t) => {
-                continue; // peer recently unreachable: drop instead of queueing connect attempts
-            }
             None => match connect(&inner, to, 0).await {
                 Ok((c, _, _)) => c,
                 Err(e) => match existing(&inner, to) {
                     Some(c) => c,
                     None => {
-                        debug!(peer = %to, error = %e, "connect failed");
-                        failed_until = Some(Instant::now() + Duration::from_millis(500));
+                        last_error = e.to_string();
+                        let mut o = lock(&q.outbox);
+                        // Datagrams would be stale by the next attempt.
+                        o.drop_datagrams();
+                        if matches!(e, TransportError::Auth { .. }) {
+                            // A refusal is final (another token, run or version) and was
+                            // logged once already: frames for it can never be delivered.
+                            let n = o.clear();
+                            inner.undelivered.fetch_add(n as u64, Ordering::Relaxed);
+                            debug!(peer = %to, error = %e, "refused: {} dropped", crate::plural(n as u64, "reliable frame"));
+                        } else {
+                            debug!(peer = %to, error = %e, "connect failed; frames kept");
+                        }
+                        drop(o);
+                        retry_at = Some(tokio::time::Instant::now() + backoff.failed());
                         continue;
                     }
                 },
             },
         };
-        failed_until = None;
-        let res = if !reliable && bytes.len() <= conn.max_datagram_size().unwrap_or(0) {
-            conn.send_datagram(bytes).map_err(|e| e.to_string())
-        } else {
-            send_stream(&conn, &bytes).await
-        };
-        if let Err(e) = res {
-            debug!(peer = %to, error = %e, "send failed");
+        // Datagrams first, and again after every reliable frame: a probe must not wait
+        // behind a burst of reliable frames.
+        let mut failed = None;
+        loop {
+            let datagrams = lock(&q.outbox).take_datagrams();
+            for d in datagrams {
+                let res = if d.len() <= conn.max_datagram_size().unwrap_or(0) {
+                    conn.send_datagram(d).map_err(|e| e.to_string())
+                } else {
+                    send_stream(&conn, &d, inner.cfg.send_timeout).await
+                };
+                if let Err(e) = res {
+                    debug!(peer = %to, error = %e, "datagram not sent");
+                }
+            }
+            let Some(frame) = lock(&q.outbox).front() else { break };
+            match send_stream(&conn, &frame, inner.cfg.send_timeout).await {
+                Ok(()) => {
+                    lock(&q.outbox).sent();
+                    backoff.reset();
+                }
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+            if inner.closing.load(Ordering::Relaxed) || q.gone.load(Ordering::Relaxed) {
+                break;
+            }
+        }
+        if let Some(e) = failed {
+            debug!(peer = %to, error = %e, "send failed; frame kept");
+            last_error = e;
+            retry_at = Some(tokio::time::Instant::now() + backoff.failed());
         }
     }
 }
 
-async fn send_stream(conn: &quinn::Connection, body: &[u8]) -> Result<(), String> {
-    let mut s = conn.open_uni().await.map_err(|e| e.to_string())?;
-    s.write_all(&wire::frame_with_len(body)).await.map_err(|e| e.to_string())?;
-    s.finish().map_err(|e| e.to_string())
+/// Sends one length-prefixed frame on a stream of its own, within `timeout` (opening the
+/// stream waits while the peer holds its limit of unread streams; writing, while its window
+/// is full). A stream not written whole is reset, so the peer never reads half a frame.
+async fn send_stream(conn: &quinn::Connection, body: &[u8], timeout: Duration) -> Result<(), String> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut s = tokio::time::timeout_at(deadline, conn.open_uni())
+        .await
+        .map_err(|_| format!("no stream granted within {timeout:?}"))?
+        .map_err(|e| e.to_string())?;
+    match tokio::time::timeout_at(deadline, s.write_all(&wire::frame_with_len(body))).await {
+        Ok(Ok(())) => s.finish().map_err(|e| e.to_string()),
+        Ok(Err(e)) => {
+            let _ = s.reset(code::PROTOCOL.into());
+            Err(e.to_string())
+        }
+        Err(_) => {
+            let _ = s.reset(code::PROTOCOL.into());
+            Err(format!("frame of {} bytes not taken within {timeout:?}", body.len()))
+        }
+    }
 }
 
 fn existing(inner: &Inner, to: SocketAddr) -> Option<quinn::Connection> {
@@ -787,7 +1036,7 @@ fn existing(inner: &Inner, to: SocketAddr) -> Option<quinn::Connection> {
 
 fn existing_lane(inner: &Inner, to: SocketAddr, lane: u8) -> Option<quinn::Connection> {
     let lanes = lock(&inner.lanes);
-    lanes.get(&(to, lane)).filter(|c| c.close_reason().is_none()).cloned()
+    lanes.get(&(to, lane)).filter(|(c, _)| c.close_reason().is_none()).map(|(c, _)| c.clone())
 }
 
 fn my_hello(inner: &Inner, observed: Option<SocketAddr>, lane: u8, pake: &[u8], mac: [u8; 32]) -> AuthHello {
@@ -1099,7 +1348,8 @@ async fn connect(
     if lane == 0 {
         register(inner, conn.clone(), node, observed);
     } else {
-        lock(&inner.lanes).insert((to, lane), conn.clone());
+        add_lane(inner, to, lane, &conn, node);
+        tokio::spawn(read_bidi_streams(inner.clone(), conn.clone(), node));
         tokio::spawn(read_streams(inner.clone(), conn.clone(), node));
     }
     Ok((conn, node, observed))
@@ -1249,12 +1499,13 @@ async fn accept_loop(inner: Arc<Inner>) {
                 // A probe gets its answer and nothing else: no frame of it is read.
                 Ok(Some((conn, _, Accepted::Probe))) => serve_queries(&inner, conn).await,
                 Ok(Some((conn, node, Accepted::Peer))) => register(&inner, conn, node, None),
-                // A lane carries the peer's bulk data streams only: it is not the peer's
-                // connection for gossip and raises no PeerUp.
+                // A lane carries the peer's bulk data and tunnel streams only: it is not the
+                // peer's connection for gossip and raises no PeerUp.
                 // Kept so that this node may send on it too (either end may open streams).
                 Ok(Some((conn, node, Accepted::Lane(lane)))) => {
                     let from = canonical(conn.remote_address());
-                    lock(&inner.lanes).insert((from, lane), conn.clone());
+                    add_lane(&inner, from, lane, &conn, node);
+                    tokio::spawn(read_bidi_streams(inner.clone(), conn.clone(), node));
                     read_streams(inner, conn, node).await
                 }
                 _ => {}
@@ -1296,12 +1547,14 @@ async fn serve_queries(inner: &Inner, conn: quinn::Connection) {
 fn register(inner: &Arc<Inner>, conn: quinn::Connection, node: NodeId, observed: Option<SocketAddr>) {
     let addr = canonical(conn.remote_address());
     lock(&inner.conns).insert(addr, (conn.clone(), node));
-    // A new connection to the peer (it restarted, or the old one failed): its lanes belong
-    // to the old one and may lead nowhere; they are opened again when next needed.
-    lock(&inner.lanes).retain(|(a, _), lane| {
-        let keep = *a != addr;
+    // Another node at the address (the peer restarted): its data connections belong to the
+    // old process and lead nowhere; they are opened again when next needed. The same node
+    // connecting again (both ends dialled at once, or the old connection failed) keeps
+    // them: they may carry an operation or tunnelled connections now.
+    lock(&inner.lanes).retain(|(a, _), (lane, n)| {
+        let keep = *a != addr || *n == node;
         if !keep {
-            lane.close(code::BYE.into(), b"peer reconnected");
+            lane.close(code::BYE.into(), b"peer restarted");
         }
         keep
     });
@@ -1311,9 +1564,10 @@ fn register(inner: &Arc<Inner>, conn: quinn::Connection, node: NodeId, observed:
     tokio::spawn(read_streams(inner.clone(), conn, node));
 }
 
-/// Accepts the bidirectional streams an authenticated peer opens after the hello: tunnel
-/// streams (tag, request) go to [`Transport::take_tunnel_streams`]; anything else, or a
-/// request that does not arrive within the connect timeout, is reset.
+/// Accepts the bidirectional streams an authenticated peer opens after the hello (on its
+/// main connection or a data connection): tunnel streams (tag, request) go to
+/// [`Transport::take_tunnel_streams`]; anything else, or a request that does not arrive
+/// within the connect timeout, is reset.
 async fn read_bidi_streams(inner: Arc<Inner>, conn: quinn::Connection, node: NodeId) {
     let from = canonical(conn.remote_address());
     while let Ok((mut send, mut recv)) = conn.accept_bi().await {
@@ -1396,6 +1650,15 @@ async fn read_streams(inner: Arc<Inner>, conn: quinn::Connection, node: NodeId) 
     if conns.get(&from).is_some_and(|(c, _)| c.stable_id() == conn.stable_id()) {
         conns.remove(&from);
     }
+    drop(conns);
+    lock(&inner.data_links).retain(|(_, _, c)| c.stable_id() != conn.stable_id());
+}
+
+/// Keeps an authenticated data connection: as the one to send on for `(addr, lane)`, and
+/// among the peer's links whose traffic counts as proof of life.
+fn add_lane(inner: &Inner, addr: SocketAddr, lane: u8, conn: &quinn::Connection, node: NodeId) {
+    lock(&inner.lanes).insert((addr, lane), (conn.clone(), node));
+    lock(&inner.data_links).push((addr, node, conn.clone()));
 }
 
 #[cfg(test)]
@@ -1519,6 +1782,164 @@ mod tests {
         for t in [with, without, bare] {
             t.shutdown().await;
         }
+    }
+
+    fn store_frame(key: &str) -> Frame {
+        Frame::Store(wire::StoreMsg::Set { restart: 0, key: key.into(), value: vec![7] })
+    }
+
+    /// The next store frame `events` delivers, with its key, within `within`.
+    async fn next_store(events: &mut mpsc::Receiver<TransportEvent>, within: Duration) -> Option<String> {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            match tokio::time::timeout_at(deadline, events.recv()).await {
+                Ok(Some(TransportEvent::Frame {
+                    frame: Frame::Store(wire::StoreMsg::Set { key, .. }),
+                    ..
+                })) => {
+                    return Some(key);
+                }
+                Ok(Some(_)) => {}
+                _ => return None,
+            }
+        }
+    }
+
+    /// A UDP port nothing listens on (bound, then freed).
+    fn free_port() -> SocketAddr {
+        let s = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+        s.local_addr().expect("addr")
+    }
+
+    /// Issue 17: control frames are never starved by data. The peer takes none of the
+    /// data streams opened to it (they stay parked, as for an operation it has not
+    /// started), until they hold every stream slot it grants and more than its connection
+    /// window in unread bytes; a control frame still arrives at once, because data travels
+    /// on data connections and the main connection is left to control.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn control_frames_get_through_while_data_streams_are_parked() {
+        let mut cfg = TransportConfig::new(NodeId::from_u128(1), 0);
+        cfg.bind = "127.0.0.1".parse().expect("ip");
+        cfg.token = Some(Token::new("t"));
+        cfg.run_hash = 7;
+        cfg.send_timeout = Duration::from_millis(500);
+        let (a, _a_events) = Transport::bind(cfg).expect("bind");
+        let (b, mut b_events) = loopback(2, Some("t"), 7);
+        let to = b.local_addr();
+        // The main connection first, as a running node has it.
+        a.send(to, &store_frame("before"), true);
+        assert_eq!(next_store(&mut b_events, Duration::from_secs(5)).await.as_deref(), Some("before"));
+        // Every stream slot b grants on the data connection, parked unread...
+        let mut parked = Vec::new();
+        for op in 0..guard::UNI_STREAMS as u64 {
+            parked.push(a.open_data(to, op).await.expect("a data stream within the limit"));
+        }
+        // ...one more cannot be opened (and says why, in time, rather than waiting forever)...
+        let t = Instant::now();
+        let err = tokio::time::timeout(Duration::from_secs(15), a.open_data(to, 999))
+            .await
+            .expect("opening a data stream has a deadline")
+            .expect_err("no stream slot left");
+        assert!(err.to_string().contains("granted no data stream"), "{err}");
+        assert!(t.elapsed() < Duration::from_secs(5));
+        // ...and more unread bytes than the connection window: writers that block.
+        let per = 4 << 20;
+        let chunk = Bytes::from(vec![0u8; per]);
+        let mut writers = Vec::new();
+        for mut s in parked.drain(..(guard::RECEIVE_WINDOW as usize / per + 2)) {
+            let c = chunk.clone();
+            writers.push(tokio::spawn(async move {
+                let _ = s.write_chunk(c).await;
+                s
+            }));
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(writers.iter().any(|w| !w.is_finished()), "the data connection's window is full");
+        // Control frames still arrive promptly (each on a stream of its own: in any order).
+        let t = Instant::now();
+        for k in ["abort", "done"] {
+            a.send(to, &store_frame(k), true);
+        }
+        let mut got = Vec::new();
+        for _ in 0..2 {
+            got.extend(next_store(&mut b_events, Duration::from_secs(3)).await);
+        }
+        got.sort();
+        assert_eq!(got, ["abort", "done"]);
+        assert!(t.elapsed() < Duration::from_secs(2), "control waited {:?}", t.elapsed());
+        assert_eq!(a.undelivered(), 0);
+        for w in writers {
+            w.abort();
+        }
+        drop(parked);
+        a.shutdown().await;
+        b.shutdown().await;
+    }
+
+    /// A reliable frame to a peer that is not up yet is kept and retried with backoff,
+    /// not dropped: it arrives once the peer is there.
+    #[tokio::test]
+    async fn a_reliable_frame_waits_for_a_peer_that_comes_up_later() {
+        let mut cfg = TransportConfig::new(NodeId::from_u128(1), 0);
+        cfg.bind = "127.0.0.1".parse().expect("ip");
+        cfg.connect_timeout = Duration::from_millis(300);
+        let (a, _e) = Transport::bind(cfg).expect("bind");
+        let later = free_port();
+        a.send(later, &store_frame("early"), true);
+        // Several connect attempts fail meanwhile.
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        assert_eq!(a.queued(later), 1, "the frame is kept while the peer is unreachable");
+        let mut cfg = TransportConfig::new(NodeId::from_u128(2), later.port());
+        cfg.bind = "127.0.0.1".parse().expect("ip");
+        let (b, mut b_events) = Transport::bind(cfg).expect("bind the peer late");
+        assert_eq!(next_store(&mut b_events, Duration::from_secs(10)).await.as_deref(), Some("early"));
+        assert_eq!((a.queued(later), a.undelivered()), (0, 0));
+        a.shutdown().await;
+        b.shutdown().await;
+    }
+
+    /// A frame that finally cannot be delivered is counted (and logged), not lost in
+    /// silence; one for a forgotten peer too.
+    #[tokio::test]
+    async fn undeliverable_frames_are_counted_at_the_horizon_or_when_forgotten() {
+        let mut cfg = TransportConfig::new(NodeId::from_u128(1), 0);
+        cfg.bind = "127.0.0.1".parse().expect("ip");
+        cfg.connect_timeout = Duration::from_millis(200);
+        cfg.reliable_horizon = Duration::from_millis(800);
+        let (a, _e) = Transport::bind(cfg).expect("bind");
+        let nowhere = free_port();
+        a.send(nowhere, &store_frame("lost"), true);
+        a.send(nowhere, &store_frame("lost too"), true);
+        assert_eq!(a.queued(nowhere), 2);
+        let t = Instant::now();
+        while a.undelivered() < 2 && t.elapsed() < Duration::from_secs(10) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!((a.undelivered(), a.queued(nowhere)), (2, 0), "given up on at the horizon");
+        assert!(t.elapsed() >= Duration::from_millis(700), "not before the horizon: {:?}", t.elapsed());
+        let elsewhere = free_port();
+        a.send(elsewhere, &store_frame("forgotten"), true);
+        a.forget(elsewhere);
+        assert_eq!((a.undelivered(), a.queued(elsewhere)), (3, 0));
+        a.shutdown().await;
+    }
+
+    /// Frames for a peer that refuses this node (another token) can never be delivered:
+    /// they are counted at once, not retried until the horizon.
+    #[tokio::test]
+    async fn frames_for_a_peer_that_refuses_us_are_counted_at_once() {
+        let (a, _a_events) = loopback(1, Some("t"), 7);
+        let (b, mut b_events) = loopback(2, Some("another token"), 7);
+        a.send(b.local_addr(), &store_frame("never"), true);
+        let t = Instant::now();
+        while a.undelivered() < 1 && t.elapsed() < Duration::from_secs(10) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!((a.undelivered(), a.queued(b.local_addr())), (1, 0));
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}: long before the 30 s horizon", t.elapsed());
+        assert_eq!(next_store(&mut b_events, Duration::from_millis(200)).await, None);
+        a.shutdown().await;
+        b.shutdown().await;
     }
 
     /// Another run with the same token: the refusal names what separates runs.
