@@ -198,7 +198,8 @@ print(f"NCCLROOT OK {ip}:{port} from {os.environ['MESHD_NODE_ADDR']}", flush=Tru
 
 /// A quick figure (not a check; `cargo bench --bench allreduce` has the side-by-side one):
 /// Gloo's allreduce of `MESHD_TUNNEL_FIGURE_SIZE` bytes (64 MiB) through the tunnel,
-/// 3 hosts x 1 rank, MTU `MESHD_TUNNEL_FIGURE_MTU` (1500).
+/// 3 hosts x 1 rank, MTU `MESHD_TUNNEL_FIGURE_MTU` (1500), `MESHD_TUNNEL_FIGURE_ITERS`
+/// timed allreduces (5).
 #[test]
 #[ignore]
 fn figure_gloo_allreduce_through_the_tunnel() {
@@ -207,11 +208,19 @@ fn figure_gloo_allreduce_through_the_tunnel() {
     }
     let size = std::env::var("MESHD_TUNNEL_FIGURE_SIZE").unwrap_or_else(|_| (64 << 20).to_string());
     let mtu: u32 = std::env::var("MESHD_TUNNEL_FIGURE_MTU").ok().and_then(|m| m.parse().ok()).unwrap_or(1500);
+    let iters = std::env::var("MESHD_TUNNEL_FIGURE_ITERS").unwrap_or_else(|_| "5".into());
     let mut lab = firewalled_lab(3);
     if mtu != 1500 {
         lab.set_mtu(mtu);
     }
-    let args = python_job(&lab.peers(), 3, 1, "auto", "gloo_allreduce_bench.py", &["--size", &size]);
+    let args = python_job(
+        &lab.peers(),
+        3,
+        1,
+        "auto",
+        "gloo_allreduce_bench.py",
+        &["--size", &size, "--iters", &iters],
+    );
     for (i, (code, out, err)) in run(&mut lab, &args).iter().enumerate() {
         assert_eq!(*code, Some(0), "host {i}:\n{out}\n{err}");
         for l in out.lines().filter(|l| l.contains("GLOO ")) {

@@ -338,7 +338,10 @@ async fn near_one(mut s: UnixStream, cfg: &TunnelConfig, transport: &Transport, 
     }
     stats.opened.fetch_add(1, Ordering::Relaxed);
     let (r, w) = s.into_split();
-    pipe(r, w, send, recv, stats, |_| {}).await;
+    // A failure closes the socket at once, without the half-close a dropped write half
+    // would send first: the rank then sees its peer gone (the preload library's reset,
+    // see its doc), not an end of file.
+    pipe(r, w, send, recv, stats, tokio::net::unix::OwnedWriteHalf::forget).await;
 }
 
 /// The far end: peers' tunnel streams.
@@ -388,8 +391,13 @@ async fn far_one(mut t: TunnelStream, dest: SocketAddr, stats: &TunnelStats) {
     let _ = tcp.set_nodelay(true);
     stats.served.fetch_add(1, Ordering::Relaxed);
     let (r, w) = tcp.into_split();
-    // A failure is passed on as TCP RST: linger 0, then close.
-    pipe(r, w, t.send, t.recv, stats, |w: &tokio::net::tcp::OwnedWriteHalf| reset_on_close(w.as_ref())).await;
+    // A failure is passed on as TCP RST: linger 0, then close (without the FIN a dropped
+    // write half would send first).
+    pipe(r, w, t.send, t.recv, stats, |w: tokio::net::tcp::OwnedWriteHalf| {
+        reset_on_close(w.as_ref());
+        w.forget();
+    })
+    .await;
 }
 
 /// SO_LINGER 0: closing `tcp` sends RST instead of FIN (tokio deprecates `set_linger`
@@ -411,14 +419,15 @@ fn reset_on_close(tcp: &TcpStream) {
 
 /// Copies both ways between a local stream and a QUIC stream pair until both directions
 /// ended. End of file becomes a half-close on the other side; a failure on either side
-/// resets the other (`abort` is applied to the local write half before it is dropped).
+/// resets the other (`abort` takes the local write half; the read half, dropped last,
+/// closes the socket).
 async fn pipe<R, W>(
     mut r: R,
     mut w: W,
     mut send: quinn::SendStream,
     mut recv: quinn::RecvStream,
     stats: &TunnelStats,
-    abort: impl FnOnce(&W),
+    abort: impl FnOnce(W),
 ) where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
@@ -476,9 +485,10 @@ async fn pipe<R, W>(
     if failed {
         let _ = send.reset(RESET.into());
         let _ = recv.stop(RESET.into());
-        abort(&w);
+        abort(w);
     }
     stats.active.fetch_sub(1, Ordering::Relaxed);
+    drop(r);
 }
 
 /// Starts the tunnel of one round of `roster` on node `node_rank`, next to the local
