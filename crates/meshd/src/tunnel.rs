@@ -12,7 +12,8 @@
 //! status byte; the rank gets that status (ok, or an errno), then both meshds copy bytes
 //! both ways. End of stream is passed on as a half-close (`shutdown(SHUT_WR)` / QUIC FIN),
 //! a failure as a reset (QUIC RESET_STREAM, TCP RST on the far end; the rank's Unix socket
-//! is closed: it reads end of file and writes fail with EPIPE).
+//! is closed without a half-close first, which the preload library reports to the rank as
+//! ECONNRESET).
 //!
 //! Far end: a peer's tunnel stream is served only when the peer is a roster member and the
 //! destination is this node's own roster address; anything else is answered "unreachable".
