@@ -52,6 +52,7 @@ const SOCK_STREAM: c_int = 1;
 const SOCK_CLOEXEC: c_int = 0o2_000_000;
 const SOL_SOCKET: c_int = 1;
 const SO_TYPE: c_int = 3;
+const SO_SNDBUF: c_int = 7;
 const SO_ERROR: c_int = 4;
 const SO_RCVTIMEO: c_int = 20;
 const SO_SNDTIMEO: c_int = 21;
@@ -570,6 +571,21 @@ fn tunnel(fd: c_int, dest: SocketAddr, peer: &[u8], cfg: &Config) -> Result<(), 
         Err(e)
     };
     set_timeouts(s, cfg.timeout);
+    // A Unix socket's queue is bounded by the sender's buffer (208 KiB by default, not
+    // grown as TCP's): 4 MiB, as TCP's `tcp_wmem`, capped by `net.core.wmem_max`.
+    if let Some(f) = real!("setsockopt", SetOptFn) {
+        let v: c_int = 4 << 20;
+        // SAFETY: a valid int and its size.
+        unsafe {
+            f(
+                s,
+                SOL_SOCKET,
+                SO_SNDBUF,
+                (&v as *const c_int).cast(),
+                std::mem::size_of::<c_int>() as socklen_t,
+            )
+        };
+    }
     // SAFETY: `path` is a valid sockaddr_un of `path_len` bytes.
     if unsafe { real_connect(s, (path as *const sockaddr_un).cast(), *path_len) } != 0 {
         let e = errno();
