@@ -106,14 +106,18 @@ struct pollfd {
     revents: i16,
 }
 
+/// The C library's `struct iovec` (the interposed `readv`/`writev` take it).
 #[repr(C)]
-struct iovec {
+#[derive(Debug)]
+pub struct iovec {
     base: *mut c_void,
     len: usize,
 }
 
+/// The C library's `struct msghdr` (the interposed `recvmsg`/`sendmsg` take it).
 #[repr(C)]
-struct msghdr {
+#[derive(Debug)]
+pub struct msghdr {
     name: *mut c_void,
     namelen: socklen_t,
     iov: *mut iovec,
