@@ -18,6 +18,16 @@
 //! at the `IPPROTO_TCP` level (`TCP_NODELAY`, keep-alive tuning) succeed without effect: a
 //! Unix socket has no Nagle.
 //!
+//! A reset reads as a reset. A Unix socket has no RST: when meshd drops its end because the
+//! tunnelled connection failed (the far end reset it, the far node or this node's meshd is
+//! gone), the rank's reads see end of file and its writes `EPIPE`. meshd closes its end
+//! before the application's own end of file only on a failure (on a clean end it
+//! half-closes and waits for the application's), so a read that returns 0 on a tunnelled fd
+//! whose peer is gone entirely (`POLLHUP`), and whose write side the application did not
+//! shut down itself, is a reset: it returns -1 with `ECONNRESET`, as TCP does after an RST,
+//! once; a write's first `EPIPE` there does the same. After an end of file the application
+//! already read, a failure stays `EPIPE` (TCP's answer to an RST in `CLOSE_WAIT`).
+//!
 //! No dependencies but the C library, which this file declares itself: meshd's build
 //! script compiles it with `rustc` alone (`panic=abort`). Nothing here panics on input;
 //! shared state is behind a `OnceLock` and a `Mutex`.
@@ -42,11 +52,16 @@ const SOCK_STREAM: c_int = 1;
 const SOCK_CLOEXEC: c_int = 0o2_000_000;
 const SOL_SOCKET: c_int = 1;
 const SO_TYPE: c_int = 3;
+const SO_SNDBUF: c_int = 7;
+const SO_ERROR: c_int = 4;
 const SO_RCVTIMEO: c_int = 20;
 const SO_SNDTIMEO: c_int = 21;
 const SO_PROTOCOL: c_int = 38;
 const SO_DOMAIN: c_int = 39;
 const SO_COOKIE: c_int = 57;
+const SHUT_WR: c_int = 1;
+const SHUT_RDWR: c_int = 2;
+const POLLHUP: i16 = 0x10;
 const IPPROTO_TCP: c_int = 6;
 const F_GETFD: c_int = 1;
 const F_GETFL: c_int = 3;
@@ -59,6 +74,7 @@ const ECONNREFUSED: c_int = 111;
 const ETIMEDOUT: c_int = 110;
 const EHOSTUNREACH: c_int = 113;
 const ECONNRESET: c_int = 104;
+const EPIPE: c_int = 32;
 
 #[repr(C)]
 struct sockaddr_in {
@@ -84,6 +100,34 @@ struct sockaddr_un {
 }
 
 #[repr(C)]
+struct pollfd {
+    fd: c_int,
+    events: i16,
+    revents: i16,
+}
+
+/// The C library's `struct iovec` (the interposed `readv`/`writev` take it).
+#[repr(C)]
+#[derive(Debug)]
+pub struct iovec {
+    base: *mut c_void,
+    len: usize,
+}
+
+/// The C library's `struct msghdr` (the interposed `recvmsg`/`sendmsg` take it).
+#[repr(C)]
+#[derive(Debug)]
+pub struct msghdr {
+    name: *mut c_void,
+    namelen: socklen_t,
+    iov: *mut iovec,
+    iovlen: usize,
+    control: *mut c_void,
+    controllen: usize,
+    flags: c_int,
+}
+
+#[repr(C)]
 struct timeval {
     tv_sec: i64,
     tv_usec: i64,
@@ -95,8 +139,7 @@ unsafe extern "C" {
     fn fcntl(fd: c_int, cmd: c_int, ...) -> c_int;
     fn dup3(old: c_int, new: c_int, flags: c_int) -> c_int;
     fn close(fd: c_int) -> c_int;
-    fn read(fd: c_int, buf: *mut c_void, n: usize) -> isize;
-    fn write(fd: c_int, buf: *const c_void, n: usize) -> isize;
+    fn poll(fds: *mut pollfd, n: u64, timeout: c_int) -> c_int;
     fn __errno_location() -> *mut c_int;
 }
 
@@ -214,8 +257,10 @@ fn config() -> &'static Config {
 }
 
 /// A tunnelled fd: the socket cookie (tells a closed and reused fd number from the socket
-/// that was put there), the socket's domain before the swap, and the address the
-/// application passed to `connect`, byte for byte (what `getpeername` answers).
+/// that was put there, and finds the socket under any fd number `dup` gave it), the
+/// socket's domain before the swap, the address the application passed to `connect`, byte
+/// for byte (what `getpeername` answers), and what a reset must know: whether the
+/// application shut its write side down, read an end of file, or was told of a reset.
 #[derive(Clone, Copy, Debug)]
 struct Tunnelled {
     fd: c_int,
@@ -223,6 +268,9 @@ struct Tunnelled {
     domain: c_int,
     peer: [u8; 28],
     peer_len: usize,
+    shut_wr: bool,
+    eof_seen: bool,
+    reset_told: bool,
 }
 
 static TUNNELLED: Mutex<Vec<Tunnelled>> = Mutex::new(Vec::new());
@@ -260,12 +308,109 @@ fn tunnel_of(fd: c_int) -> Option<Tunnelled> {
     }
 }
 
+/// Runs `f` on the entry of the socket `fd` holds (by cookie: any fd number of it), if it
+/// was tunnelled. Lock-free while no fd was ever tunnelled. It runs on every end of file
+/// a process reads, also in a child forked while another thread held the lock (which no
+/// one would ever release there): it gives up after about a millisecond instead of waiting.
+fn with_socket<T>(fd: c_int, f: impl FnOnce(&mut Tunnelled) -> T) -> Option<T> {
+    if ANY_TUNNELLED.load(Ordering::Acquire) == 0 {
+        return None;
+    }
+    let cookie = socket_cookie(fd)?;
+    for _ in 0..1000 {
+        match TUNNELLED.try_lock() {
+            Ok(mut all) => return all.iter_mut().find(|x| x.cookie == cookie).map(f),
+            Err(std::sync::TryLockError::Poisoned(p)) => {
+                return p.into_inner().iter_mut().find(|x| x.cookie == cookie).map(f);
+            }
+            Err(std::sync::TryLockError::WouldBlock) => std::thread::sleep(Duration::from_micros(1)),
+        }
+    }
+    None
+}
+
+/// Whether meshd's end of the Unix socket `fd` is gone entirely (closed, not half-closed).
+fn peer_gone(fd: c_int) -> bool {
+    let mut p = pollfd { fd, events: 0, revents: 0 };
+    // SAFETY: one valid pollfd, no wait.
+    unsafe { poll(&mut p, 1, 0) == 1 && p.revents & POLLHUP != 0 }
+}
+
+/// After a read-like call on `fd` returned `rc` (with `wanted` bytes room): an end of file
+/// that is a reset becomes -1/`ECONNRESET` (see the crate's doc); other ends of file are
+/// remembered. Only a 0 or an error costs anything.
+fn after_read(fd: c_int, rc: isize, wanted: usize) -> isize {
+    if rc > 0 || wanted == 0 {
+        return rc;
+    }
+    let saved = errno();
+    let e = if rc < 0 { saved } else { 0 };
+    if rc < 0 && e != ECONNRESET {
+        return rc;
+    }
+    let reset = with_socket(fd, |t| {
+        if t.reset_told || t.eof_seen || t.shut_wr {
+            return false;
+        }
+        if e == ECONNRESET || peer_gone(fd) {
+            // A kernel ECONNRESET (meshd closed with the application's bytes unread) is
+            // the one report; a 0 with meshd gone becomes it.
+            t.reset_told = true;
+            e == 0
+        } else {
+            t.eof_seen = true;
+            false
+        }
+    });
+    if reset == Some(true) {
+        set_errno(ECONNRESET);
+        return -1;
+    }
+    set_errno(saved);
+    rc
+}
+
+/// After a write-like call on `fd` returned `rc`: the first `EPIPE` of a reset becomes
+/// `ECONNRESET` (see the crate's doc).
+fn after_write(fd: c_int, rc: isize) -> isize {
+    if rc >= 0 || errno() != EPIPE {
+        return rc;
+    }
+    let reset = with_socket(fd, |t| {
+        let first = !(t.reset_told || t.eof_seen || t.shut_wr);
+        t.reset_told = true;
+        first
+    });
+    if reset == Some(true) {
+        // The kernel's own ECONNRESET may be pending (meshd closed with bytes of ours
+        // unread); this report is the one, as TCP's: reading SO_ERROR clears it.
+        let _ = get_int_opt(fd, SOL_SOCKET, SO_ERROR);
+    }
+    set_errno(if reset == Some(true) { ECONNRESET } else { EPIPE });
+    rc
+}
+
 // ---- The real functions ----
 
 type ConnectFn = unsafe extern "C" fn(c_int, *const c_void, socklen_t) -> c_int;
 type NameFn = unsafe extern "C" fn(c_int, *mut c_void, *mut socklen_t) -> c_int;
 type SetOptFn = unsafe extern "C" fn(c_int, c_int, c_int, *const c_void, socklen_t) -> c_int;
 type GetOptFn = unsafe extern "C" fn(c_int, c_int, c_int, *mut c_void, *mut socklen_t) -> c_int;
+type ReadFn = unsafe extern "C" fn(c_int, *mut c_void, usize) -> isize;
+type WriteFn = unsafe extern "C" fn(c_int, *const c_void, usize) -> isize;
+type ReadvFn = unsafe extern "C" fn(c_int, *const iovec, c_int) -> isize;
+type RecvFn = unsafe extern "C" fn(c_int, *mut c_void, usize, c_int) -> isize;
+type RecvFromFn =
+    unsafe extern "C" fn(c_int, *mut c_void, usize, c_int, *mut c_void, *mut socklen_t) -> isize;
+type RecvMsgFn = unsafe extern "C" fn(c_int, *mut msghdr, c_int) -> isize;
+type SendFn = unsafe extern "C" fn(c_int, *const c_void, usize, c_int) -> isize;
+type SendToFn = unsafe extern "C" fn(c_int, *const c_void, usize, c_int, *const c_void, socklen_t) -> isize;
+type SendMsgFn = unsafe extern "C" fn(c_int, *const msghdr, c_int) -> isize;
+type ShutdownFn = unsafe extern "C" fn(c_int, c_int) -> c_int;
+type ReadChkFn = unsafe extern "C" fn(c_int, *mut c_void, usize, usize) -> isize;
+type RecvChkFn = unsafe extern "C" fn(c_int, *mut c_void, usize, usize, c_int) -> isize;
+type RecvFromChkFn =
+    unsafe extern "C" fn(c_int, *mut c_void, usize, usize, c_int, *mut c_void, *mut socklen_t) -> isize;
 
 /// Looks `name` (NUL-terminated) up after this library, once.
 fn next(cache: &AtomicPtr<c_void>, name: &[u8]) -> *mut c_void {
@@ -305,8 +450,10 @@ fn errno() -> c_int {
 
 fn say(msg: &str) {
     let line = format!("meshd-preload[{}]: {msg}\n", std::process::id());
-    // SAFETY: writing a valid buffer to stderr; a failure is ignored.
-    let _ = unsafe { write(2, line.as_ptr().cast(), line.len()) };
+    if let Some(w) = real!("write", WriteFn) {
+        // SAFETY: writing a valid buffer to stderr; a failure is ignored.
+        let _ = unsafe { w(2, line.as_ptr().cast(), line.len()) };
+    }
 }
 
 fn get_int_opt(fd: c_int, level: c_int, name: c_int) -> Option<c_int> {
@@ -372,6 +519,7 @@ unsafe fn ip_destination(addr: *const c_void, len: socklen_t) -> Option<SocketAd
 
 /// Reads exactly `buf.len()` bytes before `deadline` (the socket has SO_RCVTIMEO).
 fn read_full(fd: c_int, buf: &mut [u8], deadline: Instant) -> Result<(), c_int> {
+    let read = real!("read", ReadFn).ok_or(ECONNRESET)?;
     let mut got = 0;
     while got < buf.len() {
         let rest = &mut buf[got..];
@@ -389,6 +537,7 @@ fn read_full(fd: c_int, buf: &mut [u8], deadline: Instant) -> Result<(), c_int> 
 }
 
 fn write_full(fd: c_int, buf: &[u8], deadline: Instant) -> Result<(), c_int> {
+    let write = real!("write", WriteFn).ok_or(ECONNRESET)?;
     let mut sent = 0;
     while sent < buf.len() {
         let rest = &buf[sent..];
@@ -426,6 +575,21 @@ fn tunnel(fd: c_int, dest: SocketAddr, peer: &[u8], cfg: &Config) -> Result<(), 
         Err(e)
     };
     set_timeouts(s, cfg.timeout);
+    // A Unix socket's queue is bounded by the sender's buffer (208 KiB by default, not
+    // grown as TCP's): 4 MiB, as TCP's `tcp_wmem`, capped by `net.core.wmem_max`.
+    if let Some(f) = real!("setsockopt", SetOptFn) {
+        let v: c_int = 4 << 20;
+        // SAFETY: a valid int and its size.
+        unsafe {
+            f(
+                s,
+                SOL_SOCKET,
+                SO_SNDBUF,
+                (&v as *const c_int).cast(),
+                std::mem::size_of::<c_int>() as socklen_t,
+            )
+        };
+    }
     // SAFETY: `path` is a valid sockaddr_un of `path_len` bytes.
     if unsafe { real_connect(s, (path as *const sockaddr_un).cast(), *path_len) } != 0 {
         let e = errno();
@@ -471,7 +635,16 @@ fn tunnel(fd: c_int, dest: SocketAddr, peer: &[u8], cfg: &Config) -> Result<(), 
     // SAFETY: `s` is ours; `fd` now holds the socket.
     unsafe { close(s) };
     if let Some(cookie) = cookie {
-        let mut t = Tunnelled { fd, cookie, domain, peer: [0; 28], peer_len: peer.len().min(28) };
+        let mut t = Tunnelled {
+            fd,
+            cookie,
+            domain,
+            peer: [0; 28],
+            peer_len: peer.len().min(28),
+            shut_wr: false,
+            eof_seen: false,
+            reset_told: false,
+        };
         t.peer[..t.peer_len].copy_from_slice(&peer[..t.peer_len]);
         remember(t);
     }
@@ -681,6 +854,199 @@ pub unsafe extern "C" fn getsockopt(
     match real!("getsockopt", GetOptFn) {
         // SAFETY: forwarding the caller's arguments.
         Some(f) => unsafe { f(fd, level, name, val, len) },
+        None => -1,
+    }
+}
+
+/// Sums the lengths of `n` iovecs (0 for a bad pointer or count).
+///
+/// # Safety
+/// `iov` valid for `n` entries when not null.
+unsafe fn iov_len(iov: *const iovec, n: c_int) -> usize {
+    if iov.is_null() || n <= 0 {
+        return 0;
+    }
+    // SAFETY: the caller's contract.
+    unsafe { std::slice::from_raw_parts(iov, n as usize) }.iter().fold(0usize, |a, v| a.saturating_add(v.len))
+}
+
+macro_rules! call_real {
+    ($name:literal, $ty:ty, $($arg:expr),*) => {
+        match real!($name, $ty) {
+            // SAFETY: forwarding the caller's arguments to the C library's function.
+            Some(f) => unsafe { f($($arg),*) },
+            None => {
+                set_errno(38); // ENOSYS
+                -1
+            }
+        }
+    };
+}
+
+/// `read(2)`, interposed: see [`after_read`].
+///
+/// # Safety
+/// The caller's contract with `read`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, n: usize) -> isize {
+    after_read(fd, call_real!("read", ReadFn, fd, buf, n), n)
+}
+
+/// `__read_chk` (`read` under `_FORTIFY_SOURCE`), interposed: see [`after_read`].
+///
+/// # Safety
+/// The caller's contract with `__read_chk`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn __read_chk(fd: c_int, buf: *mut c_void, n: usize, room: usize) -> isize {
+    after_read(fd, call_real!("__read_chk", ReadChkFn, fd, buf, n, room), n)
+}
+
+/// `readv(2)`, interposed: see [`after_read`].
+///
+/// # Safety
+/// The caller's contract with `readv`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn readv(fd: c_int, iov: *const iovec, n: c_int) -> isize {
+    let rc = call_real!("readv", ReadvFn, fd, iov, n);
+    // SAFETY: the caller's contract.
+    after_read(fd, rc, if rc == 0 { unsafe { iov_len(iov, n) } } else { 1 })
+}
+
+/// `recv(2)`, interposed: see [`after_read`].
+///
+/// # Safety
+/// The caller's contract with `recv`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn recv(fd: c_int, buf: *mut c_void, n: usize, flags: c_int) -> isize {
+    after_read(fd, call_real!("recv", RecvFn, fd, buf, n, flags), n)
+}
+
+/// `__recv_chk`, interposed: see [`after_read`].
+///
+/// # Safety
+/// The caller's contract with `__recv_chk`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn __recv_chk(
+    fd: c_int,
+    buf: *mut c_void,
+    n: usize,
+    room: usize,
+    flags: c_int,
+) -> isize {
+    after_read(fd, call_real!("__recv_chk", RecvChkFn, fd, buf, n, room, flags), n)
+}
+
+/// `recvfrom(2)`, interposed: see [`after_read`].
+///
+/// # Safety
+/// The caller's contract with `recvfrom`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn recvfrom(
+    fd: c_int,
+    buf: *mut c_void,
+    n: usize,
+    flags: c_int,
+    addr: *mut c_void,
+    len: *mut socklen_t,
+) -> isize {
+    after_read(fd, call_real!("recvfrom", RecvFromFn, fd, buf, n, flags, addr, len), n)
+}
+
+/// `__recvfrom_chk`, interposed: see [`after_read`].
+///
+/// # Safety
+/// The caller's contract with `__recvfrom_chk`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn __recvfrom_chk(
+    fd: c_int,
+    buf: *mut c_void,
+    n: usize,
+    room: usize,
+    flags: c_int,
+    addr: *mut c_void,
+    len: *mut socklen_t,
+) -> isize {
+    after_read(fd, call_real!("__recvfrom_chk", RecvFromChkFn, fd, buf, n, room, flags, addr, len), n)
+}
+
+/// `recvmsg(2)`, interposed: see [`after_read`].
+///
+/// # Safety
+/// The caller's contract with `recvmsg`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> isize {
+    let rc = call_real!("recvmsg", RecvMsgFn, fd, msg, flags);
+    // SAFETY: the caller's contract: `msg` valid when not null.
+    let wanted =
+        if rc != 0 || msg.is_null() { 1 } else { unsafe { iov_len((*msg).iov, (*msg).iovlen as c_int) } };
+    after_read(fd, rc, wanted)
+}
+
+/// `write(2)`, interposed: see [`after_write`].
+///
+/// # Safety
+/// The caller's contract with `write`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, n: usize) -> isize {
+    after_write(fd, call_real!("write", WriteFn, fd, buf, n))
+}
+
+/// `writev(2)`, interposed: see [`after_write`].
+///
+/// # Safety
+/// The caller's contract with `writev`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn writev(fd: c_int, iov: *const iovec, n: c_int) -> isize {
+    after_write(fd, call_real!("writev", ReadvFn, fd, iov, n))
+}
+
+/// `send(2)`, interposed: see [`after_write`].
+///
+/// # Safety
+/// The caller's contract with `send`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn send(fd: c_int, buf: *const c_void, n: usize, flags: c_int) -> isize {
+    after_write(fd, call_real!("send", SendFn, fd, buf, n, flags))
+}
+
+/// `sendto(2)`, interposed: see [`after_write`].
+///
+/// # Safety
+/// The caller's contract with `sendto`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn sendto(
+    fd: c_int,
+    buf: *const c_void,
+    n: usize,
+    flags: c_int,
+    addr: *const c_void,
+    len: socklen_t,
+) -> isize {
+    after_write(fd, call_real!("sendto", SendToFn, fd, buf, n, flags, addr, len))
+}
+
+/// `sendmsg(2)`, interposed: see [`after_write`].
+///
+/// # Safety
+/// The caller's contract with `sendmsg`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) -> isize {
+    after_write(fd, call_real!("sendmsg", SendMsgFn, fd, msg, flags))
+}
+
+/// `shutdown(2)`, interposed: a tunnelled socket whose write side the application shut
+/// down ends cleanly when meshd closes its end (no reset is reported).
+///
+/// # Safety
+/// The caller's contract with `shutdown`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn shutdown(fd: c_int, how: c_int) -> c_int {
+    if how == SHUT_WR || how == SHUT_RDWR {
+        with_socket(fd, |t| t.shut_wr = true);
+    }
+    match real!("shutdown", ShutdownFn) {
+        // SAFETY: forwarding the caller's arguments.
+        Some(f) => unsafe { f(fd, how) },
         None => -1,
     }
 }

@@ -12,13 +12,14 @@
 //! status byte; the rank gets that status (ok, or an errno), then both meshds copy bytes
 //! both ways. End of stream is passed on as a half-close (`shutdown(SHUT_WR)` / QUIC FIN),
 //! a failure as a reset (QUIC RESET_STREAM, TCP RST on the far end; the rank's Unix socket
-//! is closed: it reads end of file and writes fail with EPIPE).
+//! is closed without a half-close first, which the preload library reports to the rank as
+//! ECONNRESET).
 //!
 //! Far end: a peer's tunnel stream is served only when the peer is a roster member and the
 //! destination is this node's own roster address; anything else is answered "unreachable".
 
 use crate::transport::{TUNNEL_REQUEST_LEN, Transport, TunnelStream};
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 use meshd_proto::NodeId;
 use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
@@ -57,8 +58,48 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 const STATUS_TIMEOUT: Duration = Duration::from_secs(15);
 /// Tunnelled connections one node's ranks may hold open at once.
 const MAX_TUNNELS: usize = 4096;
-/// Copy buffer per direction.
-const CHUNK: usize = 256 << 10;
+/// The block a local socket's bytes are read into, then lent to quinn read by read: one
+/// allocation per block, not per read.
+const BLOCK: usize = 1 << 20;
+/// The least room a read gets in the block.
+const MIN_READ: usize = 64 << 10;
+/// quinn's received chunks (about one packet each) written with one `writev`.
+const MAX_CHUNKS: usize = 256;
+/// Send buffer of meshd's end of a rank's Unix socket (the rank's end gets the same from
+/// the preload library). A Unix socket's queue is bounded by its sender's buffer, 208 KiB
+/// by default, and does not grow as TCP's does (to `tcp_wmem`'s 4 MiB); at the default a
+/// 1 MiB Gloo message takes five writes and five wakeups of each side. Capped by
+/// `net.core.wmem_max` (no privilege asked).
+const UNIX_SNDBUF: libc::c_int = 4 << 20;
+
+/// Writes every byte of `chunks` to `w`, as many chunks per call as the socket takes.
+async fn write_all_chunks<W: AsyncWrite + Unpin>(w: &mut W, chunks: &mut [Bytes]) -> std::io::Result<()> {
+    use bytes::Buf;
+    let mut first = 0;
+    while first < chunks.len() {
+        let slices: Vec<std::io::IoSlice<'_>> =
+            chunks[first..].iter().map(|c| std::io::IoSlice::new(c)).collect();
+        let mut n = w.write_vectored(&slices).await?;
+        drop(slices);
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        while n > 0 {
+            let c = &mut chunks[first];
+            if n >= c.len() {
+                n -= c.len();
+                first += 1;
+            } else {
+                c.advance(n);
+                n = 0;
+            }
+        }
+        while first < chunks.len() && chunks[first].is_empty() {
+            first += 1;
+        }
+    }
+    Ok(())
+}
 
 /// The request for `dest` (what the preload library sends).
 pub fn encode_request(dest: SocketAddr) -> [u8; TUNNEL_REQUEST_LEN] {
@@ -340,8 +381,12 @@ async fn near_one(mut s: UnixStream, cfg: &TunnelConfig, transport: &Transport, 
         return; // the rank gave up (its deadline): dropping the streams resets them
     }
     stats.opened.fetch_add(1, Ordering::Relaxed);
+    set_sndbuf(&s, UNIX_SNDBUF);
     let (r, w) = s.into_split();
-    pipe(r, w, send, recv, stats, |_| {}).await;
+    // A failure closes the socket at once, without the half-close a dropped write half
+    // would send first: the rank then sees its peer gone (the preload library's reset,
+    // see its doc), not an end of file.
+    pipe(r, w, send, recv, stats, tokio::net::unix::OwnedWriteHalf::forget).await;
 }
 
 /// The far end: peers' tunnel streams.
@@ -391,8 +436,27 @@ async fn far_one(mut t: TunnelStream, dest: SocketAddr, stats: &TunnelStats) {
     let _ = tcp.set_nodelay(true);
     stats.served.fetch_add(1, Ordering::Relaxed);
     let (r, w) = tcp.into_split();
-    // A failure is passed on as TCP RST: linger 0, then close.
-    pipe(r, w, t.send, t.recv, stats, |w: &tokio::net::tcp::OwnedWriteHalf| reset_on_close(w.as_ref())).await;
+    // A failure is passed on as TCP RST: linger 0, then close (without the FIN a dropped
+    // write half would send first).
+    pipe(r, w, t.send, t.recv, stats, |w: tokio::net::tcp::OwnedWriteHalf| {
+        reset_on_close(w.as_ref());
+        w.forget();
+    })
+    .await;
+}
+
+/// Sets `SO_SNDBUF` (best effort: the kernel caps it at `net.core.wmem_max`).
+fn set_sndbuf(s: &impl std::os::fd::AsRawFd, bytes: libc::c_int) {
+    // SAFETY: setsockopt on a socket we hold, with a valid int and its size.
+    unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_SNDBUF,
+            (&bytes as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        );
+    }
 }
 
 /// SO_LINGER 0: closing `tcp` sends RST instead of FIN (tokio deprecates `set_linger`
@@ -414,14 +478,15 @@ fn reset_on_close(tcp: &TcpStream) {
 
 /// Copies both ways between a local stream and a QUIC stream pair until both directions
 /// ended. End of file becomes a half-close on the other side; a failure on either side
-/// resets the other (`abort` is applied to the local write half before it is dropped).
+/// resets the other (`abort` takes the local write half; the read half, dropped last,
+/// closes the socket).
 async fn pipe<R, W>(
     mut r: R,
     mut w: W,
     mut send: quinn::SendStream,
     mut recv: quinn::RecvStream,
     stats: &TunnelStats,
-    abort: impl FnOnce(&W),
+    abort: impl FnOnce(W),
 ) where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
@@ -429,10 +494,13 @@ async fn pipe<R, W>(
     stats.active.fetch_add(1, Ordering::Relaxed);
     let failed = {
         let up = async {
-            // Each read is lent to quinn as it is (no copy into its send buffer).
-            let mut buf = BytesMut::with_capacity(CHUNK);
+            // Each read fills the rest of the block and is lent to quinn as it is (no copy
+            // into its send buffer); a new block only when little room is left.
+            let mut buf = BytesMut::with_capacity(BLOCK);
             loop {
-                buf.reserve(CHUNK);
+                if buf.capacity() - buf.len() < MIN_READ {
+                    buf = BytesMut::with_capacity(BLOCK);
+                }
                 match r.read_buf(&mut buf).await {
                     Ok(0) => return send.finish().map_err(|_| ()),
                     Ok(n) => {
@@ -444,14 +512,15 @@ async fn pipe<R, W>(
             }
         };
         let down = async {
-            // Read into one buffer, not chunk by chunk: quinn hands out one chunk per STREAM
-            // frame (about one packet), and a write per packet costs more than the copy.
-            let mut buf = vec![0u8; CHUNK];
+            // quinn's received chunks (about one packet each) go to the socket as they are,
+            // as many as are ready with one writev: no copy, and no write per packet.
+            let mut chunks = vec![Bytes::new(); MAX_CHUNKS];
             loop {
-                match recv.read(&mut buf).await {
-                    Ok(Some(n)) => {
+                match recv.read_chunks(&mut chunks).await {
+                    Ok(Some(k)) => {
+                        let n: usize = chunks[..k].iter().map(Bytes::len).sum();
                         stats.bytes_in.fetch_add(n as u64, Ordering::Relaxed);
-                        w.write_all(&buf[..n]).await.map_err(|_| ())?;
+                        write_all_chunks(&mut w, &mut chunks[..k]).await.map_err(|_| ())?;
                     }
                     Ok(None) => return w.shutdown().await.map_err(|_| ()),
                     Err(_) => return Err(()),
@@ -479,9 +548,10 @@ async fn pipe<R, W>(
     if failed {
         let _ = send.reset(RESET.into());
         let _ = recv.stop(RESET.into());
-        abort(&w);
+        abort(w);
     }
     stats.active.fetch_sub(1, Ordering::Relaxed);
+    drop(r);
 }
 
 /// Starts the tunnel of one round of `roster` on node `node_rank`, next to the local
@@ -534,9 +604,25 @@ pub fn start_for_round(
     }
 }
 
-/// Logs the counters once a round ends.
+/// Logs the counters once a round ends, with the CPU meshd and its finished ranks used so
+/// far (what a tunnelled byte costs: compare runs by CPU per MiB, not only by time).
 pub fn report(stats: &TunnelStats) {
-    info!("tunnel: {}", stats.line());
+    let cpu = |who: i32| {
+        // SAFETY: getrusage fills the struct it is given; both `who`s are valid.
+        let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        if unsafe { libc::getrusage(who, &mut u) } != 0 {
+            return 0.0;
+        }
+        let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 / 1e6;
+        t(u.ru_utime) + t(u.ru_stime)
+    };
+    info!(
+        "tunnel: {}; CPU so far: meshd {:.2} s, finished ranks {:.2} s",
+        stats.line(),
+        cpu(libc::RUSAGE_SELF),
+        cpu(libc::RUSAGE_CHILDREN)
+    );
 }
 
 #[cfg(test)]

@@ -1785,7 +1785,12 @@ mod tests {
     }
 
     fn store_frame(key: &str) -> Frame {
-        Frame::Store(wire::StoreMsg::Set { restart: 0, key: key.into(), value: vec![7] })
+        Frame::Store(wire::StoreMsg::Set {
+            restart: 0,
+            version: meshd_proto::store::Version { counter: 1, writer: NodeId::from_u128(1) },
+            key: key.into(),
+            value: vec![7],
+        })
     }
 
     /// The next store frame `events` delivers, with its key, within `within`.

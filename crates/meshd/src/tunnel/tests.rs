@@ -220,3 +220,99 @@ print("PRELOAD OK", round(time.time() - t, 3))
     assert_eq!(a.opened.load(Ordering::Relaxed), 2, "{}", a.line());
     assert_eq!(a.failed.load(Ordering::Relaxed), 1, "{}", a.line());
 }
+
+/// Runs `script` (python3, through the preload library of `p.a`); its stdout.
+async fn python_through(p: &Pair, script: &str) -> Option<String> {
+    let python = "/usr/bin/python3";
+    if !Path::new(python).exists() {
+        eprintln!("SKIPPED: no {python}");
+        return None;
+    }
+    let env = p.a.env(None);
+    let out = tokio::process::Command::new(python)
+        .args(["-c", script])
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .env("MESHD_NODE_ADDR", "127.0.0.1")
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(40), out).await.expect("no hang").expect("python3");
+    let (o, e) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{o}\n{e}");
+    Some(o.into_owned())
+}
+
+/// What the application sees when its tunnelled connection fails, through the preload
+/// library, as over TCP after an RST: the first call fails with ECONNRESET, a later read
+/// returns end of file and a later write EPIPE. `reader` reads (blocked in recv when the
+/// failure comes), the writer streams until a send fails.
+fn reset_script(port: u16) -> String {
+    format!(
+        r#"
+import socket, sys
+mode = sys.argv[1] if len(sys.argv) > 1 else "reader"
+s = socket.create_connection(("127.0.0.2", {port}), timeout=30)
+s.sendall(b"x" * 1000)
+first = None
+try:
+    if mode == "reader":
+        b = s.recv(65536)
+        first = "eof %d" % len(b)
+    else:
+        while True:
+            s.send(b"y" * 65536)
+except OSError as e:
+    first = "errno %d" % e.errno
+later_recv = s.recv(10)
+try:
+    s.send(b"z")
+    later_send = "ok"
+except OSError as e:
+    later_send = "errno %d" % e.errno
+print("FIRST", first, "LATER_RECV", len(later_recv), "LATER_SEND", later_send, flush=True)
+"#
+    )
+}
+
+/// The far application resets its connection (RST): the application through the tunnel
+/// reads ECONNRESET, then end of file, and a write then fails with EPIPE.
+#[tokio::test]
+async fn a_far_reset_reads_as_econnreset_through_the_preload_library() {
+    let p = pair("reset");
+    let listener = TcpListener::bind("127.0.0.2:0").await.expect("listen");
+    let port = listener.local_addr().expect("addr").port();
+    let server = tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.expect("accept");
+        let mut got = [0u8; 1000];
+        s.read_exact(&mut got).await.expect("read");
+        reset_on_close(&s);
+    });
+    let Some(out) = python_through(&p, &reset_script(port)).await else { return };
+    server.await.expect("server");
+    assert!(out.contains("FIRST errno 104 LATER_RECV 0 LATER_SEND errno 32"), "{out}");
+}
+
+/// The far node goes away (its meshd closes every QUIC connection, as a node that dies
+/// loses them at the idle timeout) while the application is blocked reading, or writing:
+/// its first failed call says ECONNRESET.
+#[tokio::test]
+async fn a_lost_far_node_reads_and_writes_as_econnreset_through_the_preload_library() {
+    for mode in ["reader", "writer"] {
+        let p = pair(&format!("lost-{mode}"));
+        let listener = TcpListener::bind("127.0.0.2:0").await.expect("listen");
+        let port = listener.local_addr().expect("addr").port();
+        let far = p._transports[1].clone();
+        let server = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.expect("accept");
+            let mut got = [0u8; 1000];
+            s.read_exact(&mut got).await.expect("read");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            far.shutdown().await;
+            s
+        });
+        let script = reset_script(port)
+            .replace("sys.argv[1] if len(sys.argv) > 1 else \"reader\"", &format!("{mode:?}"));
+        let Some(out) = python_through(&p, &script).await else { return };
+        drop(server.await.expect("server"));
+        assert!(out.contains("FIRST errno 104 LATER_RECV 0 LATER_SEND errno 32"), "{mode}: {out}");
+    }
+}
