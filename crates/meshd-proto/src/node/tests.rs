@@ -6,7 +6,7 @@ use crate::membership::MembershipConfig;
 use crate::rendezvous::RdzvConfig;
 
 fn config(max_restarts: u32) -> NodeConfig {
-    let addr: SocketAddr = "10.0.0.1:29400".parse().unwrap();
+    let addr: SocketAddr = "10.0.0.1:29400".parse().expect("address");
     NodeConfig {
         id: NodeId::from_u128(7),
         addr,
