@@ -14,12 +14,14 @@
 //! - [`membership`]: SWIM-style gossip membership with suspicion and rejoin.
 //! - [`preflight`]: what each node checked before launch, and the common verdict.
 //! - [`rendezvous`]: election of the master and the roster every node acknowledges.
+//! - [`plane`]: the AEAD datagram data plane's per-link core (keys, acks, loss, congestion).
 //! - [`store`]: the job-wide key-value store: versioned, acknowledged, bounded.
 //! - [`sim`]: a deterministic network simulator over the real membership core.
 
 pub mod id;
 pub mod membership;
 pub mod meta;
+pub mod plane;
 pub mod preflight;
 pub mod reduce;
 pub mod rendezvous;
