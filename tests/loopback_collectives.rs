@@ -126,6 +126,8 @@ fn rust_library_allreduce_broadcast_barrier() {
         let addrs = roster.members.iter().map(|m| m.addr).collect();
         let mut ring =
             RingNet::new(mesh.transport().clone(), rank, addrs, Arc::new(tokio::sync::Mutex::new(incoming)));
+        // This test covers the QUIC streams path (tests/loopback_plane.rs the data plane).
+        ring.use_plane = false;
         let work = tokio::spawn(async move {
             let mut sum: Vec<u8> =
                 (0..1001).flat_map(|i| ((rank + 1) as f32 * i as f32).to_le_bytes()).collect();

@@ -484,6 +484,7 @@ pub async fn run(
             },
             activity: Some(activity.clone()),
         };
+        let served = ring.served_handle();
         let svc = match Service::start(svc_cfg.clone(), ring, mesh.transport().clone()) {
             Ok(s) => Some(s),
             Err(e) => {
@@ -622,6 +623,10 @@ pub async fn run(
                     warn!("cannot write {}: {e}", p.display());
                 }
             }
+        }
+        let served = *served.lock().unwrap_or_else(|p| p.into_inner());
+        if served != Default::default() {
+            info!("ring collectives to the next node: {}", served.line());
         }
         match failure {
             None => {
