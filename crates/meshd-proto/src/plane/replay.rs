@@ -14,7 +14,8 @@ const WORDS: usize = (WINDOW / 64) as usize;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReplayWindow {
     largest: Option<u64>,
-    /// Bit `i` of the window (word `i / 64`, bit `i % 64`) is packet `largest - i`.
+    /// Bit `pn % WINDOW` is set when packet `pn` (within the window) was accepted. A ring:
+    /// moving the window forward clears only the bits it passes over.
     bits: [u64; WORDS],
 }
 
@@ -22,6 +23,11 @@ impl Default for ReplayWindow {
     fn default() -> Self {
         ReplayWindow { largest: None, bits: [0; WORDS] }
     }
+}
+
+fn slot(pn: u64) -> (usize, u64) {
+    let i = pn % WINDOW;
+    ((i / 64) as usize, 1 << (i % 64))
 }
 
 impl ReplayWindow {
@@ -36,12 +42,11 @@ impl ReplayWindow {
         if pn > largest {
             return Ok(());
         }
-        let age = largest - pn;
-        if age >= WINDOW {
+        if largest - pn >= WINDOW {
             return Err(PlaneError::TooOld(pn));
         }
-        let (w, b) = ((age / 64) as usize, age % 64);
-        if self.bits[w] >> b & 1 == 1 {
+        let (w, b) = slot(pn);
+        if self.bits[w] & b != 0 {
             return Err(PlaneError::Replayed(pn));
         }
         Ok(())
@@ -49,38 +54,34 @@ impl ReplayWindow {
 
     /// Records `pn` as accepted (after [`check`](Self::check) passed and the datagram opened).
     pub fn insert(&mut self, pn: u64) {
-        let Some(largest) = self.largest else {
-            self.largest = Some(pn);
-            self.bits = [0; WORDS];
-            self.bits[0] = 1;
-            return;
-        };
-        if pn > largest {
-            self.shift(pn - largest);
-            self.largest = Some(pn);
-            self.bits[0] |= 1;
-        } else {
-            let age = largest - pn;
-            if age < WINDOW {
-                self.bits[(age / 64) as usize] |= 1 << (age % 64);
+        match self.largest {
+            Some(largest) if pn <= largest => {
+                if largest - pn >= WINDOW {
+                    return;
+                }
+            }
+            Some(largest) if pn - largest < WINDOW => {
+                // The numbers passed over leave the window's far end: clear their slots.
+                let mut n = largest + 1;
+                while n < pn {
+                    let (w, b) = slot(n);
+                    if n % 64 == 0 && pn - n >= 64 {
+                        self.bits[w] = 0;
+                        n += 64;
+                    } else {
+                        self.bits[w] &= !b;
+                        n += 1;
+                    }
+                }
+                self.largest = Some(pn);
+            }
+            _ => {
+                self.bits = [0; WORDS];
+                self.largest = Some(pn);
             }
         }
-    }
-
-    /// Ages every bit by `by` positions.
-    fn shift(&mut self, by: u64) {
-        if by >= WINDOW {
-            self.bits = [0; WORDS];
-            return;
-        }
-        let words = (by / 64) as usize;
-        let bits = (by % 64) as u32;
-        for i in (0..WORDS).rev() {
-            let src = i.checked_sub(words);
-            let hi = src.map_or(0, |s| self.bits[s]);
-            let lo = src.and_then(|s| s.checked_sub(1)).map_or(0, |s| self.bits[s]);
-            self.bits[i] = if bits == 0 { hi } else { (hi << bits) | (lo >> (64 - bits)) };
-        }
+        let (w, b) = slot(pn);
+        self.bits[w] |= b;
     }
 }
 

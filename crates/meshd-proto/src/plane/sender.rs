@@ -54,18 +54,32 @@ impl OutMsg {
 }
 
 /// Something the application should hear about.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub enum Event {
-    /// Every byte of the message `tag` (number `seq`) was acknowledged; its buffer is freed.
+    /// Every byte of the message `tag` (number `seq`) was acknowledged.
     Delivered {
         /// The application's name for the message.
         tag: u64,
         /// The link's number for it.
         seq: u64,
+        /// The message's buffer, handed back so the application can reuse it rather than
+        /// allocate (and page-fault) a new one per message.
+        buffer: Vec<u8>,
     },
     /// The sending key reached AES-GCM's usage limit without a key update (the peer never
     /// acknowledged the current phase): the link sends nothing more and must be replaced.
     KeysExhausted,
+}
+
+impl std::fmt::Debug for Event {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Event::Delivered { tag, seq, buffer } => {
+                write!(f, "Delivered {{ tag: {tag}, seq: {seq}, buffer: {} bytes }}", buffer.len())
+            }
+            Event::KeysExhausted => f.write_str("KeysExhausted"),
+        }
+    }
 }
 
 /// Counters of the sending direction.
@@ -396,11 +410,10 @@ impl Sender {
         if m.unacked > 0 {
             return;
         }
-        let (tag, len) = (m.tag, m.data.len() as u64);
         let i = (f.seq - self.msg_base) as usize;
-        self.msgs[i] = None;
-        self.queued_bytes -= len;
-        self.events.push_back(Event::Delivered { tag, seq: f.seq });
+        let Some(m) = self.msgs[i].take() else { return };
+        self.queued_bytes -= m.data.len() as u64;
+        self.events.push_back(Event::Delivered { tag: m.tag, seq: f.seq, buffer: m.data });
         while let Some(None) = self.msgs.front() {
             self.msgs.pop_front();
             self.msg_base += 1;
