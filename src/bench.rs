@@ -3,6 +3,7 @@
 
 use crate::run::{self, JobArgs};
 use anyhow::{Context, Result, bail};
+use meshd::collective::plane_ring::Served;
 use meshd::collective::{CollectiveBuffer, RingNet};
 use meshd::mesh::{Mesh, MeshInput};
 use meshd::proto::membership::MemberEvent;
@@ -48,6 +49,11 @@ pub struct Args {
     /// buffer whose chunks are lent to QUIC without copying: to measure what lending saves.
     #[arg(long)]
     pub copy: bool,
+    /// Path of the ring's chunks: `auto` (the data plane where the next node's plane link
+    /// works, else QUIC streams), `streams` (QUIC streams only), or `both` (each size
+    /// twice in the same run, plane first, then streams).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "streams", "both"])]
+    pub plane: String,
 }
 
 #[derive(Debug)]
@@ -59,6 +65,8 @@ struct Row {
     cpu_per_gb: f64,
     /// Packet batching on both links.
     batch: Batching,
+    /// Which path carried the ring's chunks to the next node.
+    served: String,
 }
 
 /// Snapshots of both ring links' QUIC counters.
@@ -175,12 +183,18 @@ async fn align(ring: &mut RingNet, op: &mut u64) -> Result<()> {
     Ok(())
 }
 
+/// Which path served the operations between two readings of [`RingNet::served`].
+fn served_since(before: Served, after: Served) -> String {
+    Served { datagrams: after.datagrams - before.datagrams, streams: after.streams - before.streams }.line()
+}
+
 async fn sweep(
     mut ring: RingNet,
     sizes: Vec<usize>,
     iters: Option<u32>,
     ceiling: Option<u32>,
     copy: bool,
+    paths: Vec<bool>,
 ) -> Result<(Vec<Row>, Option<Ceiling>)> {
     let n = ring.world();
     let rank = ring.rank();
@@ -189,54 +203,59 @@ async fn sweep(
     let mut ceil = None;
     let count = sizes.len();
     for (i, bytes) in sizes.into_iter().enumerate() {
-        let elems = bytes / 4;
-        let mut buf = CollectiveBuffer::zeroed(elems * 4);
-        // Check the result once per size: every node contributes rank + 1.
-        for c in buf.reset(elems * 4).chunks_exact_mut(4) {
-            c.copy_from_slice(&((rank + 1) as f32).to_le_bytes());
-        }
-        op += 1;
-        allreduce(&mut ring, op, &mut buf, copy).await?;
-        let want = (n * (n + 1) / 2) as f32;
-        if let Some(bad) =
-            buf.as_slice().chunks_exact(4).position(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) != want)
-        {
-            bail!("wrong allreduce result at element {bad} of {elems} ({bytes} bytes): expected {want}");
-        }
-        let iters = iters.unwrap_or_else(|| {
-            if bytes <= 1 << 20 { 20 } else { ((64usize << 20) / bytes).clamp(2, 20) as u32 }
-        });
-        let link_gb = (elems * 4 * 2 * (n - 1)) as f64 / n.max(1) as f64 / 1e9;
-        // At the largest size, the bare ring runs between rounds of the real one, so both
-        // see the same neighbours' load; each round gives one ratio.
-        let rounds = match ceiling {
-            Some(r) if i + 1 == count && n > 1 => r.max(1),
-            _ => 1,
-        };
-        let (mut secs, mut cpu, mut batch) = (0.0, 0.0, None);
-        let (mut c_secs, mut c_cpu, mut c_batch, mut ratios) = (0.0, 0.0, None, Vec::new());
-        for _ in 0..rounds {
-            let r = timed_ring(&mut ring, &mut op, &mut buf, iters, copy).await?;
-            (secs, cpu) = (secs + r.secs, cpu + r.cpu);
-            batch.get_or_insert(r.batch);
-            if ceiling.is_some() && i + 1 == count && n > 1 {
-                let c = timed_ceiling(&mut ring, &mut op, (link_gb * 1e9) as usize).await?;
-                (c_secs, c_cpu) = (c_secs + c.secs, c_cpu + c.cpu);
-                c_batch.get_or_insert(c.batch);
-                ratios.push((link_gb * iters as f64 / r.secs) / (link_gb / c.secs));
+        for &plane in &paths {
+            ring.use_plane = plane;
+            let before = ring.served();
+            let elems = bytes / 4;
+            let mut buf = CollectiveBuffer::zeroed(elems * 4);
+            // Check the result once per size: every node contributes rank + 1.
+            for c in buf.reset(elems * 4).chunks_exact_mut(4) {
+                c.copy_from_slice(&((rank + 1) as f32).to_le_bytes());
             }
-        }
-        let total = iters * rounds;
-        rows.push(Row {
-            bytes: elems * 4,
-            iters: total,
-            time_s: secs / total as f64,
-            cpu_per_gb: if n > 1 { cpu / (link_gb * total as f64) } else { 0.0 },
-            batch: batch.expect("at least one round"),
-        });
-        if let Some(batch) = c_batch {
-            let gb = link_gb * rounds as f64;
-            ceil = Some(Ceiling { gbs: gb / c_secs, cpu_per_gb: c_cpu / gb, batch, ratios });
+            op += 1;
+            allreduce(&mut ring, op, &mut buf, copy).await?;
+            let want = (n * (n + 1) / 2) as f32;
+            if let Some(bad) =
+                buf.as_slice().chunks_exact(4).position(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) != want)
+            {
+                bail!("wrong allreduce result at element {bad} of {elems} ({bytes} bytes): expected {want}");
+            }
+            let iters = iters.unwrap_or_else(|| {
+                if bytes <= 1 << 20 { 20 } else { ((64usize << 20) / bytes).clamp(2, 20) as u32 }
+            });
+            let link_gb = (elems * 4 * 2 * (n - 1)) as f64 / n.max(1) as f64 / 1e9;
+            // At the largest size, the bare ring runs between rounds of the real one, so both
+            // see the same neighbours' load; each round gives one ratio.
+            let rounds = match ceiling {
+                Some(r) if i + 1 == count && n > 1 => r.max(1),
+                _ => 1,
+            };
+            let (mut secs, mut cpu, mut batch) = (0.0, 0.0, None);
+            let (mut c_secs, mut c_cpu, mut c_batch, mut ratios) = (0.0, 0.0, None, Vec::new());
+            for _ in 0..rounds {
+                let r = timed_ring(&mut ring, &mut op, &mut buf, iters, copy).await?;
+                (secs, cpu) = (secs + r.secs, cpu + r.cpu);
+                batch.get_or_insert(r.batch);
+                if ceiling.is_some() && i + 1 == count && n > 1 {
+                    let c = timed_ceiling(&mut ring, &mut op, (link_gb * 1e9) as usize).await?;
+                    (c_secs, c_cpu) = (c_secs + c.secs, c_cpu + c.cpu);
+                    c_batch.get_or_insert(c.batch);
+                    ratios.push((link_gb * iters as f64 / r.secs) / (link_gb / c.secs));
+                }
+            }
+            let total = iters * rounds;
+            rows.push(Row {
+                bytes: elems * 4,
+                iters: total,
+                time_s: secs / total as f64,
+                cpu_per_gb: if n > 1 { cpu / (link_gb * total as f64) } else { 0.0 },
+                batch: batch.expect("at least one round"),
+                served: served_since(before, ring.served()),
+            });
+            if let Some(batch) = c_batch {
+                let gb = link_gb * rounds as f64;
+                ceil = Some(Ceiling { gbs: gb / c_secs, cpu_per_gb: c_cpu / gb, batch, ratios });
+            }
         }
     }
     Ok((rows, ceil))
@@ -269,7 +288,12 @@ pub async fn main(which: Which) -> Result<ExitCode> {
             std::iter::successors(Some(1024usize), |s| Some(s * 4)).take_while(|s| *s <= a.max_size).collect()
         }
     };
-    let task = tokio::spawn(sweep(ring, sizes, a.iters, a.ceiling.then_some(a.rounds), a.copy));
+    let paths = match a.plane.as_str() {
+        "streams" => vec![false],
+        "both" => vec![true, false],
+        _ => vec![true],
+    };
+    let task = tokio::spawn(sweep(ring, sizes, a.iters, a.ceiling.then_some(a.rounds), a.copy, paths));
     tokio::pin!(task);
     // Keep the mesh alive (answer probes) while the ring runs; a dead member ends the bench.
     let (rows, ceiling) = loop {
@@ -293,7 +317,7 @@ pub async fn main(which: Which) -> Result<ExitCode> {
             .iter()
             .map(|r| {
                 let alg = r.bytes as f64 / r.time_s / 1e9;
-                json!({"bytes": r.bytes, "iters": r.iters, "time_s": r.time_s, "algbw_gbs": alg, "busbw_gbs": alg * factor, "cpu_s_per_gb": r.cpu_per_gb, "datagrams_per_send": r.batch.tx_per_call, "acks_per_datagram": r.batch.acks_per_rx})
+                json!({"bytes": r.bytes, "iters": r.iters, "time_s": r.time_s, "algbw_gbs": alg, "busbw_gbs": alg * factor, "cpu_s_per_gb": r.cpu_per_gb, "served": r.served, "datagrams_per_send": r.batch.tx_per_call, "acks_per_datagram": r.batch.acks_per_rx})
             })
             .collect();
         println!(
@@ -303,19 +327,19 @@ pub async fn main(which: Which) -> Result<ExitCode> {
         );
     } else {
         println!(
-            "# meshd ring allreduce over QUIC: {}, this node rank {rank}, float32 sum, {} to the next node, chunks sent {}",
+            "# meshd ring allreduce: {}, this node rank {rank}, float32 sum, {} to the next node, chunks sent {}",
             meshd::plural(n as u64, "node"),
             meshd::plural(lanes as u64, "lane"),
             if a.copy { "as copies (--copy)" } else { "lent without copying" }
         );
         println!(
-            "# {:>12} {:>10} {:>6} {:>12} {:>10} {:>10} {:>10} {:>8} {:>8}",
-            "size(B)", "count", "iters", "time(us)", "algbw", "busbw", "cpu(s/GB)", "dgm/send", "acks/dgm"
+            "# {:>12} {:>10} {:>6} {:>12} {:>10} {:>10} {:>10} {:>8} {:>8}  {}",
+            "size(B)", "count", "iters", "time(us)", "algbw", "busbw", "cpu(s/GB)", "dgm/send", "acks/dgm", "served by"
         );
         for r in &rows {
             let alg = r.bytes as f64 / r.time_s / 1e9;
             println!(
-                "  {:>12} {:>10} {:>6} {:>12.1} {:>10.3} {:>10.3} {:>10.2} {:>8.1} {:>8.2}",
+                "  {:>12} {:>10} {:>6} {:>12.1} {:>10.3} {:>10.3} {:>10.2} {:>8.1} {:>8.2}  {}",
                 r.bytes,
                 r.bytes / 4,
                 r.iters,
@@ -324,11 +348,12 @@ pub async fn main(which: Which) -> Result<ExitCode> {
                 alg * factor,
                 r.cpu_per_gb,
                 r.batch.tx_per_call,
-                r.batch.acks_per_rx
+                r.batch.acks_per_rx,
+                r.served
             );
         }
         println!(
-            "# algbw, busbw in GB/s; busbw = algbw * 2(n-1)/n; cpu = this process's CPU seconds per GB one link carried; dgm/send = UDP datagrams per send call to the next node (GSO batching); acks/dgm = ACK frames sent back per datagram received"
+            "# algbw, busbw in GB/s; busbw = algbw * 2(n-1)/n; cpu = this process's CPU seconds per GB one link carried; dgm/send = UDP datagrams per send call to the next node (GSO batching); acks/dgm = ACK frames sent back per datagram received (both QUIC counters: about 0 where the data plane served)"
         );
         if let Some(c) = ceiling {
             println!(
