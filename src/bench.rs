@@ -215,8 +215,10 @@ async fn sweep(
             op += 1;
             allreduce(&mut ring, op, &mut buf, copy).await?;
             let want = (n * (n + 1) / 2) as f32;
-            if let Some(bad) =
-                buf.as_slice().chunks_exact(4).position(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) != want)
+            if let Some(bad) = buf
+                .as_slice()
+                .chunks_exact(4)
+                .position(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) != want)
             {
                 bail!("wrong allreduce result at element {bad} of {elems} ({bytes} bytes): expected {want}");
             }
@@ -334,7 +336,16 @@ pub async fn main(which: Which) -> Result<ExitCode> {
         );
         println!(
             "# {:>12} {:>10} {:>6} {:>12} {:>10} {:>10} {:>10} {:>8} {:>8}  {}",
-            "size(B)", "count", "iters", "time(us)", "algbw", "busbw", "cpu(s/GB)", "dgm/send", "acks/dgm", "served by"
+            "size(B)",
+            "count",
+            "iters",
+            "time(us)",
+            "algbw",
+            "busbw",
+            "cpu(s/GB)",
+            "dgm/send",
+            "acks/dgm",
+            "served by"
         );
         for r in &rows {
             let alg = r.bytes as f64 / r.time_s / 1e9;

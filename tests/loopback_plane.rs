@@ -168,3 +168,46 @@ fn ring_over_the_data_plane_is_exact_and_ignores_strangers() {
         }
     }
 }
+
+/// A job of 3 nodes where one turned the plane off (`MESHD_PLANE=0`): every collective of
+/// the client's checks comes out right, the node before it and the node itself send over
+/// QUIC streams, the third node sends datagrams, and each job says which path served.
+#[test]
+fn a_node_without_the_plane_gets_quic_streams_and_the_job_runs() {
+    use std::process::{Command, Stdio};
+    let base = 29821u16;
+    let peers: Vec<String> = (0..3).map(|i| format!("127.0.0.1:{}", base + i)).collect();
+    let peers = peers.join(",");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/collectives_check.py");
+    let children: Vec<_> = (0..3u16)
+        .map(|i| {
+            let port = (base + i).to_string();
+            Command::new(env!("CARGO_BIN_EXE_meshd"))
+                .args(["run", "--nnodes", "3", "--peers", &peers, "--port", &port, "--nproc-per-node", "1"])
+                .args(["--rdzv-timeout", "60s", "--", "/usr/bin/python3", script])
+                .env("MESHD_TOKEN", "loopback-plane")
+                .env("MESHD_PLANE", if i == 2 { "0" } else { "1" })
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("spawn meshd")
+        })
+        .collect();
+    let mut said = Vec::new();
+    for (i, c) in children.into_iter().enumerate() {
+        let out = c.wait_with_output().expect("output");
+        let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "node {i} failed:\n{stdout}\n{stderr}");
+        assert!(stdout.contains("COLLECTIVES OK"), "node {i}:\n{stdout}\n{stderr}");
+        let line = stderr
+            .lines()
+            .find_map(|l| l.split("ring collectives to the next node: ").nth(1))
+            .unwrap_or_else(|| panic!("node {i} does not say which path served:\n{stderr}"))
+            .to_string();
+        said.push(line);
+    }
+    assert!(said[2].starts_with("QUIC streams"), "the node without the plane: {said:?}");
+    let datagrams = said.iter().filter(|l| l.starts_with("data plane: datagrams")).count();
+    let streams = said.iter().filter(|l| l.starts_with("QUIC streams")).count();
+    assert_eq!((datagrams, streams), (1, 2), "{said:?}");
+}
