@@ -1,12 +1,12 @@
 //! The ring's chunks over the data plane (`transport::plane`) instead of QUIC streams.
 //!
 //! The sending node decides, per operation: it uses the plane when its plane link to the
-//! next node has heard back from it (so datagrams get through both ways and the next node
-//! runs the plane), and says so on the operation's first data stream with the preamble
+//! next node is ready (the peer acknowledged its full-size probe: datagrams get through
+//! both ways and the next node runs the plane), and says so on the operation's first data stream with the preamble
 //! [`PREAMBLE`] instead of a lane preamble; the stream carries nothing else. The receiving
 //! node then takes the operation's chunks from the plane. A node that turned the plane off
-//! never answers on it, so its neighbours use QUIC streams with it; a node that finds its
-//! link silent after [`PROBE_WAIT`] does too.
+//! never answers on it, so its neighbours use QUIC streams with it; a node whose link is
+//! not ready after [`PROBE_WAIT`] does too.
 
 use super::ring::CollectiveError;
 use crate::transport::plane::{Delivery, Plane};

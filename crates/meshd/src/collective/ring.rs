@@ -223,8 +223,8 @@ impl RingNet {
         }
     }
 
-    /// The plane to send to `next` by, if this node runs one and its link to `next` heard
-    /// back (given [`PROBE_WAIT`](super::plane_ring::PROBE_WAIT) once per neighbour).
+    /// The plane to send to `next` by, if this node runs one and its link to `next` is
+    /// ready (given [`PROBE_WAIT`](super::plane_ring::PROBE_WAIT) once per neighbour).
     async fn plane_to(&mut self, next: SocketAddr) -> Option<crate::transport::plane::Plane> {
         let plane = self.transport.plane().filter(|_| self.use_plane)?.clone();
         if !plane.is_ready(next) && self.probed.insert(next) {

@@ -7,8 +7,8 @@
 //! exporter (label [`EXPORTER_LABEL`], context = lane and direction), so only the two ends
 //! of that connection hold its keys. Both ends of a link may hold two connections for a
 //! while (both connected at once, or one reconnected): each keeps a link per connection,
-//! opens a datagram with the one whose keys fit, and sends on the one that last heard from
-//! the peer.
+//! opens a datagram with the one whose keys fit, and sends on the one whose probe the peer
+//! acknowledged and that last heard from it.
 //!
 //! A message on the plane is `[op u64 LE][id u64 LE][payload]`; the plane link's tag says
 //! whether it is data ([`TAG_DATA`]) or the probe each link sends first ([`TAG_PROBE`]),
@@ -17,7 +17,7 @@
 use super::socket::{DemuxSocket, PlaneBatch};
 use bytes::Bytes;
 use meshd_proto::plane::link::{MAX_DATAGRAM, MIN_DATAGRAM};
-use meshd_proto::plane::{Link, LinkConfig, LinkKeys, PlaneError, Received};
+use meshd_proto::plane::{Event, Link, LinkConfig, LinkKeys, PlaneError, Received};
 use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
@@ -38,6 +38,8 @@ pub const MESSAGE_HEADER: usize = 16;
 const UNCLAIMED_OPS_PER_PEER: usize = 4;
 /// Largest plane message this end accepts: a ring chunk and its header, with room.
 const MAX_MESSAGE: u64 = 1 << 30;
+/// Message buffers kept for reuse.
+const POOL: usize = 64;
 
 /// A received data message: the transfer id and its payload.
 pub type Delivery = (u64, Bytes);
@@ -78,6 +80,8 @@ pub struct Plane {
     ready: Arc<Mutex<HashMap<SocketAddr, bool>>>,
     counters: Arc<Mutex<PlaneCounters>>,
     socket: Arc<DemuxSocket>,
+    /// Message buffers the links handed back, for the next sends.
+    pool: Arc<Mutex<Vec<Vec<u8>>>>,
 }
 
 impl std::fmt::Debug for Plane {
@@ -106,6 +110,7 @@ impl Plane {
             ready: Arc::default(),
             counters: Arc::default(),
             socket: socket.clone(),
+            pool: Arc::default(),
         };
         let driver =
             Driver { socket, max_datagram, links: HashMap::new(), plane: plane.clone(), buf: Vec::new() };
@@ -118,7 +123,8 @@ impl Plane {
         let _ = self.cmd.send(Cmd::AddLink { conn, client });
     }
 
-    /// Whether a link to `peer` has heard from it: datagrams get through both ways.
+    /// Whether a link to `peer` had its full-size probe acknowledged: datagrams get
+    /// through both ways.
     pub fn is_ready(&self, peer: SocketAddr) -> bool {
         lock(&self.ready).get(&super::canonical(peer)).copied().unwrap_or(false)
     }
@@ -139,7 +145,9 @@ impl Plane {
 
     /// Queues transfer `id` of operation `op` for `to`; the plane resends until it arrives.
     pub fn send(&self, to: SocketAddr, op: u64, id: u64, payload: &[u8]) -> Result<(), String> {
-        let mut message = Vec::with_capacity(MESSAGE_HEADER + payload.len());
+        // A buffer a link handed back: written again rather than allocated and faulted in.
+        let mut message = lock(&self.pool).pop().unwrap_or_default();
+        message.reserve(MESSAGE_HEADER + payload.len());
         message.extend_from_slice(&op.to_le_bytes());
         message.extend_from_slice(&id.to_le_bytes());
         message.extend_from_slice(payload);
@@ -208,6 +216,8 @@ struct Entry {
     /// Message number -> its bytes so far.
     partial: HashMap<u64, Vec<u8>>,
     last_heard: Option<Instant>,
+    /// Whether the peer acknowledged the probe.
+    probed: bool,
 }
 
 struct Driver {
@@ -296,6 +306,7 @@ impl Driver {
             link,
             partial: HashMap::new(),
             last_heard: None,
+            probed: false,
         });
     }
 
@@ -324,9 +335,6 @@ impl Driver {
         c.opened += opened;
         c.refused += refused;
         drop(c);
-        if opened > 0 {
-            lock(&self.plane.ready).insert(batch.from, true);
-        }
     }
 
     fn prune(&mut self) {
@@ -367,16 +375,35 @@ impl Driver {
                         }
                     }
                 }
-                while e.link.poll_event().is_some() {}
+                while let Some(ev) = e.link.poll_event() {
+                    match ev {
+                        Event::Delivered { tag: TAG_PROBE, .. } => {
+                            // The peer acknowledged the full-size probe: both directions work.
+                            e.probed = true;
+                            lock(&self.plane.ready).insert(*peer, true);
+                        }
+                        Event::Delivered { mut buffer, .. } => {
+                            let mut pool = lock(&self.plane.pool);
+                            if pool.len() < POOL {
+                                buffer.clear();
+                                pool.push(buffer);
+                            }
+                        }
+                        Event::KeysExhausted => {
+                            tracing::warn!(%peer, "plane link used up its keys without a key update; it sends no more");
+                        }
+                    }
+                }
             }
         }
         Ok(())
     }
 }
 
-/// The link that last heard from the peer (the newest if none did).
+/// The link whose probe the peer acknowledged and that last heard from it (the newest if
+/// none did).
 fn best(entries: &mut [Entry]) -> Option<&mut Entry> {
-    let i = entries.iter().enumerate().max_by_key(|(i, e)| (e.last_heard, *i)).map(|(i, _)| i)?;
+    let i = entries.iter().enumerate().max_by_key(|(i, e)| (e.probed, e.last_heard, *i)).map(|(i, _)| i)?;
     entries.get_mut(i)
 }
 
