@@ -335,17 +335,8 @@ pub async fn main(which: Which) -> Result<ExitCode> {
             if a.copy { "as copies (--copy)" } else { "lent without copying" }
         );
         println!(
-            "# {:>12} {:>10} {:>6} {:>12} {:>10} {:>10} {:>10} {:>8} {:>8}  {}",
-            "size(B)",
-            "count",
-            "iters",
-            "time(us)",
-            "algbw",
-            "busbw",
-            "cpu(s/GB)",
-            "dgm/send",
-            "acks/dgm",
-            "served by"
+            "# {:>12} {:>10} {:>6} {:>12} {:>10} {:>10} {:>10} {:>8} {:>8}  served by",
+            "size(B)", "count", "iters", "time(us)", "algbw", "busbw", "cpu(s/GB)", "dgm/send", "acks/dgm"
         );
         for r in &rows {
             let alg = r.bytes as f64 / r.time_s / 1e9;
