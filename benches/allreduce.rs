@@ -79,6 +79,20 @@ fn main() {
         show(mean(&streams_bus)),
         show(mean(&streams_cpu))
     );
+    let plane: Vec<String> = big
+        .iter()
+        .filter_map(|v| {
+            let p = &v["plane"];
+            Some(format!(
+                "{}/{} lost, {} congestion events, window {} B",
+                p["lost"].as_u64()?,
+                p["packets_sent"].as_u64()?,
+                p["congestion_events"].as_u64()?,
+                p["window"].as_u64()?
+            ))
+        })
+        .collect();
+    println!("data plane links to the next node (whole run): {plane:?}");
     if std::env::args().any(|a| a == "--ring-only") {
         return;
     }

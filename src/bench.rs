@@ -311,6 +311,8 @@ pub async fn main(which: Which) -> Result<ExitCode> {
         }
     };
     let path = if n > 1 { mesh.transport().path_stats(addrs[(rank + 1) % n]) } else { None };
+    let plane =
+        if n > 1 { mesh.transport().plane().and_then(|p| p.link_stats(addrs[(rank + 1) % n])) } else { None };
     meshd::job::finish_together(&mut mesh, &roster, Duration::from_secs(3)).await;
     mesh.shutdown().await;
     let factor = if n > 1 { 2.0 * (n as f64 - 1.0) / n as f64 } else { 0.0 };
@@ -325,6 +327,7 @@ pub async fn main(which: Which) -> Result<ExitCode> {
         println!(
             "{}",
             json!({"nodes": n, "rank": rank, "lanes": lanes, "chunks_sent": if a.copy { "copied" } else { "lent" }, "dtype": "float32", "op": "sum", "results": results, "ceiling_gbs": ceiling.as_ref().map(|c| c.gbs), "ceiling_cpu_s_per_gb": ceiling.as_ref().map(|c| c.cpu_per_gb), "ceiling_datagrams_per_send": ceiling.as_ref().map(|c| c.batch.tx_per_call), "ceiling_acks_per_datagram": ceiling.as_ref().map(|c| c.batch.acks_per_rx), "ceiling_ratios": ceiling.as_ref().map(|c| c.ratios.clone()),
+                "plane": plane.as_ref().map(|p| json!({"packets_sent": p.sender.packets_sent, "retransmitted": p.sender.retransmitted, "lost": p.sender.lost, "congestion_events": p.sender.congestion_events, "ptos": p.sender.ptos, "window": p.window, "rtt_us": p.rtt.as_micros() as u64})),
                 "path": path.map(|p| json!({"mtu": p.mtu, "rtt_us": p.rtt.as_micros() as u64, "sent_packets": p.sent_packets, "lost_packets": p.lost_packets, "congestion_events": p.congestion_events, "connections": p.connections}))})
         );
     } else {
@@ -374,6 +377,18 @@ pub async fn main(which: Which) -> Result<ExitCode> {
                 p.lost_packets,
                 p.sent_packets,
                 meshd::plural(p.congestion_events, "congestion event")
+            );
+        }
+        if let Some(p) = plane {
+            println!(
+                "# data plane link to the next node: {} of {} packets lost, {} retransmitted, {}, {}, window {} B, rtt {} us",
+                p.sender.lost,
+                p.sender.packets_sent,
+                p.sender.retransmitted,
+                meshd::plural(p.sender.congestion_events, "congestion event"),
+                meshd::plural(p.sender.ptos, "probe timeout"),
+                p.window,
+                p.rtt.as_micros()
             );
         }
     }

@@ -17,7 +17,7 @@
 use super::socket::{DemuxSocket, PlaneBatch};
 use bytes::Bytes;
 use meshd_proto::plane::link::{MAX_DATAGRAM, MIN_DATAGRAM};
-use meshd_proto::plane::{Event, Link, LinkConfig, LinkKeys, PlaneError, Received};
+use meshd_proto::plane::{Event, Link, LinkConfig, LinkKeys, LinkStats, PlaneError, Received};
 use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
@@ -84,6 +84,8 @@ pub struct Plane {
     pool: Arc<Mutex<Vec<Vec<u8>>>>,
     /// Received messages' buffers the ring dropped, for the next messages.
     received: Arc<Mutex<Vec<Vec<u8>>>>,
+    /// Each peer's sending link's counters, as of the driver's last look (every 500 ms).
+    stats: Arc<Mutex<HashMap<SocketAddr, LinkStats>>>,
 }
 
 impl std::fmt::Debug for Plane {
@@ -114,6 +116,7 @@ impl Plane {
             socket: socket.clone(),
             pool: Arc::default(),
             received: Arc::default(),
+            stats: Arc::default(),
         };
         let driver =
             Driver { socket, max_datagram, links: HashMap::new(), plane: plane.clone(), buf: Vec::new() };
@@ -176,6 +179,12 @@ impl Plane {
     /// Ends a subscription: later messages of the operation are dropped.
     pub fn unsubscribe(&self, peer: SocketAddr, op: u64) {
         lock(&self.subs).open.remove(&(super::canonical(peer), op));
+    }
+
+    /// The counters and estimates of the link this node sends to `peer` on, as of at most
+    /// half a second ago.
+    pub fn link_stats(&self, peer: SocketAddr) -> Option<LinkStats> {
+        lock(&self.stats).get(&super::canonical(peer)).cloned()
     }
 
     /// The counters so far, the socket's included.
@@ -389,6 +398,14 @@ impl Driver {
         });
         let mut ready = lock(&self.plane.ready);
         ready.retain(|peer, _| self.links.contains_key(peer));
+        drop(ready);
+        let mut stats = lock(&self.plane.stats);
+        stats.clear();
+        for (peer, entries) in self.links.iter_mut() {
+            if let Some(e) = best(entries) {
+                stats.insert(*peer, e.link.stats());
+            }
+        }
     }
 
     /// Sends what every link has to send, one GSO batch at a time.
