@@ -47,6 +47,10 @@ pub struct LinkConfig {
     pub max_message_len: u64,
     /// Messages the peer may have partly delivered at once.
     pub max_incoming_messages: usize,
+    /// Whether loss without a standing queue and under 2% of packets leaves the congestion
+    /// window alone (see [`Sender::is_congestive`]); `false` is plain CUBIC, which halves
+    /// throughput at well under 1% random loss on a fast path.
+    pub tolerate_random_loss: bool,
 }
 
 impl LinkConfig {
@@ -61,6 +65,7 @@ impl LinkConfig {
             rekey_after: DEFAULT_REKEY_AFTER,
             max_message_len: 1 << 32,
             max_incoming_messages: 4096,
+            tolerate_random_loss: true,
         }
     }
 }
@@ -165,7 +170,13 @@ impl Link {
             replay: ReplayWindow::default(),
             acks: AckState::default(),
             incoming: Incoming::new(config.max_incoming_messages, config.max_message_len),
-            sender: Sender::new(now, config.max_datagram, config.initial_rtt, config.max_ack_delay),
+            sender: Sender::new(
+                now,
+                config.max_datagram,
+                config.initial_rtt,
+                config.max_ack_delay,
+                config.tolerate_random_loss,
+            ),
             packets_received: 0,
             duplicate_fragments: 0,
             exhausted: false,
