@@ -12,6 +12,9 @@ use super::rtt::Rtt;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
+/// Fragment lengths (so offsets) are multiples of this: a fragment never splits an element
+/// of up to 8 bytes, so the receiver can reduce each datagram's bytes on their own.
+pub const FRAG_ALIGN: usize = 8;
 /// Packets acknowledged after a packet for it to count as lost (RFC 9002 §6.1.1).
 const PACKET_THRESHOLD: u64 = 3;
 /// Probe packets sent when the probe timer fires.
@@ -199,7 +202,7 @@ impl Sender {
         let seq = self.msg_base + self.msgs.len() as u64;
         let total = data.len() as u64;
         let header = DataHeader { seq, tag, total_len: total, offset: total };
-        let frag_len = self.max_datagram - OVERHEAD - header.encoded_len();
+        let frag_len = (self.max_datagram - OVERHEAD - header.encoded_len()) / FRAG_ALIGN * FRAG_ALIGN;
         let frags = data.len().div_ceil(frag_len).max(1);
         let frags = u32::try_from(frags).map_err(|_| PlaneError::MessageTooLong {
             len: total,
@@ -295,10 +298,13 @@ impl Sender {
     }
 
     /// Picks the fragment for the next packet, if the window, the pacer and the queue allow
-    /// one now, and takes it off the queue: the caller sends it and calls
+    /// one now and it fits in a datagram of `limit` bytes, and takes it off the queue: the caller sends it and calls
     /// [`on_sent`](Self::on_sent).
-    pub fn next_plan(&mut self, now: Instant) -> Option<Plan> {
+    pub fn next_plan(&mut self, now: Instant, limit: usize) -> Option<Plan> {
         let (frag, resend) = self.next_fragment()?;
+        if self.fragment_datagram_len(frag)? > limit {
+            return None;
+        }
         if self.probes == 0 {
             if self.in_flight + self.max_datagram as u64 > self.cc.window() {
                 return None;
@@ -328,6 +334,15 @@ impl Sender {
         let header =
             DataHeader { seq: frag.seq, tag: m.tag, total_len: m.data.len() as u64, offset: start as u64 };
         Some(Plan { frag, header, start, len, resend })
+    }
+
+    /// Size of the datagram that carries fragment `f` and nothing else.
+    fn fragment_datagram_len(&self, f: FragRef) -> Option<usize> {
+        let m = self.msg(f.seq)?;
+        let start = f.index as usize * m.frag_len;
+        let len = m.frag_len.min(m.data.len() - start);
+        let header = DataHeader { seq: f.seq, tag: m.tag, total_len: m.data.len() as u64, offset: 0 };
+        Some(OVERHEAD + header.encoded_len() + len)
     }
 
     /// The bytes of a planned fragment.

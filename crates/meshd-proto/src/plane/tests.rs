@@ -431,24 +431,48 @@ fn keys_update_and_traffic_continues_across_updates() {
 #[test]
 fn gso_batches_are_full_segments_then_at_most_one_short_one() {
     let now = Instant::now();
-    let (ka, _) = keys(5);
+    let (ka, kb) = keys(5);
     let mut a = Link::new(LinkConfig::new(ka, 0), now).expect("config");
-    // 1452 - 22 (header, tag) - 7 (DATA frame: type, seq, tag, 2-byte total and offset).
-    let frag = 1452 - 22 - 7;
-    a.send(1, vec![1; 5 * frag + 17]).expect("queued");
+    let mut b = Link::new(LinkConfig::new(kb, 0), now).expect("config");
+    // 1452 - 22 (header, tag) - 7 (DATA: type, seq, tag, 2-byte total and offset) = 1423,
+    // down to a multiple of 8.
+    let frag = 1416;
+    let msg: Vec<u8> = (0..5 * frag + 17).map(|i| (i % 251) as u8).collect();
+    a.send(1, msg.clone()).expect("queued");
     let mut buf = Vec::new();
     let t = a.poll_transmit(now, &mut buf, 64).expect("a batch");
-    assert_eq!(t.segment_size, 1452);
+    assert_eq!(t.segment_size, 22 + 7 + frag);
     assert_eq!(t.segments(), 6);
-    assert!(t.len % 1452 != 0, "the tail fragment ends the batch");
-    let (_, kb) = keys(5);
-    let mut b = Link::new(LinkConfig::new(kb, 0), now).expect("config");
-    let mut got = 0;
+    assert_eq!(t.len, 5 * t.segment_size + 22 + 7 + 17, "the tail fragment ends the batch");
+    let mut got = vec![0u8; msg.len()];
     for seg in buf[..t.len].chunks_mut(t.segment_size) {
         assert!(is_plane_datagram(seg[0]));
-        got += b.handle_datagram(seg, now).expect("opens").expect("data").data.len();
+        let r = b.handle_datagram(seg, now).expect("opens").expect("data");
+        assert_eq!(r.offset % 8, 0, "fragments never split an 8-byte element");
+        got[r.offset as usize..r.offset as usize + r.data.len()].copy_from_slice(r.data);
     }
-    assert_eq!(got, 5 * frag + 17);
+    assert_eq!(got, msg);
+}
+
+#[test]
+fn fragments_with_smaller_headers_are_padded_into_the_batch() {
+    let now = Instant::now();
+    let (ka, kb) = keys(6);
+    let mut a = Link::new(LinkConfig::new(ka, 0), now).expect("config");
+    let mut b = Link::new(LinkConfig::new(kb, 0), now).expect("config");
+    // A 4-byte tag makes message 0's DATA header 3 bytes longer than message 1's.
+    a.send(1 << 20, vec![7; 3 * 1416]).expect("queued");
+    a.send(1, vec![9; 2 * 1416]).expect("queued");
+    let mut buf = Vec::new();
+    let t = a.poll_transmit(now, &mut buf, 64).expect("a batch");
+    assert_eq!((t.segment_size, t.len), (22 + 10 + 1416, 5 * (22 + 10 + 1416)));
+    let mut bytes = [0usize; 2];
+    for seg in buf[..t.len].chunks_mut(t.segment_size) {
+        let r = b.handle_datagram(seg, now).expect("opens").expect("data");
+        assert!(r.data.iter().all(|x| *x == if r.tag == 1 { 9 } else { 7 }));
+        bytes[(r.tag == 1) as usize] += r.data.len();
+    }
+    assert_eq!(bytes, [3 * 1416, 2 * 1416]);
 }
 
 #[test]
