@@ -614,9 +614,9 @@ fn plane_link_throughput() {
 #[test]
 #[ignore = "a measurement: run in release with --ignored --nocapture"]
 fn plane_goodput_under_loss() {
-    for loss in [0.0, 0.001, 0.01] {
+    for (loss, tolerate) in [0.0, 0.001, 0.01].into_iter().flat_map(|l| [(l, true), (l, false)]) {
         let net = NetConfig { loss, dup: 0.0, jitter: Duration::ZERO, ..NetConfig::lossy(0.0) };
-        let mut sim = Sim::new(77, net, |_| {});
+        let mut sim = Sim::new(77, net, |c| c.tolerate_random_loss = tolerate);
         let a = queue_messages(&mut sim, 0, 64, 2 << 20, 1);
         let bytes: usize = a.values().map(Vec::len).sum();
         let start = sim.now;
@@ -624,7 +624,7 @@ fn plane_goodput_under_loss() {
         let secs = (sim.now - start).as_secs_f64();
         let s = sim.links[0].stats();
         println!(
-            "loss {:.1}%: {:.3} GB/s goodput, window {} B at the end, {} congestion events, {} lost",
+            "loss {:.1}%, tolerate_random_loss {tolerate}: {:.3} GB/s goodput, window {} B at the end, {} congestion events, {} lost",
             loss * 100.0,
             bytes as f64 / secs / 1e9,
             s.window,
