@@ -298,8 +298,8 @@ impl Sender {
     }
 
     /// Picks the fragment for the next packet, if the window, the pacer and the queue allow
-    /// one now and it fits in a datagram of `limit` bytes, and takes it off the queue: the caller sends it and calls
-    /// [`on_sent`](Self::on_sent).
+    /// one now and it fits in a datagram of `limit` bytes, and takes it off the queue: the
+    /// caller sends it and calls [`on_sent`](Self::on_sent).
     pub fn next_plan(&mut self, now: Instant, limit: usize) -> Option<Plan> {
         let (frag, resend) = self.next_fragment()?;
         if self.fragment_datagram_len(frag)? > limit {
