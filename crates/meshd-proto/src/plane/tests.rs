@@ -429,6 +429,24 @@ fn keys_update_and_traffic_continues_across_updates() {
 }
 
 #[test]
+fn a_side_that_only_acknowledges_still_updates_its_keys() {
+    // The receiver sends nothing but ACKs, which nobody acknowledges: its PING after each
+    // update is what lets it update again instead of running into AES-GCM's limit.
+    let mut sim = Sim::new(33, NetConfig::lossy(0.01), |c| c.rekey_after = 40);
+    let a = queue_messages(&mut sim, 0, 30, 100_000, 1);
+    sim.run([&a, &HashMap::new()], Duration::from_secs(60));
+    let (sa, sb) = (sim.links[0].stats(), sim.links[1].stats());
+    let acks_sent = sb.sender.packets_sent;
+    assert!(acks_sent > 10 * 40, "{sb:?}");
+    assert!(
+        sb.send_key_updates >= acks_sent / 40 / 2,
+        "{} updates in {acks_sent} packets",
+        sb.send_key_updates
+    );
+    assert_eq!(sa.recv_key_updates, sb.send_key_updates);
+}
+
+#[test]
 fn gso_batches_are_full_segments_then_at_most_one_short_one() {
     let now = Instant::now();
     let (ka, kb) = keys(5);
