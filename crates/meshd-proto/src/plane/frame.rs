@@ -7,7 +7,8 @@
 //!
 //! `offset` is always encoded as wide as `total_len`, so every full fragment of a message
 //! makes a datagram of exactly the link's size (what GSO needs). A PING frame (`0x01`, no
-//! body) between the two makes a packet that carries no data ack-eliciting.
+//! body) between the two makes a packet that carries no data ack-eliciting; PADDING bytes
+//! (`0x00`) before DATA bring a datagram to its GSO batch's segment size.
 //!
 //! `seq` numbers the sender's messages 0, 1, 2...; `tag` is the application's name for the
 //! message (the ring's op and chunk); `offset` places these bytes in it. A fragment is
@@ -18,6 +19,8 @@ use super::PlaneError;
 use super::ack::{AckFrame, FRAME_ACK};
 use super::packet::{get_varint, put_varint, put_varint_width, varint_len};
 
+/// A byte of padding (before the DATA frame).
+pub const FRAME_PADDING: u8 = 0x00;
 /// Frame type byte of a PING frame.
 pub const FRAME_PING: u8 = 0x01;
 /// Frame type byte of a DATA frame.
@@ -75,6 +78,9 @@ pub fn parse(plain: &[u8]) -> Result<Frames<'_>, PlaneError> {
     if plain.get(pos) == Some(&FRAME_PING) {
         pos += 1;
         frames.ping = true;
+    }
+    while plain.get(pos) == Some(&FRAME_PADDING) {
+        pos += 1;
     }
     match plain.get(pos) {
         None => {}

@@ -35,6 +35,27 @@ impl std::fmt::Debug for LinkKeys {
     }
 }
 
+/// The TLS exporter label (RFC 8446 §7.5) under which the IO exports a link's secrets
+/// from the authenticated QUIC connection.
+pub const EXPORTER_LABEL: &[u8] = b"EXPORTER-meshd-plane-v1";
+
+/// The exporter context of one direction's secret on `lane`: each lane and direction gets
+/// its own 32 bytes, so no two of them ever share a key.
+pub fn exporter_context(lane: u8, client_to_server: bool) -> [u8; 2] {
+    [lane, client_to_server as u8]
+}
+
+impl LinkKeys {
+    /// The keys of the QUIC client's or server's end, from the two exported secrets.
+    pub fn for_side(client_to_server: [u8; 32], server_to_client: [u8; 32], is_client: bool) -> LinkKeys {
+        if is_client {
+            LinkKeys { send: client_to_server, recv: server_to_client }
+        } else {
+            LinkKeys { send: server_to_client, recv: client_to_server }
+        }
+    }
+}
+
 struct Len(usize);
 
 impl hkdf::KeyType for Len {
@@ -294,6 +315,16 @@ mod tests {
         assert!(key.open(5, &[0x21, 0, 0, 0, 0, 5], &mut wrong_header).is_none());
         let other = PacketKey::from_secret(&[8u8; 32]);
         assert!(other.open(5, &header, &mut buf).is_none());
+    }
+
+    #[test]
+    fn the_two_sides_of_a_connection_get_mirrored_keys() {
+        let (c2s, s2c) = ([1u8; 32], [2u8; 32]);
+        let client = LinkKeys::for_side(c2s, s2c, true);
+        let server = LinkKeys::for_side(c2s, s2c, false);
+        assert_eq!((client.send, client.recv), (server.recv, server.send));
+        assert_ne!(exporter_context(0, true), exporter_context(0, false));
+        assert_ne!(exporter_context(0, true), exporter_context(1, true));
     }
 
     #[test]

@@ -12,10 +12,16 @@ use super::rtt::Rtt;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
+/// Fragment lengths (so offsets) are multiples of this: a fragment never splits an element
+/// of up to 8 bytes, so the receiver can reduce each datagram's bytes on their own.
+pub const FRAG_ALIGN: usize = 8;
 /// Packets acknowledged after a packet for it to count as lost (RFC 9002 §6.1.1).
 const PACKET_THRESHOLD: u64 = 3;
 /// Probe packets sent when the probe timer fires.
 const PROBES: u32 = 2;
+/// Packets over which the loss rate is measured (twice this, in two halves): long enough
+/// that one loss in a small window does not read as a high rate.
+const LOSS_SPAN: u64 = 1000;
 /// Backoff exponent cap for the probe timer.
 const MAX_PTO_BACKOFF: u32 = 16;
 
@@ -95,6 +101,8 @@ pub struct SenderStats {
     pub congestion_events: u64,
     /// Probe timeouts that fired.
     pub ptos: u64,
+    /// Loss events taken for random loss rather than congestion, so not reducing the window.
+    pub random_loss_events: u64,
 }
 
 /// A fragment chosen to go out in the next packet.
@@ -133,6 +141,11 @@ pub struct Sender {
     probes: u32,
     pacing_until: Option<Instant>,
     ping: bool,
+    tolerate_random_loss: bool,
+    /// (acknowledged, lost) packets in the current and the previous span of
+    /// [`LOSS_SPAN`] packets.
+    round: (u64, u64),
+    prev_round: (u64, u64),
     rtt: Rtt,
     cc: Cubic,
     pacer: Pacer,
@@ -141,8 +154,15 @@ pub struct Sender {
 }
 
 impl Sender {
-    /// A sender of datagrams up to `max_datagram` bytes.
-    pub fn new(now: Instant, max_datagram: usize, initial_rtt: Duration, max_ack_delay: Duration) -> Sender {
+    /// A sender of datagrams up to `max_datagram` bytes. `tolerate_random_loss`: see
+    /// [`is_congestive`](Self::is_congestive).
+    pub fn new(
+        now: Instant,
+        max_datagram: usize,
+        initial_rtt: Duration,
+        max_ack_delay: Duration,
+        tolerate_random_loss: bool,
+    ) -> Sender {
         let cc = Cubic::new(max_datagram);
         Sender {
             max_datagram,
@@ -163,6 +183,9 @@ impl Sender {
             probes: 0,
             pacing_until: None,
             ping: false,
+            tolerate_random_loss,
+            round: (0, 0),
+            prev_round: (0, 0),
             rtt: Rtt::new(initial_rtt),
             pacer: Pacer::new(now, cc.window(), initial_rtt, max_datagram),
             cc,
@@ -179,7 +202,7 @@ impl Sender {
         let seq = self.msg_base + self.msgs.len() as u64;
         let total = data.len() as u64;
         let header = DataHeader { seq, tag, total_len: total, offset: total };
-        let frag_len = self.max_datagram - OVERHEAD - header.encoded_len();
+        let frag_len = (self.max_datagram - OVERHEAD - header.encoded_len()) / FRAG_ALIGN * FRAG_ALIGN;
         let frags = data.len().div_ceil(frag_len).max(1);
         let frags = u32::try_from(frags).map_err(|_| PlaneError::MessageTooLong {
             len: total,
@@ -275,10 +298,13 @@ impl Sender {
     }
 
     /// Picks the fragment for the next packet, if the window, the pacer and the queue allow
-    /// one now, and takes it off the queue: the caller sends it and calls
-    /// [`on_sent`](Self::on_sent).
-    pub fn next_plan(&mut self, now: Instant) -> Option<Plan> {
+    /// one now and it fits in a datagram of `limit` bytes, and takes it off the queue: the
+    /// caller sends it and calls [`on_sent`](Self::on_sent).
+    pub fn next_plan(&mut self, now: Instant, limit: usize) -> Option<Plan> {
         let (frag, resend) = self.next_fragment()?;
+        if self.fragment_datagram_len(frag)? > limit {
+            return None;
+        }
         if self.probes == 0 {
             if self.in_flight + self.max_datagram as u64 > self.cc.window() {
                 return None;
@@ -308,6 +334,15 @@ impl Sender {
         let header =
             DataHeader { seq: frag.seq, tag: m.tag, total_len: m.data.len() as u64, offset: start as u64 };
         Some(Plan { frag, header, start, len, resend })
+    }
+
+    /// Size of the datagram that carries fragment `f` and nothing else.
+    fn fragment_datagram_len(&self, f: FragRef) -> Option<usize> {
+        let m = self.msg(f.seq)?;
+        let start = f.index as usize * m.frag_len;
+        let len = m.frag_len.min(m.data.len() - start);
+        let header = DataHeader { seq: f.seq, tag: m.tag, total_len: m.data.len() as u64, offset: 0 };
+        Some(OVERHEAD + header.encoded_len() + len)
     }
 
     /// The bytes of a planned fragment.
@@ -373,6 +408,7 @@ impl Sender {
             for pn in (lo..hi).rev() {
                 let Some(s) = self.sent[(pn - self.sent_base) as usize].take() else { continue };
                 newly_acked = true;
+                self.round.0 += 1;
                 if pn == ack.largest {
                     largest_newly = Some(s.clone());
                 }
@@ -392,6 +428,9 @@ impl Sender {
         }
         if newly_acked {
             self.pto_count = 0;
+        }
+        if self.round.0 + self.round.1 >= LOSS_SPAN {
+            self.prev_round = std::mem::take(&mut self.round);
         }
         while self.retransmit.front().is_some_and(|f| self.msg(f.seq).is_none_or(|m| m.is_acked(f.index))) {
             self.retransmit.pop_front();
@@ -450,6 +489,7 @@ impl Sender {
             let Some(s) = self.sent[i].take() else { continue };
             self.in_flight -= u64::from(s.size);
             self.stats.lost += 1;
+            self.round.1 += 1;
             lost_span = Some(lost_span.map_or((s.time, s.time), |(a, b)| (a.min(s.time), b.max(s.time))));
             match s.frag {
                 Some(f) if self.msg(f.seq).is_some_and(|m| !m.is_acked(f.index)) => {
@@ -464,13 +504,39 @@ impl Sender {
             // of losses: three probe timeouts' worth of sending all lost.
             let pc = (self.rtt.pto_base() + self.max_ack_delay) * 3;
             let persistent = self.rtt.has_sample() && last.duration_since(first) > pc;
-            let before = self.cc.window();
-            self.cc.on_congestion_event(now, last, persistent);
-            if self.cc.window() < before {
-                self.stats.congestion_events += 1;
+            if !persistent && !self.is_congestive() {
+                self.stats.random_loss_events += 1;
+            } else {
+                let before = self.cc.window();
+                self.cc.on_congestion_event(now, last, persistent);
+                if self.cc.window() < before {
+                    self.stats.congestion_events += 1;
+                }
             }
         }
         self.trim();
+    }
+
+    /// Whether the losses just detected mean congestion. Always, unless the link tolerates
+    /// random loss; then only when a queue stands at the bottleneck or when more than 2% of
+    /// the last 1000 to 2000 packets were lost (BBRv2's loss threshold: a policer drops
+    /// without queueing). A queue stands when the latest RTT sample (the packets
+    /// acknowledged as the loss is found, which queued behind whatever overflowed) exceeds
+    /// the minimum by an eighth of it plus three datagrams' time at the current rate: TCP
+    /// Veno's test of random against congestive loss (backlog above three packets), with a
+    /// margin for jitter on short paths. Loss without either, such as 1% random loss on an
+    /// otherwise idle path, leaves the window alone.
+    pub fn is_congestive(&self) -> bool {
+        if !self.tolerate_random_loss || !self.rtt.has_sample() {
+            return true;
+        }
+        let (acked, lost) = (self.round.0 + self.prev_round.0, self.round.1 + self.prev_round.1);
+        if lost * 50 > acked + lost {
+            return true;
+        }
+        let queue = self.rtt.latest().saturating_sub(self.rtt.min());
+        let three = self.rtt.get().mul_f64(3.0 * self.max_datagram as f64 / self.cc.window().max(1) as f64);
+        queue > self.rtt.min() / 8 + three
     }
 
     fn pto_deadline(&self) -> Option<Instant> {
