@@ -25,8 +25,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
-/// The TLS exporter label of the plane's secrets.
-pub const EXPORTER_LABEL: &[u8] = b"EXPORTER-meshd-plane";
+use meshd_proto::plane::keys::{EXPORTER_LABEL, exporter_context};
 /// Plane message tag of ring data.
 pub const TAG_DATA: u64 = 0;
 /// Plane message tag of a link's first message.
@@ -275,13 +274,14 @@ struct Driver {
     buf: Vec<u8>,
 }
 
-/// The two directions' secrets of `conn`'s plane link, seen from this end.
+/// The two directions' secrets of `conn`'s plane link on `lane`, seen from this end
+/// (docs/PROTOCOL.md, "The data plane", Keys).
 fn link_keys(conn: &quinn::Connection, client: bool, lane: u8) -> Option<LinkKeys> {
     let mut c2s = [0u8; 32];
     let mut s2c = [0u8; 32];
-    conn.export_keying_material(&mut c2s, EXPORTER_LABEL, &[lane, 0]).ok()?;
-    conn.export_keying_material(&mut s2c, EXPORTER_LABEL, &[lane, 1]).ok()?;
-    Some(if client { LinkKeys { send: c2s, recv: s2c } } else { LinkKeys { send: s2c, recv: c2s } })
+    conn.export_keying_material(&mut c2s, EXPORTER_LABEL, &exporter_context(lane, true)).ok()?;
+    conn.export_keying_material(&mut s2c, EXPORTER_LABEL, &exporter_context(lane, false)).ok()?;
+    Some(LinkKeys::for_side(c2s, s2c, client))
 }
 
 impl Driver {
