@@ -86,3 +86,81 @@ fn a_middlebox_that_drops_plane_datagrams_leaves_the_ring_on_quic_streams() {
     let streams = served.iter().filter(|r| r[0] == "QUIC streams").count();
     assert_eq!((datagrams, streams), (1, 2), "{served:?}");
 }
+
+/// Random datagrams with the QUIC fixed bit clear, from a fourth host that is no member and
+/// (through a raw socket) with a member's address as their source, at the three hosts'
+/// port while their ring runs over the plane: the results are exact and the plane serves.
+#[test]
+fn hostile_plane_datagrams_from_a_stranger_and_spoofing_a_member_change_nothing() {
+    if !lab::available() {
+        return;
+    }
+    let mut lab = Lab::new(4);
+    for i in 0..3 {
+        lab.firewall_only_udp(i, 29400);
+    }
+    let members: Vec<String> = (0..3).map(|i| lab.hosts[i].eth1.clone()).collect();
+    let peers = members.join(",");
+    // Every other datagram claims to come from host 1 (spoofed source, raw socket), the
+    // rest come from host 3 itself; half look like plane datagrams of lane 0 exactly.
+    let flood = format!(
+        r#"
+import os, socket, struct, time
+dst = {members:?}
+spoof = dst[1]
+plain = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
+end = time.time() + 60
+n = 0
+while time.time() < end:
+    body = bytearray(os.urandom(1200))
+    body[0] = 0x20 if n % 2 == 0 else body[0] & 0x3F
+    body[1] = 0
+    for d in dst:
+        if n % 2 == 0:
+            plain.sendto(bytes(body), (d, 29400))
+        elif d != spoof:
+            udp = struct.pack("!HHHH", 29400, 29400, 8 + len(body), 0) + bytes(body)
+            ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), n & 0xFFFF, 0, 64, 17, 0,
+                             socket.inet_aton(spoof), socket.inet_aton(d))
+            raw.sendto(ip + udp, (d, 0))
+    n += 1
+    time.sleep(0.0005)
+"#
+    );
+    let flooder = lab.spawn(3, &["/usr/bin/python3", "-c", &flood], &[]);
+    let args = [
+        meshd(),
+        "bench",
+        "allreduce",
+        "--nnodes",
+        "3",
+        "--peers",
+        &peers,
+        "--size",
+        "8388608",
+        "--iters",
+        "2",
+        "--json",
+    ];
+    let env = [("MESHD_TOKEN", "plane"), ("MESHD_RING_CHUNK", "262144")];
+    let nodes: Vec<usize> = (0..3).map(|i| lab.spawn(i, &args, &env)).collect();
+    let done: Vec<_> = nodes.into_iter().map(|k| lab.wait(k, Duration::from_secs(180))).collect();
+    let mut strangers = 0;
+    for (i, (code, out, err)) in done.into_iter().enumerate() {
+        assert_eq!(code, Some(0), "host {i}:\n{out}\n{err}");
+        let v: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON object");
+        assert_eq!(v["results"][0]["served"], "data plane: datagrams", "host {i}: {out}");
+        // The spoofed part arrived and each datagram cost one failed open: a link refuses a
+        // handful of its peer's own (late duplicates) at most, far fewer than this.
+        let c = &v["plane_datagrams"];
+        if i != 1 {
+            assert!(c["refused"].as_u64().is_some_and(|n| n > 20), "host {i}: {out}");
+        }
+        strangers += c["unknown_source"].as_u64().unwrap_or(0);
+    }
+    // The stranger's own datagrams were dropped at the socket, before any link.
+    assert!(strangers > 0, "no stranger's datagram arrived");
+    // The flooder ran all along (it stops by itself after a minute).
+    assert!(!lab.exited(flooder), "the flood stopped early");
+}
