@@ -459,7 +459,7 @@ pub async fn run(
         // The QUIC ring serves meshd's client in tunnel mode too (MESHD_SOCKET stays set).
         if verdict.collective == "quic" || verdict.collective == "tunnel" {
             info!(
-                "preflight passed; collective: {}; ring over {} to the next node (MESHD_LANES)",
+                "preflight passed; collective: {}; ring over {} to the next node (MESHD_LANES), or the data plane where its link is ready",
                 verdict.collective_line(),
                 crate::plural(ring.lanes as u64, "lane")
             );

@@ -264,6 +264,8 @@ struct Entry {
     last_heard: Option<Instant>,
     /// Whether the peer acknowledged the probe.
     probed: bool,
+    /// Used up its keys: removed at the next prune.
+    dead: bool,
 }
 
 struct Driver {
@@ -354,6 +356,7 @@ impl Driver {
             partial: HashMap::new(),
             last_heard: None,
             probed: false,
+            dead: false,
         });
     }
 
@@ -388,7 +391,7 @@ impl Driver {
         let socket = self.socket.clone();
         self.links.retain(|peer, entries| {
             entries.retain(|e| {
-                let alive = e.conn.close_reason().is_none();
+                let alive = e.conn.close_reason().is_none() && !e.dead;
                 if !alive {
                     socket.remove_route(*peer);
                 }
@@ -397,7 +400,7 @@ impl Driver {
             !entries.is_empty()
         });
         let mut ready = lock(&self.plane.ready);
-        ready.retain(|peer, _| self.links.contains_key(peer));
+        ready.retain(|peer, _| self.links.get(peer).is_some_and(|v| v.iter().any(|e| e.probed)));
         drop(ready);
         let mut stats = lock(&self.plane.stats);
         stats.clear();
@@ -445,7 +448,10 @@ impl Driver {
                             }
                         }
                         Event::KeysExhausted => {
-                            tracing::warn!(%peer, "plane link used up its keys without a key update; it sends no more");
+                            // Its keys cannot be made again from the same connection without
+                            // reusing nonces: the link goes, and the ring uses QUIC streams.
+                            tracing::warn!(%peer, "plane link used up its keys without a key update; dropped");
+                            e.dead = true;
                         }
                     }
                 }
