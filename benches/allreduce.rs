@@ -2,8 +2,11 @@
 //! meshd's QUIC ring (`meshd bench allreduce`), PyTorch Gloo's allreduce (launched by
 //! meshd run) directly over TCP, one TCP stream (iperf3) between two of the hosts, and last
 //! the same Gloo job behind the one-port firewall on every host, through meshd's tunnel.
+//! meshd's ring runs twice at the large size, on the data plane's datagrams and on QUIC
+//! streams (`--plane both`).
 //! Run as root: `cargo bench --bench allreduce` (`-- --size BYTES` to change 64 MiB,
-//! `-- --mtu 9000` for jumbo frames on the lab's eth1).
+//! `-- --mtu 9000` for jumbo frames on the lab's eth1, `-- --ring-only` for meshd's ring
+//! alone).
 
 #[path = "../tests/lab/mod.rs"]
 mod lab;
@@ -48,7 +51,7 @@ fn main() {
             iters,
         ];
         if ceiling {
-            args.push("--ceiling");
+            args.extend(["--ceiling", "--plane", "both"]);
         }
         lab.run_on_all(&args, &[("MESHD_LOG", "warn")], Duration::from_secs(300))
             .into_iter()
@@ -64,6 +67,35 @@ fn main() {
     let meshd_bus: Vec<f64> = big.iter().filter_map(|v| v["results"][0]["busbw_gbs"].as_f64()).collect();
     let ceiling: Vec<f64> = big.iter().filter_map(|v| v["ceiling_gbs"].as_f64()).collect();
     let meshd_cpu: Vec<f64> = big.iter().filter_map(|v| v["results"][0]["cpu_s_per_gb"].as_f64()).collect();
+    let served: Vec<&str> = big.iter().filter_map(|v| v["results"][0]["served"].as_str()).collect();
+    let streams_bus: Vec<f64> = big.iter().filter_map(|v| v["results"][1]["busbw_gbs"].as_f64()).collect();
+    let streams_cpu: Vec<f64> = big.iter().filter_map(|v| v["results"][1]["cpu_s_per_gb"].as_f64()).collect();
+    let mean = |v: &[f64]| if v.is_empty() { None } else { Some(v.iter().sum::<f64>() / v.len() as f64) };
+    let show = |x: Option<f64>| x.map(|x| format!("{x:.3}")).unwrap_or_else(|| "n/a".into());
+    println!(
+        "meshd ring, {size} bytes: {served:?}: busbw {} GB/s, {} CPU s/GB per link; QUIC streams: busbw {} GB/s, {} CPU s/GB per link",
+        show(mean(&meshd_bus)),
+        show(mean(&meshd_cpu)),
+        show(mean(&streams_bus)),
+        show(mean(&streams_cpu))
+    );
+    let plane: Vec<String> = big
+        .iter()
+        .filter_map(|v| {
+            let p = &v["plane"];
+            Some(format!(
+                "{}/{} lost, {} congestion events, window {} B",
+                p["lost"].as_u64()?,
+                p["packets_sent"].as_u64()?,
+                p["congestion_events"].as_u64()?,
+                p["window"].as_u64()?
+            ))
+        })
+        .collect();
+    println!("data plane links to the next node (whole run): {plane:?}");
+    if std::env::args().any(|a| a == "--ring-only") {
+        return;
+    }
     let ceiling_cpu: Vec<f64> = big.iter().filter_map(|v| v["ceiling_cpu_s_per_gb"].as_f64()).collect();
     let mtus: Vec<u64> = big.iter().filter_map(|v| v["path"]["mtu"].as_u64()).collect();
     // Each node's ring / bare ring ratio per round (the bare ring runs between rounds).
@@ -147,13 +179,13 @@ fn main() {
         }
     }
 
-    let mean = |v: &[f64]| if v.is_empty() { None } else { Some(v.iter().sum::<f64>() / v.len() as f64) };
-    let show = |x: Option<f64>| x.map(|x| format!("{x:.3}")).unwrap_or_else(|| "n/a".into());
     println!("{:<34} {:>12} {:>16}", "", "busbw GB/s", "8-byte time (us)");
+    println!("{:<34} {:>12} {:>16}", "meshd ring, data plane", show(mean(&meshd_bus)), "");
+    // 8 bytes go direct, over QUIC streams.
     println!(
         "{:<34} {:>12} {:>16}",
-        "meshd ring over QUIC",
-        show(mean(&meshd_bus)),
+        "meshd ring, QUIC streams",
+        show(mean(&streams_bus)),
         show(mean(&meshd_lat).map(|t| t * 1e6))
     );
     println!("{:<34} {:>12} {:>16}", "bare quinn ring (per link)", show(mean(&ceiling)), "");
@@ -179,17 +211,18 @@ fn main() {
         ms(&gloo_time),
     );
     println!(
-        "CPU seconds per GB carried per link: meshd ring {}, bare quinn ring {}; QUIC payload reached {:?} B",
+        "CPU seconds per GB carried per link: meshd ring on the data plane {}, on QUIC streams {}, bare quinn ring {}; QUIC payload reached {:?} B",
         show(mean(&meshd_cpu)),
+        show(mean(&streams_cpu)),
         show(mean(&ceiling_cpu)),
         mtus
     );
-    if let (Some(m), Some(c)) = (mean(&meshd_bus), mean(&ceiling)) {
-        println!("meshd ring / bare quinn ring: {:.2}", m / c);
+    if let (Some(m), Some(s), Some(c)) = (mean(&meshd_bus), mean(&streams_bus), mean(&ceiling)) {
+        println!("meshd ring / bare quinn ring: data plane {:.2}, QUIC streams {:.2}", m / c, s / c);
     }
     if !ratios.is_empty() {
         println!(
-            "meshd ring / bare quinn ring, per node and round: median {:.2}, range {:.2}-{:.2} ({} rounds)",
+            "meshd ring on QUIC streams / bare quinn ring, per node and round: median {:.2}, range {:.2}-{:.2} ({} rounds)",
             ratios[ratios.len() / 2],
             ratios[0],
             ratios[ratios.len() - 1],

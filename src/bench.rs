@@ -3,6 +3,7 @@
 
 use crate::run::{self, JobArgs};
 use anyhow::{Context, Result, bail};
+use meshd::collective::plane_ring::Served;
 use meshd::collective::{CollectiveBuffer, RingNet};
 use meshd::proto::reduce::{DType, ReduceOp};
 use meshd::{Node, NodeConfig};
@@ -47,6 +48,11 @@ pub struct Args {
     /// buffer whose chunks are lent to QUIC without copying: to measure what lending saves.
     #[arg(long)]
     pub copy: bool,
+    /// Path of the ring's chunks: `auto` (the data plane where the next node's plane link
+    /// works, else QUIC streams), `streams` (QUIC streams only), or `both` (each size
+    /// twice in the same run, plane first, then streams).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "streams", "both"])]
+    pub plane: String,
 }
 
 #[derive(Debug)]
@@ -58,6 +64,8 @@ struct Row {
     cpu_per_gb: f64,
     /// Packet batching on both links.
     batch: Batching,
+    /// Which path carried the ring's chunks to the next node.
+    served: String,
 }
 
 /// Snapshots of both ring links' QUIC counters.
@@ -174,12 +182,18 @@ async fn align(ring: &mut RingNet, op: &mut u64) -> Result<()> {
     Ok(())
 }
 
+/// Which path served the operations between two readings of [`RingNet::served`].
+fn served_since(before: Served, after: Served) -> String {
+    Served { datagrams: after.datagrams - before.datagrams, streams: after.streams - before.streams }.line()
+}
+
 async fn sweep(
     mut ring: RingNet,
     sizes: Vec<usize>,
     iters: Option<u32>,
     ceiling: Option<u32>,
     copy: bool,
+    paths: Vec<bool>,
 ) -> Result<(Vec<Row>, Option<Ceiling>)> {
     let n = ring.world();
     let rank = ring.rank();
@@ -188,54 +202,61 @@ async fn sweep(
     let mut ceil = None;
     let count = sizes.len();
     for (i, bytes) in sizes.into_iter().enumerate() {
-        let elems = bytes / 4;
-        let mut buf = CollectiveBuffer::zeroed(elems * 4);
-        // Check the result once per size: every node contributes rank + 1.
-        for c in buf.reset(elems * 4).chunks_exact_mut(4) {
-            c.copy_from_slice(&((rank + 1) as f32).to_le_bytes());
-        }
-        op += 1;
-        allreduce(&mut ring, op, &mut buf, copy).await?;
-        let want = (n * (n + 1) / 2) as f32;
-        if let Some(bad) =
-            buf.as_slice().chunks_exact(4).position(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) != want)
-        {
-            bail!("wrong allreduce result at element {bad} of {elems} ({bytes} bytes): expected {want}");
-        }
-        let iters = iters.unwrap_or_else(|| {
-            if bytes <= 1 << 20 { 20 } else { ((64usize << 20) / bytes).clamp(2, 20) as u32 }
-        });
-        let link_gb = (elems * 4 * 2 * (n - 1)) as f64 / n.max(1) as f64 / 1e9;
-        // At the largest size, the bare ring runs between rounds of the real one, so both
-        // see the same neighbours' load; each round gives one ratio.
-        let rounds = match ceiling {
-            Some(r) if i + 1 == count && n > 1 => r.max(1),
-            _ => 1,
-        };
-        let (mut secs, mut cpu, mut batch) = (0.0, 0.0, None);
-        let (mut c_secs, mut c_cpu, mut c_batch, mut ratios) = (0.0, 0.0, None, Vec::new());
-        for _ in 0..rounds {
-            let r = timed_ring(&mut ring, &mut op, &mut buf, iters, copy).await?;
-            (secs, cpu) = (secs + r.secs, cpu + r.cpu);
-            batch.get_or_insert(r.batch);
-            if ceiling.is_some() && i + 1 == count && n > 1 {
-                let c = timed_ceiling(&mut ring, &mut op, (link_gb * 1e9) as usize).await?;
-                (c_secs, c_cpu) = (c_secs + c.secs, c_cpu + c.cpu);
-                c_batch.get_or_insert(c.batch);
-                ratios.push((link_gb * iters as f64 / r.secs) / (link_gb / c.secs));
+        for &plane in &paths {
+            ring.use_plane = plane;
+            let before = ring.served();
+            let elems = bytes / 4;
+            let mut buf = CollectiveBuffer::zeroed(elems * 4);
+            // Check the result once per size: every node contributes rank + 1.
+            for c in buf.reset(elems * 4).chunks_exact_mut(4) {
+                c.copy_from_slice(&((rank + 1) as f32).to_le_bytes());
             }
-        }
-        let total = iters * rounds;
-        rows.push(Row {
-            bytes: elems * 4,
-            iters: total,
-            time_s: secs / total as f64,
-            cpu_per_gb: if n > 1 { cpu / (link_gb * total as f64) } else { 0.0 },
-            batch: batch.expect("at least one round"),
-        });
-        if let Some(batch) = c_batch {
-            let gb = link_gb * rounds as f64;
-            ceil = Some(Ceiling { gbs: gb / c_secs, cpu_per_gb: c_cpu / gb, batch, ratios });
+            op += 1;
+            allreduce(&mut ring, op, &mut buf, copy).await?;
+            let want = (n * (n + 1) / 2) as f32;
+            if let Some(bad) = buf
+                .as_slice()
+                .chunks_exact(4)
+                .position(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) != want)
+            {
+                bail!("wrong allreduce result at element {bad} of {elems} ({bytes} bytes): expected {want}");
+            }
+            let iters = iters.unwrap_or_else(|| {
+                if bytes <= 1 << 20 { 20 } else { ((64usize << 20) / bytes).clamp(2, 20) as u32 }
+            });
+            let link_gb = (elems * 4 * 2 * (n - 1)) as f64 / n.max(1) as f64 / 1e9;
+            // At the largest size, the bare ring runs between rounds of the real one, so both
+            // see the same neighbours' load; each round gives one ratio.
+            let rounds = match ceiling {
+                Some(r) if i + 1 == count && n > 1 => r.max(1),
+                _ => 1,
+            };
+            let (mut secs, mut cpu, mut batch) = (0.0, 0.0, None);
+            let (mut c_secs, mut c_cpu, mut c_batch, mut ratios) = (0.0, 0.0, None, Vec::new());
+            for _ in 0..rounds {
+                let r = timed_ring(&mut ring, &mut op, &mut buf, iters, copy).await?;
+                (secs, cpu) = (secs + r.secs, cpu + r.cpu);
+                batch.get_or_insert(r.batch);
+                if ceiling.is_some() && i + 1 == count && n > 1 {
+                    let c = timed_ceiling(&mut ring, &mut op, (link_gb * 1e9) as usize).await?;
+                    (c_secs, c_cpu) = (c_secs + c.secs, c_cpu + c.cpu);
+                    c_batch.get_or_insert(c.batch);
+                    ratios.push((link_gb * iters as f64 / r.secs) / (link_gb / c.secs));
+                }
+            }
+            let total = iters * rounds;
+            rows.push(Row {
+                bytes: elems * 4,
+                iters: total,
+                time_s: secs / total as f64,
+                cpu_per_gb: if n > 1 { cpu / (link_gb * total as f64) } else { 0.0 },
+                batch: batch.expect("at least one round"),
+                served: served_since(before, ring.served()),
+            });
+            if let Some(batch) = c_batch {
+                let gb = link_gb * rounds as f64;
+                ceil = Some(Ceiling { gbs: gb / c_secs, cpu_per_gb: c_cpu / gb, batch, ratios });
+            }
         }
     }
     Ok((rows, ceil))
@@ -267,7 +288,12 @@ pub async fn main(which: Which, env: &crate::env::EnvConfig) -> Result<ExitCode>
             std::iter::successors(Some(1024usize), |s| Some(s * 4)).take_while(|s| *s <= a.max_size).collect()
         }
     };
-    let task = tokio::spawn(sweep(ring, sizes, a.iters, a.ceiling.then_some(a.rounds), a.copy));
+    let paths = match a.plane.as_str() {
+        "streams" => vec![false],
+        "both" => vec![true, false],
+        _ => vec![true],
+    };
+    let task = tokio::spawn(sweep(ring, sizes, a.iters, a.ceiling.then_some(a.rounds), a.copy, paths));
     tokio::pin!(task);
     // The node's actor answers probes meanwhile; a member that dies ends the round.
     let (rows, ceiling) = tokio::select! {
@@ -275,6 +301,9 @@ pub async fn main(which: Which, env: &crate::env::EnvConfig) -> Result<ExitCode>
         (why, _) = node.failed() => bail!("{why} during the benchmark"),
     };
     let path = if n > 1 { node.transport().path_stats(addrs[(rank + 1) % n]) } else { None };
+    let plane_counters = node.transport().plane().map(|p| p.counters());
+    let plane =
+        if n > 1 { node.transport().plane().and_then(|p| p.link_stats(addrs[(rank + 1) % n])) } else { None };
     node.finish().await?;
     let factor = if n > 1 { 2.0 * (n as f64 - 1.0) / n as f64 } else { 0.0 };
     if a.json {
@@ -282,29 +311,31 @@ pub async fn main(which: Which, env: &crate::env::EnvConfig) -> Result<ExitCode>
             .iter()
             .map(|r| {
                 let alg = r.bytes as f64 / r.time_s / 1e9;
-                json!({"bytes": r.bytes, "iters": r.iters, "time_s": r.time_s, "algbw_gbs": alg, "busbw_gbs": alg * factor, "cpu_s_per_gb": r.cpu_per_gb, "datagrams_per_send": r.batch.tx_per_call, "acks_per_datagram": r.batch.acks_per_rx})
+                json!({"bytes": r.bytes, "iters": r.iters, "time_s": r.time_s, "algbw_gbs": alg, "busbw_gbs": alg * factor, "cpu_s_per_gb": r.cpu_per_gb, "served": r.served, "datagrams_per_send": r.batch.tx_per_call, "acks_per_datagram": r.batch.acks_per_rx})
             })
             .collect();
         println!(
             "{}",
             json!({"nodes": n, "rank": rank, "lanes": lanes, "chunks_sent": if a.copy { "copied" } else { "lent" }, "dtype": "float32", "op": "sum", "results": results, "ceiling_gbs": ceiling.as_ref().map(|c| c.gbs), "ceiling_cpu_s_per_gb": ceiling.as_ref().map(|c| c.cpu_per_gb), "ceiling_datagrams_per_send": ceiling.as_ref().map(|c| c.batch.tx_per_call), "ceiling_acks_per_datagram": ceiling.as_ref().map(|c| c.batch.acks_per_rx), "ceiling_ratios": ceiling.as_ref().map(|c| c.ratios.clone()),
+                "plane_datagrams": plane_counters.as_ref().map(|c| json!({"opened": c.opened, "refused": c.refused, "messages": c.messages, "unknown_source": c.unknown_source, "overflow": c.overflow})),
+                "plane": plane.as_ref().map(|p| json!({"packets_sent": p.sender.packets_sent, "retransmitted": p.sender.retransmitted, "lost": p.sender.lost, "congestion_events": p.sender.congestion_events, "ptos": p.sender.ptos, "window": p.window, "rtt_us": p.rtt.as_micros() as u64})),
                 "path": path.map(|p| json!({"mtu": p.mtu, "rtt_us": p.rtt.as_micros() as u64, "sent_packets": p.sent_packets, "lost_packets": p.lost_packets, "congestion_events": p.congestion_events, "connections": p.connections}))})
         );
     } else {
         println!(
-            "# meshd ring allreduce over QUIC: {}, this node rank {rank}, float32 sum, {} to the next node, chunks sent {}",
+            "# meshd ring allreduce: {}, this node rank {rank}, float32 sum, {} to the next node, chunks sent {}",
             meshd::plural(n as u64, "node"),
             meshd::plural(lanes as u64, "lane"),
             if a.copy { "as copies (--copy)" } else { "lent without copying" }
         );
         println!(
-            "# {:>12} {:>10} {:>6} {:>12} {:>10} {:>10} {:>10} {:>8} {:>8}",
+            "# {:>12} {:>10} {:>6} {:>12} {:>10} {:>10} {:>10} {:>8} {:>8}  served by",
             "size(B)", "count", "iters", "time(us)", "algbw", "busbw", "cpu(s/GB)", "dgm/send", "acks/dgm"
         );
         for r in &rows {
             let alg = r.bytes as f64 / r.time_s / 1e9;
             println!(
-                "  {:>12} {:>10} {:>6} {:>12.1} {:>10.3} {:>10.3} {:>10.2} {:>8.1} {:>8.2}",
+                "  {:>12} {:>10} {:>6} {:>12.1} {:>10.3} {:>10.3} {:>10.2} {:>8.1} {:>8.2}  {}",
                 r.bytes,
                 r.bytes / 4,
                 r.iters,
@@ -313,11 +344,12 @@ pub async fn main(which: Which, env: &crate::env::EnvConfig) -> Result<ExitCode>
                 alg * factor,
                 r.cpu_per_gb,
                 r.batch.tx_per_call,
-                r.batch.acks_per_rx
+                r.batch.acks_per_rx,
+                r.served
             );
         }
         println!(
-            "# algbw, busbw in GB/s; busbw = algbw * 2(n-1)/n; cpu = this process's CPU seconds per GB one link carried; dgm/send = UDP datagrams per send call to the next node (GSO batching); acks/dgm = ACK frames sent back per datagram received"
+            "# algbw, busbw in GB/s; busbw = algbw * 2(n-1)/n; cpu = this process's CPU seconds per GB one link carried; dgm/send = UDP datagrams per send call to the next node (GSO batching); acks/dgm = ACK frames sent back per datagram received (both QUIC counters: about 0 where the data plane served)"
         );
         if let Some(c) = ceiling {
             println!(
@@ -336,6 +368,18 @@ pub async fn main(which: Which, env: &crate::env::EnvConfig) -> Result<ExitCode>
                 p.lost_packets,
                 p.sent_packets,
                 meshd::plural(p.congestion_events, "congestion event")
+            );
+        }
+        if let Some(p) = plane {
+            println!(
+                "# data plane link to the next node: {} of {} packets lost, {} retransmitted, {}, {}, window {} B, rtt {} us",
+                p.sender.lost,
+                p.sender.packets_sent,
+                p.sender.retransmitted,
+                meshd::plural(p.sender.congestion_events, "congestion event"),
+                meshd::plural(p.sender.ptos, "probe timeout"),
+                p.window,
+                p.rtt.as_micros()
             );
         }
     }

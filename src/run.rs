@@ -484,6 +484,7 @@ pub fn prepare(a: &JobArgs, cmd: &[String], env: &EnvConfig) -> Result<Prepared>
         cmd_hash,
         membership: MembershipConfig::default(),
         gso: env.gso,
+        plane: env.plane,
         cc: env.cc,
     };
     let job = JobConfig {

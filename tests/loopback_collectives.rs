@@ -116,6 +116,7 @@ fn rust_library_allreduce_broadcast_barrier() {
             cmd_hash: 0,
             membership: MembershipConfig::default(),
             gso: true,
+            plane: true,
             cc: Default::default(),
         }))
         .await
@@ -123,6 +124,8 @@ fn rust_library_allreduce_broadcast_barrier() {
         let roster = node.roster().await.expect("roster");
         let rank = roster.node_rank(node.id()).expect("in the roster");
         let mut ring: RingNet = node.ring().expect("ring");
+        // This test covers the QUIC streams path (tests/loopback_plane.rs the data plane).
+        ring.use_plane = false;
         let work = tokio::spawn(async move {
             let mut sum: Vec<u8> =
                 (0..1001).flat_map(|i| ((rank + 1) as f32 * i as f32).to_le_bytes()).collect();
@@ -454,6 +457,7 @@ fn rust_library_store_sets_arrive_everywhere_and_converge() {
             cmd_hash: 0,
             membership: MembershipConfig::default(),
             gso: true,
+            plane: true,
             cc: Default::default(),
         }))
         .await

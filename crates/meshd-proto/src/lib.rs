@@ -16,6 +16,7 @@
 //! - [`rendezvous`]: election of the master and the roster every node acknowledges.
 //! - [`node`]: one node's whole job lifecycle (membership, rounds, preflight, launch, Done,
 //!   Abort, restarts) as one state machine.
+//! - [`plane`]: the AEAD datagram data plane's per-link core (keys, acks, loss, congestion).
 //! - [`store`]: the job-wide key-value store: versioned, acknowledged, bounded.
 //! - [`ring`]: the ring allreduce schedule (segments, chunks, transfer ids) and the
 //!   [`ring::Reduction`] every chunk is applied with.
@@ -28,6 +29,7 @@ pub mod membership;
 pub mod meta;
 pub mod nccl_id;
 pub mod node;
+pub mod plane;
 pub mod preflight;
 pub mod reduce;
 pub mod rendezvous;

@@ -410,6 +410,8 @@ struct Round {
     svc: Option<Service>,
     tunnel: Option<crate::tunnel::Tunnel>,
     round_dir: Option<PathBuf>,
+    /// Which path (data plane or QUIC streams) carried the ring's collectives.
+    served: Arc<std::sync::Mutex<crate::collective::plane_ring::Served>>,
     /// Every local rank exited 0.
     local_done: bool,
 }
@@ -513,7 +515,7 @@ impl JobIo {
         // The QUIC ring serves meshd's client in tunnel mode too (MESHD_SOCKET stays set).
         if verdict.collective.uses_quic_ring() {
             info!(
-                "preflight passed; collective: {}; ring over {} to the next node (MESHD_LANES)",
+                "preflight passed; collective: {}; ring over {} to the next node (MESHD_LANES), or the data plane where its link is ready",
                 verdict.collective_line(),
                 crate::plural(ring.lanes.get() as u64, "lane")
             );
@@ -538,6 +540,7 @@ impl JobIo {
             },
             activity: Some(activity.clone()),
         };
+        let served = ring.served_handle();
         let svc = match Service::start(svc_cfg.clone(), ring, self.transport.clone()) {
             Ok(s) => Some(s),
             Err(e) => {
@@ -643,6 +646,7 @@ impl JobIo {
             svc,
             tunnel,
             round_dir,
+            served,
             local_done: false,
         };
         let input = match Supervisor::spawn(&self.cfg.cmd, &ranks, &round_out).await {
@@ -675,6 +679,10 @@ impl JobIo {
             crate::tunnel::report(t.stats());
         }
         drop(r.svc.take());
+        let served = *r.served.lock().unwrap_or_else(|p| p.into_inner());
+        if served != Default::default() {
+            info!("ring collectives to the next node: {}", served.line());
+        }
         // Kept for the cause's error file path.
         self.round = Some(Round { sup: None, ..r });
     }

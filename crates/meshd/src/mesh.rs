@@ -49,6 +49,8 @@ pub struct MeshConfig {
     pub membership: MembershipConfig,
     /// UDP segmentation offload ([`TransportConfig::gso`]).
     pub gso: bool,
+    /// Run the data plane ([`TransportConfig::plane`]).
+    pub plane: bool,
     /// Congestion control ([`TransportConfig::cc`]).
     pub cc: crate::transport::CongestionControl,
 }
@@ -162,6 +164,7 @@ impl Mesh {
         tc.token = cfg.token.clone();
         tc.run_hash = run_hash;
         tc.gso = cfg.gso;
+        tc.plane = cfg.plane;
         tc.cc = cfg.cc;
         tc.mtu = ifs.iter().find(|i| i.name == choice.name).and_then(|i| i.mtu);
         if choice.addr.is_ipv6() {

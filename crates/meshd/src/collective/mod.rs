@@ -7,6 +7,7 @@
 
 pub mod buffer;
 pub mod cma;
+pub mod plane_ring;
 pub mod request;
 pub mod ring;
 pub mod service;

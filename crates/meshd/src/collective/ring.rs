@@ -307,6 +307,13 @@ pub struct RingNet {
     /// It measures silence, not the whole operation: a huge tensor on a slow link is fine
     /// as long as bytes move.
     pub progress_timeout: Duration,
+    /// Send chunks by the data plane where the next node's plane link works (else, and
+    /// when `false`, over QUIC streams; `collective::plane_ring`).
+    pub use_plane: bool,
+    /// Which path carried this node's operations so far (shared: [`RingNet::served_handle`]).
+    served: Arc<std::sync::Mutex<super::plane_ring::Served>>,
+    /// Neighbours whose plane link was given [`plane_ring::PROBE_WAIT`](super::plane_ring::PROBE_WAIT) to hear back.
+    probed: std::collections::HashSet<SocketAddr>,
 }
 
 impl RingNet {
@@ -329,7 +336,20 @@ impl RingNet {
             lanes: config.lanes.unwrap_or_else(default_lanes),
             join_timeout: config.join_timeout,
             progress_timeout: DEFAULT_PROGRESS_TIMEOUT,
+            use_plane: true,
+            served: Default::default(),
+            probed: Default::default(),
         }
+    }
+
+    /// Which path carried this node's ring operations so far.
+    pub fn served(&self) -> super::plane_ring::Served {
+        *self.served.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The counts behind [`RingNet::served`], readable after the ring moved into a task.
+    pub fn served_handle(&self) -> Arc<std::sync::Mutex<super::plane_ring::Served>> {
+        self.served.clone()
     }
 
     /// Number of nodes.
@@ -382,6 +402,26 @@ impl RingNet {
         }
     }
 
+    /// The plane to send to `next` by, if this node runs one and its link to `next` is
+    /// ready (given [`PROBE_WAIT`](super::plane_ring::PROBE_WAIT) once per neighbour).
+    async fn plane_to(&mut self, next: SocketAddr) -> Option<crate::transport::plane::Plane> {
+        let plane = self.transport.plane().filter(|_| self.use_plane)?.clone();
+        if !plane.is_ready(next) && self.probed.insert(next) {
+            plane.wait_ready(next, super::plane_ring::PROBE_WAIT).await;
+        }
+        plane.is_ready(next).then_some(plane)
+    }
+
+    /// Tells `next` that `op`'s chunks come by the data plane: one data stream holding
+    /// only the plane preamble.
+    async fn announce_plane(&self, next: SocketAddr, op: u64) -> Result<(), CollectiveError> {
+        let link = |e: String| CollectiveError::Link { peer: next, reason: e };
+        let mut s = self.transport.open_data_lane(next, op, 0).await?;
+        s.write_all(&super::plane_ring::PREAMBLE).await.map_err(|e| link(e.to_string()))?;
+        s.finish().map_err(|e| link(e.to_string()))?;
+        Ok(())
+    }
+
     /// Opens `lanes` data streams to `next` for `op`, each starting with its lane preamble.
     async fn open_lanes(
         &self,
@@ -424,6 +464,10 @@ impl RingNet {
                 .await
                 .map_err(|_| CollectiveError::Timeout { peer: prev, op, timeout: self.join_timeout })?
                 .map_err(|e| link(format!("lane preamble: {e}")))?;
+            if pre == super::plane_ring::PREAMBLE && slots.is_empty() {
+                // No streams: the previous node sends this operation by the data plane.
+                return Ok(Vec::new());
+            }
             let (lane, total) = (pre[0] as usize, pre[1] as usize);
             if total == 0 || total > MAX_LANES || lane >= total {
                 return Err(link(format!("bad lane preamble: lane {lane} of {total} (at most {MAX_LANES})")));
@@ -519,9 +563,35 @@ impl RingNet {
         let next = self.addrs[(self.rank + 1) % n];
         let prev = self.addrs[(self.rank + n - 1) % n];
         // More lanes than chunks per segment would carry nothing.
-        let lanes = self.lanes.get().min(MAX_LANES).min(state.plan().chunk_count(0).max(1));
-        let sends = self.open_lanes(next, op_id, lanes).await?;
+        let mut lanes = self.lanes.get().min(MAX_LANES).min(state.plan().chunk_count(0).max(1));
+        let plane_out = self.plane_to(next).await;
+        let sends = match &plane_out {
+            Some(_) => {
+                lanes = 1;
+                self.announce_plane(next, op_id).await?;
+                Vec::new()
+            }
+            None => self.open_lanes(next, op_id, lanes).await?,
+        };
         let recvs = self.accept_lanes(prev, op_id).await?;
+        let plane_in = match (recvs.is_empty(), self.transport.plane()) {
+            (false, _) => None,
+            (true, Some(p)) => Some(p.clone()),
+            (true, None) => {
+                return Err(CollectiveError::Link {
+                    peer: prev,
+                    reason: "it sends by the data plane, which this node turned off (MESHD_PLANE=0)".into(),
+                });
+            }
+        };
+        {
+            let mut served = self.served.lock().unwrap_or_else(|p| p.into_inner());
+            if plane_out.is_some() {
+                served.datagrams += 1;
+            } else {
+                served.streams += 1;
+            }
+        }
 
         let progress = Arc::new(Progress::default());
         let mut wtxs = Vec::with_capacity(lanes);
@@ -531,11 +601,27 @@ impl RingNet {
             wtxs.push(wtx);
             writers.push(tokio::spawn(write_frames(send, wrx, next, progress.clone())));
         }
+        if let Some(plane) = plane_out {
+            let (wtx, wrx) = mpsc::channel::<(u64, Bytes)>(64);
+            wtxs.push(wtx);
+            writers.push(tokio::spawn(super::plane_ring::write_chunks(plane, next, op_id, wrx)));
+        }
         let (rtx, mut rrx) = mpsc::channel::<Result<(u64, Vec<Bytes>), CollectiveError>>(64);
-        let readers: Vec<_> = recvs
+        let mut readers: Vec<_> = recvs
             .into_iter()
             .map(|recv| tokio::spawn(read_frames(recv, rtx.clone(), prev, max_chunk, progress.clone())))
             .collect();
+        if let Some(plane) = plane_in {
+            let idle = self.join_timeout;
+            readers.push(tokio::spawn(super::plane_ring::read_chunks(
+                plane,
+                prev,
+                op_id,
+                rtx.clone(),
+                max_chunk,
+                idle,
+            )));
+        }
         drop(rtx); // the channel closes when every reader has ended
         // The bytes received chunks go on as, made while applying them, by range start.
         let mut forwards: HashMap<usize, (std::ops::Range<usize>, Bytes)> = HashMap::new();

@@ -22,6 +22,8 @@
 pub mod auth;
 pub mod guard;
 pub mod outbox;
+pub mod plane;
+pub mod socket;
 mod tls;
 
 use auth::{Refusal, Role, Token};
@@ -82,6 +84,9 @@ pub struct TransportConfig {
     /// Time allowed to open a stream and write one reliable frame on an established
     /// connection; past it the attempt is reset and retried.
     pub send_timeout: Duration,
+    /// Run the data plane (AEAD datagrams on the same port for the ring's bulk data;
+    /// `MESHD_PLANE=0` turns it off, and peers then use QUIC streams with this node).
+    pub plane: bool,
 }
 
 impl TransportConfig {
@@ -99,6 +104,7 @@ impl TransportConfig {
             idle_timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(3),
             mtu: None,
+            plane: true,
             reliable_horizon: Duration::from_secs(30),
             send_timeout: Duration::from_secs(10),
         }
@@ -340,6 +346,8 @@ struct Inner {
     /// Held while a lane is being connected, so that two operations do not open it twice
     /// (one lock per peer and lane: a dead peer's connect timeout delays no other peer).
     lane_connect: Mutex<HashMap<(SocketAddr, u8), OneAtATime>>,
+    /// The data plane, unless turned off.
+    plane: Option<plane::Plane>,
 }
 
 /// A node's QUIC endpoint. Cheap to clone.
@@ -502,10 +510,19 @@ impl Transport {
         set_socket_buffers(&socket, 16 << 20);
         let runtime =
             quinn::default_runtime().ok_or_else(|| TransportError::Tls("no async runtime".into()))?;
-        let socket = runtime.wrap_udp_socket(socket).map_err(|e| bind_error(addr, e))?;
+        // One socket for QUIC and the data plane, told apart by the QUIC fixed bit, which
+        // meshd's endpoints therefore never grease (docs/PROTOCOL.md, "The data plane").
+        ec.grease_quic_bit(false);
+        let (plane_tx, plane_rx) = tokio::sync::mpsc::channel(socket::PLANE_QUEUE);
+        let demux = Arc::new(
+            socket::DemuxSocket::new(socket, cfg.plane.then_some(plane_tx))
+                .map_err(|e| bind_error(addr, e))?,
+        );
+        let plane_datagram = max_payload.map_or(if cfg.bind.is_ipv6() { 1452 } else { 1472 }, usize::from);
+        let plane = cfg.plane.then(|| plane::Plane::start(demux.clone(), plane_rx, plane_datagram));
         let socket: Arc<dyn quinn::AsyncUdpSocket> = match max_payload {
-            Some(payload) => Arc::new(GsoCapped::new(socket, payload, cfg.bind.is_ipv6())),
-            None => socket,
+            Some(payload) => Arc::new(GsoCapped::new(demux, payload, cfg.bind.is_ipv6())),
+            None => demux,
         };
         let mut endpoint = quinn::Endpoint::new_with_abstract_socket(ec, Some(server), socket, runtime)
             .map_err(|e| bind_error(addr, e))?;
@@ -532,9 +549,15 @@ impl Transport {
             lanes: Mutex::new(HashMap::new()),
             data_links: Mutex::new(Vec::new()),
             lane_connect: Mutex::new(HashMap::new()),
+            plane,
         });
         tokio::spawn(accept_loop(inner.clone()));
         Ok((Transport { inner }, rx))
+    }
+
+    /// The data plane, unless this node turned it off ([`TransportConfig::plane`]).
+    pub fn plane(&self) -> Option<&plane::Plane> {
+        self.inner.plane.as_ref()
     }
 
     /// The bound address.
@@ -1558,6 +1581,10 @@ fn register(inner: &Arc<Inner>, conn: quinn::Connection, node: NodeId, observed:
         }
         keep
     });
+    // Authenticated: the plane link's keys may come from this connection now.
+    if let Some(plane) = &inner.plane {
+        plane.add_link(conn.clone(), conn.side().is_client());
+    }
     let _ = inner.events.try_send(TransportEvent::PeerUp { addr, node, observed });
     tokio::spawn(read_datagrams(inner.clone(), conn.clone(), node));
     tokio::spawn(read_bidi_streams(inner.clone(), conn.clone(), node));

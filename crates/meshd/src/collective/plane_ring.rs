@@ -1,0 +1,119 @@
+//! The ring's chunks over the data plane (`transport::plane`) instead of QUIC streams.
+//!
+//! The sending node decides, per operation: it uses the plane when its plane link to the
+//! next node is ready (the peer acknowledged its full-size probe: datagrams get through
+//! both ways and the next node runs the plane), and says so on the operation's first data stream with the preamble
+//! [`PREAMBLE`] instead of a lane preamble; the stream carries nothing else. The receiving
+//! node then takes the operation's chunks from the plane. A node that turned the plane off
+//! never answers on it, so its neighbours use QUIC streams with it; a node whose link is
+//! not ready after [`PROBE_WAIT`] does too.
+
+use super::ring::CollectiveError;
+use crate::transport::plane::{Delivery, Plane};
+use bytes::Bytes;
+use std::net::SocketAddr;
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+/// The data stream preamble that says "this operation's chunks come by the data plane":
+/// a lane preamble of 0 lanes, which no meshd before the plane accepts.
+pub const PREAMBLE: [u8; 2] = [0xFF, 0];
+
+/// How long a ring waits, once per neighbour, for the plane link to hear back from it.
+pub const PROBE_WAIT: Duration = Duration::from_millis(300);
+
+/// Which path carried a ring's chunks, counted per operation sent.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Served {
+    /// Operations whose chunks went by the data plane.
+    pub datagrams: u64,
+    /// Operations whose chunks went over QUIC streams.
+    pub streams: u64,
+}
+
+impl Served {
+    /// What a summary says: "data plane: datagrams", "QUIC streams", or both with counts.
+    pub fn line(&self) -> String {
+        match (self.datagrams, self.streams) {
+            (0, 0) => "none (no ring operation sent)".to_string(),
+            (_, 0) => "data plane: datagrams".to_string(),
+            (0, _) => "QUIC streams".to_string(),
+            (d, s) => format!(
+                "data plane: datagrams for {}, QUIC streams for {}",
+                crate::plural(d, "operation"),
+                crate::plural(s, "operation")
+            ),
+        }
+    }
+}
+
+/// Hands the chunks the ring queues for `next` to the plane until the ring closes the queue.
+pub(super) async fn write_chunks(
+    plane: Plane,
+    next: SocketAddr,
+    op: u64,
+    mut chunks: mpsc::Receiver<(u64, Bytes)>,
+) -> Result<(), CollectiveError> {
+    while let Some((id, bytes)) = chunks.recv().await {
+        // The one copy on the sending side: into the message the link seals in place.
+        plane.send(next, op, id, &bytes).map_err(|reason| CollectiveError::Link { peer: next, reason })?;
+    }
+    Ok(())
+}
+
+/// Ends a subscription however its reader ends (the ring aborts readers when done).
+struct Subscription {
+    plane: Plane,
+    peer: SocketAddr,
+    op: u64,
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        self.plane.unsubscribe(self.peer, self.op);
+    }
+}
+
+/// Passes the plane messages of `op` from `prev` to the ring as received chunks. A chunk
+/// over `max_chunk` bytes, or silence for `idle`, ends the operation with an error.
+pub(super) async fn read_chunks(
+    plane: Plane,
+    prev: SocketAddr,
+    op: u64,
+    out: mpsc::Sender<Result<(u64, Vec<Bytes>), CollectiveError>>,
+    max_chunk: usize,
+    idle: Duration,
+) {
+    let mut rx: mpsc::UnboundedReceiver<Delivery> = plane.subscribe(prev, op);
+    let _sub = Subscription { plane, peer: prev, op };
+    loop {
+        let msg = match tokio::time::timeout(idle, rx.recv()).await {
+            Ok(Some((id, bytes))) if bytes.len() <= max_chunk => Ok((id, vec![bytes])),
+            Ok(Some((id, bytes))) => Err(CollectiveError::Link {
+                peer: prev,
+                reason: format!("plane chunk {id:#x} of {} bytes exceeds {max_chunk}", bytes.len()),
+            }),
+            Ok(None) => Err(CollectiveError::Link { peer: prev, reason: "the data plane stopped".into() }),
+            Err(_) => Err(CollectiveError::Timeout { peer: prev, op, timeout: idle }),
+        };
+        let stop = msg.is_err();
+        if out.send(msg).await.is_err() || stop {
+            return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_summary_names_the_plane_that_served() {
+        assert_eq!(Served { datagrams: 3, streams: 0 }.line(), "data plane: datagrams");
+        assert_eq!(Served { datagrams: 0, streams: 2 }.line(), "QUIC streams");
+        assert_eq!(
+            Served { datagrams: 1, streams: 2 }.line(),
+            "data plane: datagrams for 1 operation, QUIC streams for 2 operations"
+        );
+    }
+}

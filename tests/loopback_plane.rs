@@ -1,0 +1,204 @@
+//! The ring over the data plane (AEAD datagrams on meshd's one UDP port), 3 nodes in this
+//! process on loopback: results exact, the plane (not QUIC streams) serving, a node that
+//! sends over QUIC streams beside nodes that send datagrams, and junk datagrams from a
+//! stranger changing nothing.
+
+use meshd::collective::{CollectiveBuffer, RingNet};
+use meshd::mesh::MeshConfig;
+use meshd::proto::membership::MembershipConfig;
+use meshd::proto::reduce::{DType, ReduceOp};
+use meshd::transport::auth::Token;
+use std::sync::Arc;
+use std::time::Duration;
+
+const PORTS: [u16; 3] = [29811, 29812, 29813];
+
+/// Random bytes with the QUIC fixed bit clear (what the socket hands the plane), sent to
+/// every node from an address that is no member, until `stop`.
+fn junk(stop: Arc<std::sync::atomic::AtomicBool>) -> std::thread::JoinHandle<u64> {
+    std::thread::spawn(move || {
+        let sock = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+        let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+        let mut sent = 0;
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            let mut d = [0u8; 1200];
+            for b in d.iter_mut() {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                *b = x as u8;
+            }
+            // Half of them look like plane datagrams of lane 0 exactly.
+            d[0] = if sent % 2 == 0 { 0x20 } else { d[0] & 0x3F };
+            d[1] = 0;
+            for p in PORTS {
+                let _ = sock.send_to(&d, ("127.0.0.1", p));
+            }
+            sent += 1;
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        sent
+    })
+}
+
+async fn node(port: u16) -> Result<(), String> {
+    let peers = PORTS
+        .iter()
+        .map(|&p| (format!("127.0.0.1:{p}"), std::net::SocketAddr::from(([127, 0, 0, 1], p))))
+        .collect();
+    let mut node = meshd::Node::spawn(meshd::NodeConfig::new(MeshConfig {
+        node: meshd::random_node_id(),
+        port,
+        token: Some(Token::new("plane-test")),
+        run_id: "plane-test".into(),
+        peers,
+        unresolved: Vec::new(),
+        resolve_timeout: Duration::from_secs(60),
+        min_nodes: 3,
+        max_nodes: 3,
+        iface: None,
+        nproc: 1,
+        cmd_hash: 0,
+        membership: MembershipConfig::default(),
+        gso: true,
+        plane: true,
+        cc: Default::default(),
+    }))
+    .await
+    .map_err(|e| e.to_string())?;
+    let plane = node.transport().plane().cloned().ok_or("the plane is on by default")?;
+    let roster = node.roster().await.map_err(|e| e.to_string())?;
+    let rank = roster.node_rank(node.id()).ok_or("in the roster")?;
+    let mut ring: RingNet = node.ring().ok_or("the ring")?;
+    ring.join_timeout = Duration::from_secs(30);
+    let work = tokio::spawn(async move {
+        let check = |got: &[u8], want: &dyn Fn(usize) -> i32, what: &str| -> Result<(), String> {
+            match got
+                .chunks_exact(4)
+                .enumerate()
+                .find(|(i, c)| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) != want(*i))
+            {
+                None => Ok(()),
+                Some((i, c)) => Err(format!("node {rank}, {what}: element {i} is {c:?}, want {}", want(i))),
+            }
+        };
+        // Odd length, small chunks: many plane messages, the last one short.
+        ring.chunk_bytes = std::num::NonZeroUsize::new(48 << 10).ok_or("not zero")?;
+        let len: usize = 250_007;
+        let mut a: Vec<u8> =
+            (0..len).flat_map(|i| ((i % 1000) as i32 * (rank as i32 + 1)).to_le_bytes()).collect();
+        ring.allreduce(1, &mut a, DType::I32, ReduceOp::Sum).await.map_err(|e| e.to_string())?;
+        check(&a, &|i| (i % 1000) as i32 * 6, "1 MB sum")?;
+        // Chunks of 1 MiB (each many datagrams), on a CollectiveBuffer, three times.
+        ring.chunk_bytes = std::num::NonZeroUsize::new(1 << 20).ok_or("not zero")?;
+        let mut lent = CollectiveBuffer::from_vec(
+            (0..(12usize << 20) / 4).flat_map(|i| ((i % 7) as i32 - rank as i32).to_le_bytes()).collect(),
+        );
+        for (op, k) in [(2u64, 1i32), (3, 3), (4, 9)] {
+            ring.allreduce_buffer(op, &mut lent, DType::I32, ReduceOp::Sum)
+                .await
+                .map_err(|e| e.to_string())?;
+            let got = lent.try_as_mut().ok_or("buffer still lent")?.to_vec();
+            // Each round triples every element: 3 nodes hold the same values after round 1.
+            let base = |i: usize| 3 * (i % 7) as i32 - 3;
+            check(&got, &|i| base(i) * k, &format!("12 MiB sum, round {op}"))?;
+        }
+        let served = ring.served();
+        if served.streams != 0 || served.datagrams != 4 {
+            return Err(format!("node {rank}: {served:?}: the plane should have served all four"));
+        }
+        // Rank 1 sends over QUIC streams now; its neighbours still send datagrams.
+        ring.use_plane = rank != 1;
+        let mut m: Vec<u8> =
+            (0..300_001usize).flat_map(|i| ((i as i32) ^ (rank as i32 * 77)).to_le_bytes()).collect();
+        ring.allreduce(5, &mut m, DType::I32, ReduceOp::Max).await.map_err(|e| e.to_string())?;
+        check(&m, &|i| [0, 77, 154].iter().map(|r| (i as i32) ^ r).max().unwrap_or(0), "max, mixed paths")?;
+        let served = ring.served();
+        let want = if rank == 1 { (4, 1) } else { (5, 0) };
+        if (served.datagrams, served.streams) != want {
+            return Err(format!("node {rank}: {served:?}, want {want:?}"));
+        }
+        ring.barrier(6).await.map_err(|e| e.to_string())?;
+        Ok::<_, String>(plane.counters())
+    });
+    // The node's actor answers its peers while the ring runs.
+    let counters = work.await.map_err(|e| e.to_string())??;
+    node.finish().await.map_err(|e| e.to_string())?;
+    if counters.messages == 0 || counters.opened == 0 {
+        return Err(format!("node on port {port}: plane counters {counters:?}"));
+    }
+    if counters.unknown_source == 0 {
+        return Err(format!("node on port {port}: the stranger's datagrams were not seen: {counters:?}"));
+    }
+    Ok(())
+}
+
+#[test]
+fn ring_over_the_data_plane_is_exact_and_ignores_strangers() {
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let junk = junk(stop.clone());
+    let rt =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(4).enable_all().build().expect("runtime");
+    let results = rt.block_on(async {
+        let tasks: Vec<_> = PORTS.iter().map(|&p| tokio::spawn(node(p))).collect();
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(tokio::time::timeout(Duration::from_secs(120), t).await);
+        }
+        out
+    });
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let sent = junk.join().expect("junk thread");
+    assert!(sent > 0);
+    for (i, r) in results.into_iter().enumerate() {
+        match r {
+            Ok(Ok(Ok(()))) => {}
+            Ok(Ok(Err(e))) => panic!("node {i}: {e}"),
+            Ok(Err(e)) => panic!("node {i} panicked: {e}"),
+            Err(_) => panic!("node {i} hung"),
+        }
+    }
+}
+
+/// A job of 3 nodes where one turned the plane off (`MESHD_PLANE=0`): every collective of
+/// the client's checks comes out right, the node before it and the node itself send over
+/// QUIC streams, the third node sends datagrams, and each job says which path served.
+#[test]
+fn a_node_without_the_plane_gets_quic_streams_and_the_job_runs() {
+    use std::process::{Command, Stdio};
+    let base = 29821u16;
+    let peers: Vec<String> = (0..3).map(|i| format!("127.0.0.1:{}", base + i)).collect();
+    let peers = peers.join(",");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/collectives_check.py");
+    let children: Vec<_> = (0..3u16)
+        .map(|i| {
+            let port = (base + i).to_string();
+            Command::new(env!("CARGO_BIN_EXE_meshd"))
+                .args(["run", "--nnodes", "3", "--peers", &peers, "--port", &port, "--nproc-per-node", "1"])
+                .args(["--rdzv-timeout", "60s", "--", "/usr/bin/python3", script])
+                .env("MESHD_TOKEN", "loopback-plane")
+                .env("MESHD_PLANE", if i == 2 { "0" } else { "1" })
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("spawn meshd")
+        })
+        .collect();
+    let mut said = Vec::new();
+    for (i, c) in children.into_iter().enumerate() {
+        let out = c.wait_with_output().expect("output");
+        let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "node {i} failed:\n{stdout}\n{stderr}");
+        assert!(stdout.contains("COLLECTIVES OK"), "node {i}:\n{stdout}\n{stderr}");
+        let line = stderr
+            .lines()
+            .find_map(|l| l.split("ring collectives to the next node: ").nth(1))
+            .unwrap_or_else(|| panic!("node {i} does not say which path served:\n{stderr}"))
+            .to_string();
+        said.push(line);
+    }
+    assert!(said[2].starts_with("QUIC streams"), "the node without the plane: {said:?}");
+    let datagrams = said.iter().filter(|l| l.starts_with("data plane: datagrams")).count();
+    let streams = said.iter().filter(|l| l.starts_with("QUIC streams")).count();
+    assert_eq!((datagrams, streams), (1, 2), "{said:?}");
+}
