@@ -55,6 +55,9 @@ pub struct MeshConfig {
     pub cc: crate::transport::CongestionControl,
 }
 
+/// Largest interface MTU at which the data plane carries the ring by default.
+pub const PLANE_MAX_MTU: u32 = 1500;
+
 /// Errors forming or running the mesh.
 #[derive(Debug, thiserror::Error)]
 pub enum MeshError {
@@ -164,9 +167,12 @@ impl Mesh {
         tc.token = cfg.token.clone();
         tc.run_hash = run_hash;
         tc.gso = cfg.gso;
-        tc.plane = cfg.plane;
         tc.cc = cfg.cc;
         tc.mtu = ifs.iter().find(|i| i.name == choice.name).and_then(|i| i.mtu);
+        // Above MTU 1500 the data plane's copies cost more than quinn's lent chunks (jumbo
+        // frames already cut QUIC's per-packet work; docs/PERFORMANCE.md): the ring stays on
+        // QUIC streams there until the plane decrypts straight into the reduction.
+        tc.plane = cfg.plane && tc.mtu.is_none_or(|m| m <= PLANE_MAX_MTU);
         if choice.addr.is_ipv6() {
             tc.bind = IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED);
         }
