@@ -44,7 +44,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         cmd_hash: 0,
         membership: MembershipConfig::default(),
         gso: true,
-        plane: true,
+        plane: Some(true),
         cc: Default::default(),
     }))
     .await?;

@@ -264,7 +264,11 @@ async fn sweep(
 
 pub async fn main(which: Which, env: &crate::env::EnvConfig) -> Result<ExitCode> {
     let Which::Allreduce(a) = which;
-    let p = run::prepare(&a.job, &["meshd-bench-allreduce".to_string()], env)?;
+    let mut p = run::prepare(&a.job, &["meshd-bench-allreduce".to_string()], env)?;
+    // Asked to measure the data plane: run it whatever the interface's MTU.
+    if a.plane == "both" && p.mesh.plane.is_none() {
+        p.mesh.plane = Some(true);
+    }
     let mut cfg = NodeConfig::new(p.mesh);
     cfg.rdzv = p.job.rdzv.clone();
     cfg.rdzv_timeout = p.job.rdzv_timeout;

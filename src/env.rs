@@ -20,8 +20,9 @@ pub struct EnvConfig {
     pub ring_chunk: NonZeroUsize,
     /// `MESHD_GSO`: anything but `0` keeps UDP segmentation offload on.
     pub gso: bool,
-    /// `MESHD_PLANE`: anything but `0` runs the data plane (the ring's bulk as AEAD datagrams).
-    pub plane: bool,
+    /// `MESHD_PLANE`: `0` keeps the ring on QUIC streams, anything else runs the data plane
+    /// (the ring's bulk as AEAD datagrams); unset: by the interface's MTU.
+    pub plane: Option<bool>,
     /// `MESHD_CC`: `cubic`, `bbr` or `newreno`.
     pub cc: CongestionControl,
     /// `MESHD_PRELOAD_LIB`: the tunnel's preload library, instead of meshd's embedded copy.
@@ -68,7 +69,7 @@ impl EnvConfig {
             lanes,
             ring_chunk,
             gso: text("MESHD_GSO").is_none_or(|v| v != "0"),
-            plane: text("MESHD_PLANE").is_none_or(|v| v != "0"),
+            plane: text("MESHD_PLANE").map(|v| v != "0"),
             cc,
             preload_lib: get("MESHD_PRELOAD_LIB").filter(|p| !p.is_empty()).map(PathBuf::from),
             // Empty is unset (XDG Base Directory spec): never a socket directory under the

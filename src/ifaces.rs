@@ -110,7 +110,7 @@ pub async fn main(a: Args, env: &crate::env::EnvConfig) -> Result<ExitCode> {
 async fn probe_all(reach: &mut [PeerReach], net: &NetArgs, env: &crate::env::EnvConfig) -> Result<()> {
     let mut cfg = TransportConfig::new(meshd::random_node_id(), 0);
     cfg.gso = env.gso;
-    cfg.plane = env.plane;
+    cfg.plane = env.plane.unwrap_or(true);
     cfg.cc = env.cc;
     cfg.token = net.token()?;
     cfg.connect_timeout = std::time::Duration::from_secs(2);

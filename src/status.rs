@@ -28,7 +28,7 @@ pub async fn main(a: Args, env: &crate::env::EnvConfig) -> Result<ExitCode> {
     let mut cfg = TransportConfig::new(meshd::random_node_id(), 0);
     cfg.token = a.net.token()?;
     cfg.gso = env.gso;
-    cfg.plane = env.plane;
+    cfg.plane = env.plane.unwrap_or(true);
     cfg.cc = env.cc;
     let (t, _events) = Transport::bind(cfg)?;
     let mut errors = Vec::new();

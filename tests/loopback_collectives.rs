@@ -116,7 +116,7 @@ fn rust_library_allreduce_broadcast_barrier() {
             cmd_hash: 0,
             membership: MembershipConfig::default(),
             gso: true,
-            plane: true,
+            plane: Some(true),
             cc: Default::default(),
         }))
         .await
@@ -457,7 +457,7 @@ fn rust_library_store_sets_arrive_everywhere_and_converge() {
             cmd_hash: 0,
             membership: MembershipConfig::default(),
             gso: true,
-            plane: true,
+            plane: Some(true),
             cc: Default::default(),
         }))
         .await

@@ -61,7 +61,7 @@ async fn node(port: u16) -> Result<(), String> {
         cmd_hash: 0,
         membership: MembershipConfig::default(),
         gso: true,
-        plane: true,
+        plane: Some(true),
         cc: Default::default(),
     }))
     .await

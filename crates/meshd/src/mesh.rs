@@ -49,8 +49,9 @@ pub struct MeshConfig {
     pub membership: MembershipConfig,
     /// UDP segmentation offload ([`TransportConfig::gso`]).
     pub gso: bool,
-    /// Run the data plane ([`TransportConfig::plane`]).
-    pub plane: bool,
+    /// Run the data plane ([`TransportConfig::plane`]); `None`: where the interface's MTU
+    /// is at most [`PLANE_MAX_MTU`].
+    pub plane: Option<bool>,
     /// Congestion control ([`TransportConfig::cc`]).
     pub cc: crate::transport::CongestionControl,
 }
@@ -172,7 +173,7 @@ impl Mesh {
         // Above MTU 1500 the data plane's copies cost more than quinn's lent chunks (jumbo
         // frames already cut QUIC's per-packet work; docs/PERFORMANCE.md): the ring stays on
         // QUIC streams there until the plane decrypts straight into the reduction.
-        tc.plane = cfg.plane && tc.mtu.is_none_or(|m| m <= PLANE_MAX_MTU);
+        tc.plane = cfg.plane.unwrap_or_else(|| tc.mtu.is_none_or(|m| m <= PLANE_MAX_MTU));
         if choice.addr.is_ipv6() {
             tc.bind = IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED);
         }
