@@ -273,15 +273,7 @@ impl Sim {
     /// Splits the network: nodes in different groups cannot reach each other. Nodes in no
     /// group form one more group together.
     pub fn partition(&mut self, groups: &[Vec<usize>]) {
-        let rest = groups.len() + 1;
-        self.group = vec![rest; self.nodes.len()];
-        for (g, members) in groups.iter().enumerate() {
-            for &i in members {
-                if let Some(slot) = self.group.get_mut(i) {
-                    *slot = g;
-                }
-            }
-        }
+        self.group = partition_groups(self.nodes.len(), groups);
     }
 
     /// Removes any partition.
@@ -471,6 +463,20 @@ impl Sim {
             }
         }
     }
+}
+
+/// Each of `n` nodes' group for a partition into `groups` (nodes in none form one more
+/// group); shared by the membership and the whole-node simulators.
+pub(crate) fn partition_groups(n: usize, groups: &[Vec<usize>]) -> Vec<usize> {
+    let mut group = vec![groups.len() + 1; n];
+    for (g, members) in groups.iter().enumerate() {
+        for &i in members {
+            if let Some(slot) = group.get_mut(i) {
+                *slot = g;
+            }
+        }
+    }
+    group
 }
 
 /// The fake address of node `i`: 10.x.y.z:29400.

@@ -446,15 +446,7 @@ impl NodeSim {
 
     /// Splits the network into groups (nodes in none form one more group).
     pub fn partition(&mut self, groups: &[Vec<usize>]) {
-        let rest = groups.len() + 1;
-        self.group = vec![rest; self.nodes.len()];
-        for (g, members) in groups.iter().enumerate() {
-            for &i in members {
-                if let Some(s) = self.group.get_mut(i) {
-                    *s = g;
-                }
-            }
-        }
+        self.group = super::partition_groups(self.nodes.len(), groups);
     }
 
     /// Removes any partition.
