@@ -92,7 +92,6 @@ fn in_place_requests_that_cannot_be_served_are_refused_with_the_cause() {
 fn rust_library_allreduce_broadcast_barrier() {
     use meshd::collective::{CollectiveBuffer, RingNet};
     use meshd::mesh::MeshConfig;
-    use meshd::proto::membership::MembershipConfig;
     use meshd::proto::reduce::{DType, ReduceOp};
     use meshd::transport::auth::Token;
     use std::num::NonZeroUsize;
@@ -102,22 +101,15 @@ fn rust_library_allreduce_broadcast_barrier() {
             .map(|p| (format!("127.0.0.1:{p}"), std::net::SocketAddr::from(([127, 0, 0, 1], p))))
             .collect();
         let mut node = meshd::Node::spawn(meshd::NodeConfig::new(MeshConfig {
-            node: meshd::random_node_id(),
-            port,
-            token: Some(Token::new("library-test")),
-            run_id: "library-test".into(),
-            peers,
-            unresolved: Vec::new(),
-            resolve_timeout: Duration::from_secs(60),
-            min_nodes: 3,
-            max_nodes: 3,
-            iface: None,
-            nproc: 1,
-            cmd_hash: 0,
-            membership: MembershipConfig::default(),
-            gso: true,
             plane: Some(true),
-            cc: Default::default(),
+            ..MeshConfig::new(
+                meshd::random_node_id(),
+                port,
+                Some(Token::new("library-test")),
+                "library-test",
+                peers,
+                3,
+            )
         }))
         .await
         .expect("node");
@@ -435,7 +427,6 @@ fn wait_bounded(mut c: std::process::Child, limit: Duration) -> std::process::Ou
 #[test]
 fn rust_library_store_sets_arrive_everywhere_and_converge() {
     use meshd::mesh::MeshConfig;
-    use meshd::proto::membership::MembershipConfig;
     use meshd::transport::auth::Token;
 
     async fn node(port: u16) -> (usize, Vec<Vec<u8>>, Vec<u8>) {
@@ -443,22 +434,15 @@ fn rust_library_store_sets_arrive_everywhere_and_converge() {
             .map(|p| (format!("127.0.0.1:{p}"), std::net::SocketAddr::from(([127, 0, 0, 1], p))))
             .collect();
         let mut node = meshd::Node::spawn(meshd::NodeConfig::new(MeshConfig {
-            node: meshd::random_node_id(),
-            port,
-            token: Some(Token::new("library-store-test")),
-            run_id: "library-store-test".into(),
-            peers,
-            unresolved: Vec::new(),
-            resolve_timeout: Duration::from_secs(60),
-            min_nodes: 3,
-            max_nodes: 3,
-            iface: None,
-            nproc: 1,
-            cmd_hash: 0,
-            membership: MembershipConfig::default(),
-            gso: true,
             plane: Some(true),
-            cc: Default::default(),
+            ..MeshConfig::new(
+                meshd::random_node_id(),
+                port,
+                Some(Token::new("library-store-test")),
+                "library-store-test",
+                peers,
+                3,
+            )
         }))
         .await
         .expect("node");

@@ -5,7 +5,6 @@
 
 use meshd::collective::{CollectiveBuffer, RingNet};
 use meshd::mesh::MeshConfig;
-use meshd::proto::membership::MembershipConfig;
 use meshd::proto::reduce::{DType, ReduceOp};
 use meshd::transport::auth::Token;
 use std::sync::Arc;
@@ -47,22 +46,15 @@ async fn node(port: u16) -> Result<(), String> {
         .map(|&p| (format!("127.0.0.1:{p}"), std::net::SocketAddr::from(([127, 0, 0, 1], p))))
         .collect();
     let mut node = meshd::Node::spawn(meshd::NodeConfig::new(MeshConfig {
-        node: meshd::random_node_id(),
-        port,
-        token: Some(Token::new("plane-test")),
-        run_id: "plane-test".into(),
-        peers,
-        unresolved: Vec::new(),
-        resolve_timeout: Duration::from_secs(60),
-        min_nodes: 3,
-        max_nodes: 3,
-        iface: None,
-        nproc: 1,
-        cmd_hash: 0,
-        membership: MembershipConfig::default(),
-        gso: true,
         plane: Some(true),
-        cc: Default::default(),
+        ..MeshConfig::new(
+            meshd::random_node_id(),
+            port,
+            Some(Token::new("plane-test")),
+            "plane-test",
+            peers,
+            3,
+        )
     }))
     .await
     .map_err(|e| e.to_string())?;

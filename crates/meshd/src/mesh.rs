@@ -56,6 +56,39 @@ pub struct MeshConfig {
     pub cc: crate::transport::CongestionControl,
 }
 
+impl MeshConfig {
+    /// A mesh of exactly `nodes` nodes joining through `peers`, with `token`, and
+    /// `meshd run`'s defaults for everything else (interface by proof, 60 s to resolve
+    /// names, one process, GSO on, the data plane by MTU, CUBIC).
+    pub fn new(
+        node: NodeId,
+        port: u16,
+        token: Option<Token>,
+        run_id: impl Into<String>,
+        peers: Vec<(String, SocketAddr)>,
+        nodes: u32,
+    ) -> MeshConfig {
+        MeshConfig {
+            node,
+            port,
+            token,
+            run_id: run_id.into(),
+            peers,
+            unresolved: Vec::new(),
+            resolve_timeout: Duration::from_secs(60),
+            min_nodes: nodes,
+            max_nodes: nodes,
+            iface: None,
+            nproc: 1,
+            cmd_hash: 0,
+            membership: MembershipConfig::default(),
+            gso: true,
+            plane: None,
+            cc: Default::default(),
+        }
+    }
+}
+
 /// Largest interface MTU at which the data plane carries the ring by default.
 pub const PLANE_MAX_MTU: u32 = 1500;
 
