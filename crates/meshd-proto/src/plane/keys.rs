@@ -45,6 +45,11 @@ pub fn exporter_context(lane: u8, client_to_server: bool) -> [u8; 2] {
     [lane, client_to_server as u8]
 }
 
+/// The exporter context of a link's name: 8 bytes both ends of one connection derive
+/// alike, by which both ends of two connections between the same nodes choose the same one
+/// to carry their datagrams (the one whose name is lowest).
+pub const LINK_NAME_CONTEXT: &[u8] = b"link name";
+
 impl LinkKeys {
     /// The keys of the QUIC client's or server's end, from the two exported secrets.
     pub fn for_side(client_to_server: [u8; 32], server_to_client: [u8; 32], is_client: bool) -> LinkKeys {

@@ -194,6 +194,13 @@ impl Link {
         self.sender.queue(tag, data)
     }
 
+    /// Queues the message `head` then `body` (head at most
+    /// [`MAX_HEAD`](super::sender::MAX_HEAD) bytes): the body is shared, not copied, and
+    /// held until the peer acknowledged all of it. Returns the message's number.
+    pub fn send_parts(&mut self, tag: u64, head: &[u8], body: bytes::Bytes) -> Result<u64, PlaneError> {
+        self.sender.queue_parts(tag, head, body)
+    }
+
     /// Bytes queued or in flight, not yet acknowledged: what the application may use to
     /// stop queueing.
     pub fn queued_bytes(&self) -> u64 {
@@ -269,7 +276,7 @@ impl Link {
                 pos += target - size;
             }
             p.header.write(out, &mut pos);
-            out[pos..pos + p.len].copy_from_slice(self.sender.payload(p));
+            self.sender.copy_payload(p, &mut out[pos..pos + p.len]);
             pos += p.len;
         } else {
             if self.acks.frame_len(now) + 1 + OVERHEAD > limit {

@@ -9,6 +9,7 @@ use super::congestion::{Cubic, Pacer};
 use super::frame::DataHeader;
 use super::packet::{OVERHEAD, VARINT_MAX};
 use super::rtt::Rtt;
+use bytes::Bytes;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
@@ -42,10 +43,16 @@ struct Sent {
     frag: Option<FragRef>,
 }
 
+/// Longest head a message may have before its body (see [`Sender::queue_parts`]).
+pub const MAX_HEAD: usize = 64;
+
 #[derive(Debug)]
 struct OutMsg {
     tag: u64,
-    data: Vec<u8>,
+    /// The message is `head` then `body`; `len` is both together.
+    head: Vec<u8>,
+    body: Bytes,
+    len: usize,
     frag_len: usize,
     frags: u32,
     next_fresh: u32,
@@ -54,13 +61,28 @@ struct OutMsg {
 }
 
 impl OutMsg {
+    /// Copies the message's bytes `start..start + out.len()` into `out`.
+    fn copy_to(&self, start: usize, out: &mut [u8]) {
+        let end = start + out.len();
+        let h = self.head.len();
+        if start < h {
+            let n = h.min(end) - start;
+            out[..n].copy_from_slice(&self.head[start..start + n]);
+            if end > h {
+                out[n..].copy_from_slice(&self.body[..end - h]);
+            }
+        } else {
+            out.copy_from_slice(&self.body[start - h..end - h]);
+        }
+    }
+
     fn is_acked(&self, index: u32) -> bool {
         self.acked[index as usize / 64] >> (index % 64) & 1 == 1
     }
 }
 
 /// Something the application should hear about.
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Event {
     /// Every byte of the message `tag` (number `seq`) was acknowledged.
     Delivered {
@@ -68,24 +90,10 @@ pub enum Event {
         tag: u64,
         /// The link's number for it.
         seq: u64,
-        /// The message's buffer, handed back so the application can reuse it rather than
-        /// allocate (and page-fault) a new one per message.
-        buffer: Vec<u8>,
     },
     /// The sending key reached AES-GCM's usage limit without a key update (the peer never
     /// acknowledged the current phase): the link sends nothing more and must be replaced.
     KeysExhausted,
-}
-
-impl std::fmt::Debug for Event {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Event::Delivered { tag, seq, buffer } => {
-                write!(f, "Delivered {{ tag: {tag}, seq: {seq}, buffer: {} bytes }}", buffer.len())
-            }
-            Event::KeysExhausted => f.write_str("KeysExhausted"),
-        }
-    }
 }
 
 /// Counters of the sending direction.
@@ -196,14 +204,28 @@ impl Sender {
 
     /// Queues a message; returns its number.
     pub fn queue(&mut self, tag: u64, data: Vec<u8>) -> Result<u64, PlaneError> {
+        self.queue_parts(tag, &[], Bytes::from(data))
+    }
+
+    /// Queues the message `head` then `body` (a short head, at most [`MAX_HEAD`] bytes,
+    /// copied; the body shared, not copied: each fragment is copied once, from it into
+    /// the datagram being sealed). Returns its number.
+    pub fn queue_parts(&mut self, tag: u64, head: &[u8], body: Bytes) -> Result<u64, PlaneError> {
         if tag > VARINT_MAX {
             return Err(PlaneError::TagTooLarge(tag));
         }
+        if head.len() > MAX_HEAD {
+            return Err(PlaneError::Config(format!(
+                "a message head of {} bytes exceeds {MAX_HEAD}",
+                head.len()
+            )));
+        }
         let seq = self.msg_base + self.msgs.len() as u64;
-        let total = data.len() as u64;
+        let len = head.len() + body.len();
+        let total = len as u64;
         let header = DataHeader { seq, tag, total_len: total, offset: total };
         let frag_len = (self.max_datagram - OVERHEAD - header.encoded_len()) / FRAG_ALIGN * FRAG_ALIGN;
-        let frags = data.len().div_ceil(frag_len).max(1);
+        let frags = len.div_ceil(frag_len).max(1);
         let frags = u32::try_from(frags).map_err(|_| PlaneError::MessageTooLong {
             len: total,
             max: u64::from(u32::MAX) * frag_len as u64,
@@ -211,7 +233,9 @@ impl Sender {
         self.queued_bytes += total;
         self.msgs.push_back(Some(OutMsg {
             tag,
-            data,
+            head: head.to_vec(),
+            body,
+            len,
             frag_len,
             frags,
             next_fresh: 0,
@@ -330,9 +354,8 @@ impl Sender {
         }
         let m = self.msg(frag.seq)?;
         let start = frag.index as usize * m.frag_len;
-        let len = m.frag_len.min(m.data.len() - start);
-        let header =
-            DataHeader { seq: frag.seq, tag: m.tag, total_len: m.data.len() as u64, offset: start as u64 };
+        let len = m.frag_len.min(m.len - start);
+        let header = DataHeader { seq: frag.seq, tag: m.tag, total_len: m.len as u64, offset: start as u64 };
         Some(Plan { frag, header, start, len, resend })
     }
 
@@ -340,14 +363,16 @@ impl Sender {
     fn fragment_datagram_len(&self, f: FragRef) -> Option<usize> {
         let m = self.msg(f.seq)?;
         let start = f.index as usize * m.frag_len;
-        let len = m.frag_len.min(m.data.len() - start);
-        let header = DataHeader { seq: f.seq, tag: m.tag, total_len: m.data.len() as u64, offset: 0 };
+        let len = m.frag_len.min(m.len - start);
+        let header = DataHeader { seq: f.seq, tag: m.tag, total_len: m.len as u64, offset: 0 };
         Some(OVERHEAD + header.encoded_len() + len)
     }
 
-    /// The bytes of a planned fragment.
-    pub fn payload(&self, plan: &Plan) -> &[u8] {
-        self.msg(plan.frag.seq).map_or(&[], |m| &m.data[plan.start..plan.start + plan.len])
+    /// Copies the bytes of a planned fragment into `out` (`plan.len` bytes long).
+    pub fn copy_payload(&self, plan: &Plan, out: &mut [u8]) {
+        if let Some(m) = self.msg(plan.frag.seq) {
+            m.copy_to(plan.start, &mut out[..plan.len]);
+        }
     }
 
     /// Asks for an ack-eliciting packet even without data: after a key update, so that the
@@ -451,8 +476,8 @@ impl Sender {
         }
         let i = (f.seq - self.msg_base) as usize;
         let Some(m) = self.msgs[i].take() else { return };
-        self.queued_bytes -= m.data.len() as u64;
-        self.events.push_back(Event::Delivered { tag: m.tag, seq: f.seq, buffer: m.data });
+        self.queued_bytes -= m.len as u64;
+        self.events.push_back(Event::Delivered { tag: m.tag, seq: f.seq });
         while let Some(None) = self.msgs.front() {
             self.msgs.pop_front();
             self.msg_base += 1;

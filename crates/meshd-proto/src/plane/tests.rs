@@ -254,7 +254,14 @@ fn queue_messages(
     for t in 0..count {
         let len = rng.below(max_len + 1);
         let data: Vec<u8> = (0..len).map(|_| rng.next_u64() as u8).collect();
-        sim.links[end].send(tag_base + t, data.clone()).expect("queued");
+        if t % 2 == 1 {
+            // Every other message as a head and a shared body, split anywhere.
+            let h = rng.below(len.min(sender::MAX_HEAD) + 1);
+            let body = bytes::Bytes::copy_from_slice(&data[h..]);
+            sim.links[end].send_parts(tag_base + t, &data[..h], body).expect("queued");
+        } else {
+            sim.links[end].send(tag_base + t, data.clone()).expect("queued");
+        }
         out.insert(tag_base + t, data);
     }
     out
@@ -604,9 +611,9 @@ fn plane_link_throughput() {
                 }
             }
             while let Some(e) = a.poll_event() {
-                if let Event::Delivered { buffer, .. } = e {
+                if let Event::Delivered { .. } = e {
                     if queued < total {
-                        a.send(tag, buffer).expect("queued");
+                        a.send(tag, vec![tag as u8 | 1; msg]).expect("queued");
                         queued += msg;
                         tag += 1;
                     }

@@ -8,10 +8,12 @@
 //! never answers on it, so its neighbours use QUIC streams with it; a node whose link is
 //! not ready after [`PROBE_WAIT`] does too.
 
-use super::ring::CollectiveError;
+use super::ring::{CollectiveError, Progress};
 use crate::transport::plane::{Delivery, Plane};
 use bytes::Bytes;
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 use tokio::sync::mpsc;
 
@@ -47,18 +49,66 @@ impl Served {
     }
 }
 
-/// Hands the chunks the ring queues for `next` to the plane until the ring closes the queue.
+/// Chunks the plane still holds: counted down as the plane drops each (once the next node
+/// acknowledged all of it).
+#[derive(Default)]
+struct Outstanding {
+    count: std::sync::atomic::AtomicUsize,
+    done: tokio::sync::Notify,
+}
+
+/// A chunk as the plane holds it: the ring's bytes, counted in [`Outstanding`] until
+/// dropped, and then as bytes sent (the operation's progress).
+struct Tracked {
+    bytes: Bytes,
+    outstanding: Arc<Outstanding>,
+    progress: Arc<Progress>,
+}
+
+impl AsRef<[u8]> for Tracked {
+    fn as_ref(&self) -> &[u8] {
+        &self.bytes
+    }
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        self.progress.sent(self.bytes.len());
+        if self.outstanding.count.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.outstanding.done.notify_one();
+        }
+    }
+}
+
+/// Hands the chunks the ring queues for `next` to the plane until the ring closes the
+/// queue, then waits until the next node acknowledged every one: when the operation ends,
+/// the plane holds none of its chunks (a lent range of the caller's buffer is the caller's
+/// again; on QUIC streams, quinn may still hold one for a while).
 pub(super) async fn write_chunks(
     plane: Plane,
     next: SocketAddr,
     op: u64,
     mut chunks: mpsc::Receiver<(u64, Bytes)>,
+    progress: Arc<Progress>,
 ) -> Result<(), CollectiveError> {
+    let outstanding = Arc::new(Outstanding::default());
     while let Some((id, bytes)) = chunks.recv().await {
-        // The one copy on the sending side: into the message the link seals in place.
-        plane.send(next, op, id, &bytes).map_err(|reason| CollectiveError::Link { peer: next, reason })?;
+        outstanding.count.fetch_add(1, Ordering::AcqRel);
+        let tracked = Bytes::from_owner(Tracked {
+            bytes,
+            outstanding: outstanding.clone(),
+            progress: progress.clone(),
+        });
+        // Lent, not copied: the link copies each fragment once, into the datagram it seals.
+        plane.send(next, op, id, tracked).map_err(|reason| CollectiveError::Link { peer: next, reason })?;
     }
-    Ok(())
+    loop {
+        let done = outstanding.done.notified();
+        if outstanding.count.load(Ordering::Acquire) == 0 {
+            return Ok(());
+        }
+        done.await;
+    }
 }
 
 /// Ends a subscription however its reader ends (the ring aborts readers when done).
@@ -74,27 +124,33 @@ impl Drop for Subscription {
     }
 }
 
-/// Passes the plane messages of `op` from `prev` to the ring as received chunks. A chunk
-/// over `max_chunk` bytes, or silence for `idle`, ends the operation with an error.
+/// Passes the plane messages of `op` from `prev` to the ring as received chunks, counting
+/// their bytes as progress (the ring's own watch ends a silent operation: the join timeout
+/// before the first byte, the progress timeout after). A chunk over `max_chunk` bytes ends
+/// the operation with an error.
 pub(super) async fn read_chunks(
     plane: Plane,
     prev: SocketAddr,
     op: u64,
     out: mpsc::Sender<Result<(u64, Vec<Bytes>), CollectiveError>>,
     max_chunk: usize,
-    idle: Duration,
+    progress: Arc<Progress>,
 ) {
     let mut rx: mpsc::UnboundedReceiver<Delivery> = plane.subscribe(prev, op);
     let _sub = Subscription { plane, peer: prev, op };
     loop {
-        let msg = match tokio::time::timeout(idle, rx.recv()).await {
-            Ok(Some((id, bytes))) if bytes.len() <= max_chunk => Ok((id, vec![bytes])),
-            Ok(Some((id, bytes))) => Err(CollectiveError::Link {
-                peer: prev,
-                reason: format!("plane chunk {id:#x} of {} bytes exceeds {max_chunk}", bytes.len()),
-            }),
-            Ok(None) => Err(CollectiveError::Link { peer: prev, reason: "the data plane stopped".into() }),
-            Err(_) => Err(CollectiveError::Timeout { peer: prev, op, timeout: idle }),
+        let msg = match rx.recv().await {
+            Some((id, parts)) => match parts.iter().map(|p| p.len()).sum::<usize>() {
+                len if len <= max_chunk => {
+                    progress.received(len);
+                    Ok((id, parts))
+                }
+                len => Err(CollectiveError::Link {
+                    peer: prev,
+                    reason: format!("plane chunk {id:#x} of {len} bytes exceeds {max_chunk}"),
+                }),
+            },
+            None => Err(CollectiveError::Link { peer: prev, reason: "the data plane stopped".into() }),
         };
         let stop = msg.is_err();
         if out.send(msg).await.is_err() || stop {

@@ -209,17 +209,17 @@ fn stalled_text(peer: SocketAddr, node: Option<NodeId>, op: u64, timeout: Durati
 /// Bytes an operation moved on its links, counted by its reader and writer tasks: any
 /// change is progress.
 #[derive(Debug, Default)]
-struct Progress {
+pub(super) struct Progress {
     received: AtomicU64,
     sent: AtomicU64,
 }
 
 impl Progress {
-    fn received(&self, n: usize) {
+    pub(super) fn received(&self, n: usize) {
         self.received.fetch_add(n as u64, Ordering::Relaxed);
     }
 
-    fn sent(&self, n: usize) {
+    pub(super) fn sent(&self, n: usize) {
         self.sent.fetch_add(n as u64, Ordering::Relaxed);
     }
 
@@ -604,7 +604,13 @@ impl RingNet {
         if let Some(plane) = plane_out {
             let (wtx, wrx) = mpsc::channel::<(u64, Bytes)>(64);
             wtxs.push(wtx);
-            writers.push(tokio::spawn(super::plane_ring::write_chunks(plane, next, op_id, wrx)));
+            writers.push(tokio::spawn(super::plane_ring::write_chunks(
+                plane,
+                next,
+                op_id,
+                wrx,
+                progress.clone(),
+            )));
         }
         let (rtx, mut rrx) = mpsc::channel::<Result<(u64, Vec<Bytes>), CollectiveError>>(64);
         let mut readers: Vec<_> = recvs
@@ -612,14 +618,13 @@ impl RingNet {
             .map(|recv| tokio::spawn(read_frames(recv, rtx.clone(), prev, max_chunk, progress.clone())))
             .collect();
         if let Some(plane) = plane_in {
-            let idle = self.join_timeout;
             readers.push(tokio::spawn(super::plane_ring::read_chunks(
                 plane,
                 prev,
                 op_id,
                 rtx.clone(),
                 max_chunk,
-                idle,
+                progress.clone(),
             )));
         }
         drop(rtx); // the channel closes when every reader has ended

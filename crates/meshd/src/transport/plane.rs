@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
-use meshd_proto::plane::keys::{EXPORTER_LABEL, exporter_context};
+use meshd_proto::plane::keys::{EXPORTER_LABEL, LINK_NAME_CONTEXT, exporter_context};
 /// Plane message tag of ring data.
 pub const TAG_DATA: u64 = 0;
 /// Plane message tag of a link's first message.
@@ -37,15 +37,17 @@ pub const MESSAGE_HEADER: usize = 16;
 const UNCLAIMED_OPS_PER_PEER: usize = 4;
 /// Largest plane message this end accepts: a ring chunk and its header, with room.
 const MAX_MESSAGE: u64 = 1 << 30;
-/// Message buffers kept for reuse.
-const POOL: usize = 64;
+/// Datagrams in a row a peer's link must open, tried first, before it opens the next ones
+/// in place rather than in a copy (see `open_with`).
+const CONFIDENT: u32 = 64;
 
-/// A received data message: the transfer id and its payload.
-pub type Delivery = (u64, Bytes);
+/// A received data message: the transfer id and its payload, in order, as the pieces of
+/// the receive batches it was opened in (never copied after the kernel's copy out).
+pub type Delivery = (u64, Vec<Bytes>);
 
 enum Cmd {
     AddLink { conn: quinn::Connection, client: bool },
-    Send { to: SocketAddr, message: Vec<u8> },
+    Send { to: SocketAddr, head: [u8; MESSAGE_HEADER], body: Bytes },
 }
 
 /// Counters of the plane, for diagnostics and tests.
@@ -79,10 +81,6 @@ pub struct Plane {
     ready: Arc<Mutex<HashMap<SocketAddr, bool>>>,
     counters: Arc<Mutex<PlaneCounters>>,
     socket: Arc<DemuxSocket>,
-    /// Message buffers the links handed back, for the next sends.
-    pool: Arc<Mutex<Vec<Vec<u8>>>>,
-    /// Received messages' buffers the ring dropped, for the next messages.
-    received: Arc<Mutex<Vec<Vec<u8>>>>,
     /// Each peer's sending link's counters, as of the driver's last look (every 500 ms).
     stats: Arc<Mutex<HashMap<SocketAddr, LinkStats>>>,
 }
@@ -113,8 +111,6 @@ impl Plane {
             ready: Arc::default(),
             counters: Arc::default(),
             socket: socket.clone(),
-            pool: Arc::default(),
-            received: Arc::default(),
             stats: Arc::default(),
         };
         let driver =
@@ -148,16 +144,15 @@ impl Plane {
         }
     }
 
-    /// Queues transfer `id` of operation `op` for `to`; the plane resends until it arrives.
-    pub fn send(&self, to: SocketAddr, op: u64, id: u64, payload: &[u8]) -> Result<(), String> {
-        // A buffer a link handed back: written again rather than allocated and faulted in.
-        let mut message = lock(&self.pool).pop().unwrap_or_default();
-        message.reserve(MESSAGE_HEADER + payload.len());
-        message.extend_from_slice(&op.to_le_bytes());
-        message.extend_from_slice(&id.to_le_bytes());
-        message.extend_from_slice(payload);
+    /// Queues transfer `id` of operation `op` for `to`; the plane resends until it
+    /// arrives. `payload` is not copied: the link holds it until the peer acknowledged
+    /// every byte, and copies each fragment once, into the datagram it seals.
+    pub fn send(&self, to: SocketAddr, op: u64, id: u64, payload: Bytes) -> Result<(), String> {
+        let mut head = [0u8; MESSAGE_HEADER];
+        head[..8].copy_from_slice(&op.to_le_bytes());
+        head[8..].copy_from_slice(&id.to_le_bytes());
         self.cmd
-            .send(Cmd::Send { to: super::canonical(to), message })
+            .send(Cmd::Send { to: super::canonical(to), head, body: payload })
             .map_err(|_| "the data plane stopped".to_string())
     }
 
@@ -195,19 +190,6 @@ impl Plane {
         c
     }
 
-    /// A buffer of `len` bytes for a message being received: one the ring gave back if
-    /// it is large enough, its old bytes left in place (every byte of a message arrives
-    /// exactly once before it is handed on), else a new one.
-    fn message_buffer(&self, len: usize) -> Vec<u8> {
-        let mut buf = lock(&self.received).pop().filter(|b| b.capacity() >= len).unwrap_or_default();
-        if buf.len() >= len {
-            buf.truncate(len);
-        } else {
-            buf.resize(len, 0);
-        }
-        buf
-    }
-
     fn deliver(&self, from: SocketAddr, op: u64, d: Delivery) {
         let mut subs = lock(&self.subs);
         let key = (from, op);
@@ -233,35 +215,17 @@ impl Plane {
     }
 }
 
-/// A received message's buffer, back to the pool when the ring drops the message (a
-/// fresh 1 MiB buffer per chunk costs a page fault per 4 KiB and a memset).
-struct Recycled {
-    buf: Vec<u8>,
-    pool: Arc<Mutex<Vec<Vec<u8>>>>,
-}
-
-impl AsRef<[u8]> for Recycled {
-    fn as_ref(&self) -> &[u8] {
-        &self.buf
-    }
-}
-
-impl Drop for Recycled {
-    fn drop(&mut self) {
-        let mut pool = lock(&self.pool);
-        if pool.len() < POOL {
-            pool.push(std::mem::take(&mut self.buf));
-        }
-    }
-}
-
 /// One link: the connection it came from, the link, and messages being reassembled.
 struct Entry {
     conn: quinn::Connection,
+    /// The name both ends derive alike from the connection (see [`best`]).
+    name: u64,
     link: Link,
-    /// Message number -> its bytes so far.
-    partial: HashMap<u64, Vec<u8>>,
+    /// Message number -> its pieces so far: (offset in the message, bytes).
+    partial: HashMap<u64, Vec<(u64, Bytes)>>,
     last_heard: Option<Instant>,
+    /// Datagrams in a row this link opened as the first one tried.
+    streak: u32,
     /// Whether the peer acknowledged the probe.
     probed: bool,
     /// Used up its keys: removed at the next prune.
@@ -300,7 +264,7 @@ impl Driver {
             tokio::select! {
                 cmd = cmds.recv() => match cmd {
                     Some(Cmd::AddLink { conn, client }) => self.add_link(conn, client),
-                    Some(Cmd::Send { to, message }) => self.send(to, message),
+                    Some(Cmd::Send { to, head, body }) => self.send(to, &head, body),
                     None => return,
                 },
                 batch = batches.recv() => match batch {
@@ -345,6 +309,11 @@ impl Driver {
                 return;
             }
         };
+        let mut name = [0u8; 8];
+        if conn.export_keying_material(&mut name, EXPORTER_LABEL, LINK_NAME_CONTEXT).is_err() {
+            tracing::debug!(%peer, "no TLS keying material for a plane link's name");
+            return;
+        }
         // The probe, a full-size datagram: its acknowledgement, the first thing heard
         // back, shows that datagrams of this size get through both ways (a path that
         // drops them leaves the link silent, and the ring on QUIC streams).
@@ -352,32 +321,43 @@ impl Driver {
         self.socket.add_route(peer);
         self.links.entry(peer).or_default().push(Entry {
             conn,
+            name: u64::from_le_bytes(name),
             link,
             partial: HashMap::new(),
             last_heard: None,
+            streak: 0,
             probed: false,
             dead: false,
         });
     }
 
-    fn send(&mut self, to: SocketAddr, message: Vec<u8>) {
+    fn send(&mut self, to: SocketAddr, head: &[u8], body: Bytes) {
         let Some(e) = self.links.get_mut(&to).and_then(|v| best(v)) else {
             tracing::debug!(peer = %to, "no plane link; message dropped");
             return;
         };
-        if let Err(err) = e.link.send(TAG_DATA, message) {
+        if let Err(err) = e.link.send_parts(TAG_DATA, head, body) {
             tracing::warn!(peer = %to, "plane send: {err}");
         }
     }
 
+    /// Opens a receive batch in place, then hands its fragments on as pieces of the one
+    /// buffer (the plaintext is not copied again: the ring reduces straight from it).
     fn receive(&mut self, batch: PlaneBatch) {
         let Some(entries) = self.links.get_mut(&batch.from) else { return };
         let now = Instant::now();
         let mut data = batch.data;
+        let stride = batch.stride.max(1);
         let (mut opened, mut refused) = (0, 0);
-        for datagram in data.chunks_mut(batch.stride.max(1)) {
-            match open_with(entries, datagram, now, &self.plane, batch.from) {
-                Ok(()) => opened += 1,
+        let mut fragments = Vec::new();
+        for (i, datagram) in data.chunks_mut(stride).enumerate() {
+            match open_with(entries, datagram, now) {
+                Ok(Some(mut f)) => {
+                    opened += 1;
+                    f.start += i * stride;
+                    fragments.push(f);
+                }
+                Ok(None) => opened += 1,
                 Err(_) => refused += 1,
             }
         }
@@ -385,6 +365,20 @@ impl Driver {
         c.opened += opened;
         c.refused += refused;
         drop(c);
+        if fragments.is_empty() {
+            return;
+        }
+        let data = Bytes::from(data);
+        for f in fragments {
+            let piece = data.slice(f.start..f.start + f.len);
+            let Some(e) = entries.get_mut(f.entry) else { continue };
+            e.partial.entry(f.seq).or_default().push((f.offset, piece));
+            if f.complete {
+                if let Some(pieces) = e.partial.remove(&f.seq) {
+                    take_message(&self.plane, batch.from, pieces);
+                }
+            }
+        }
     }
 
     fn prune(&mut self) {
@@ -440,13 +434,8 @@ impl Driver {
                             e.probed = true;
                             lock(&self.plane.ready).insert(*peer, true);
                         }
-                        Event::Delivered { mut buffer, .. } => {
-                            let mut pool = lock(&self.plane.pool);
-                            if pool.len() < POOL {
-                                buffer.clear();
-                                pool.push(buffer);
-                            }
-                        }
+                        // The message's bytes are dropped with it (a lent ring chunk's loan ends).
+                        Event::Delivered { .. } => {}
                         Event::KeysExhausted => {
                             // Its keys cannot be made again from the same connection without
                             // reusing nonces: the link goes, and the ring uses QUIC streams.
@@ -461,74 +450,125 @@ impl Driver {
     }
 }
 
-/// The link whose probe the peer acknowledged and that last heard from it (the newest if
-/// none did).
+/// The link to send on: one whose probe the peer acknowledged, and of those the one with
+/// the lowest name. Both ends of two connections (both dialled at once, or one replacing
+/// the other) derive the same names, so once both probes are acknowledged they send on the
+/// same link, and every datagram from the peer opens with the first keys tried.
 fn best(entries: &mut [Entry]) -> Option<&mut Entry> {
-    let i = entries.iter().enumerate().max_by_key(|(i, e)| (e.probed, e.last_heard, *i)).map(|(i, _)| i)?;
+    let i = entries
+        .iter()
+        .enumerate()
+        .max_by_key(|(_, e)| (e.probed, std::cmp::Reverse(e.name)))
+        .map(|(i, _)| i)?;
     entries.get_mut(i)
 }
 
-/// Opens `datagram` with whichever of the peer's links holds its keys and takes in what
-/// it carries.
+/// A DATA fragment opened in a receive batch: where its plaintext lies in the batch.
+struct Fragment {
+    /// Which of the peer's links opened it.
+    entry: usize,
+    seq: u64,
+    offset: u64,
+    start: usize,
+    len: usize,
+    complete: bool,
+}
+
+/// Opens `datagram` in place with whichever of the peer's links holds its keys and takes
+/// in what it carries; returns the ring data fragment it carried, if any (`start` relative
+/// to the datagram).
 fn open_with(
     entries: &mut [Entry],
     datagram: &mut [u8],
     now: Instant,
-    plane: &Plane,
-    from: SocketAddr,
-) -> Result<(), PlaneError> {
+) -> Result<Option<Fragment>, PlaneError> {
     let n = entries.len();
+    // The link that last opened one is tried first: with both ends sending on the same link
+    // (`best`), the first try opens it, and a failed AEAD open (a whole decryption) is rare.
+    let first = (0..n).max_by_key(|&k| (entries[k].last_heard, std::cmp::Reverse(k))).unwrap_or(0);
+    let order = std::iter::once(first).chain((0..n).filter(|&k| k != first));
+    // Once the first link opened [`CONFIDENT`] in a row, it opens in place, without a copy:
+    // a datagram of another link is then lost (and resent by its sender, opened by a copy).
+    let confident = entries[first].streak >= CONFIDENT;
     let mut last = PlaneError::Auth;
-    for (k, e) in entries.iter_mut().enumerate() {
-        // A failed open leaves the buffer unspecified: every try but the last opens a copy
-        // (two links to one peer exist only while a connection is being replaced).
-        let mut copy;
-        let target: &mut [u8] = if k + 1 == n {
-            &mut *datagram
-        } else {
-            copy = datagram.to_vec();
-            &mut copy
-        };
-        match e.link.handle_datagram(target, now) {
+    for (tried, k) in order.enumerate() {
+        let e = &mut entries[k];
+        let in_place = tried + 1 == n || (tried == 0 && confident);
+        if !in_place {
+            // A failed open leaves the buffer zeroed: every try but the last opens a copy (two
+            // links to one peer exist while a connection is being replaced, or both nodes
+            // dialled at once), which goes back into the batch once it opened.
+            let mut copy = datagram.to_vec();
+            let base = copy.as_ptr() as usize;
+            match e.link.handle_datagram(&mut copy, now) {
+                Ok(r) => {
+                    e.last_heard = Some(now);
+                    e.streak = if tried == 0 { e.streak.saturating_add(1) } else { 1 };
+                    let f = r.and_then(|r| fragment_at(k, base, &r));
+                    datagram.copy_from_slice(&copy);
+                    return Ok(f);
+                }
+                Err(err) => {
+                    e.streak = 0;
+                    last = err;
+                }
+            }
+            continue;
+        }
+        let base = datagram.as_ptr() as usize;
+        return match e.link.handle_datagram(datagram, now) {
             Ok(r) => {
                 e.last_heard = Some(now);
-                if let Some(r) = r {
-                    take_fragment(&mut e.partial, plane, from, &r);
-                }
-                return Ok(());
+                e.streak = if tried == 0 { e.streak.saturating_add(1) } else { 1 };
+                Ok(r.and_then(|r| fragment_at(k, base, &r)))
             }
-            Err(err) => last = err,
-        }
+            Err(err) => {
+                e.streak = 0;
+                Err(err)
+            }
+        };
     }
     Err(last)
 }
 
-/// Copies a fragment into its message (the one copy of the plaintext) and hands the
-/// message on once complete.
-fn take_fragment(partial: &mut HashMap<u64, Vec<u8>>, plane: &Plane, from: SocketAddr, r: &Received<'_>) {
-    if r.tag != TAG_DATA {
-        return;
+/// The ring data fragment `r`, located within the datagram that starts at address `base`.
+fn fragment_at(entry: usize, base: usize, r: &Received<'_>) -> Option<Fragment> {
+    (r.tag == TAG_DATA).then(|| Fragment {
+        entry,
+        seq: r.seq,
+        offset: r.offset,
+        start: r.data.as_ptr() as usize - base,
+        len: r.data.len(),
+        complete: r.complete,
+    })
+}
+
+/// Hands a complete message on: its pieces in order, its header taken off.
+fn take_message(plane: &Plane, from: SocketAddr, mut pieces: Vec<(u64, Bytes)>) {
+    pieces.sort_unstable_by_key(|(offset, _)| *offset);
+    let mut parts: Vec<Bytes> = pieces.into_iter().map(|(_, b)| b).filter(|b| !b.is_empty()).collect();
+    let mut header = [0u8; MESSAGE_HEADER];
+    let mut got = 0;
+    let mut first = 0;
+    while got < MESSAGE_HEADER {
+        let Some(p) = parts.get_mut(first) else {
+            tracing::debug!(peer = %from, "plane message of {got} bytes has no header; dropped");
+            return;
+        };
+        let n = (MESSAGE_HEADER - got).min(p.len());
+        header[got..got + n].copy_from_slice(&p[..n]);
+        got += n;
+        let _ = p.split_to(n);
+        if p.is_empty() {
+            first += 1;
+        }
     }
-    let msg = partial.entry(r.seq).or_insert_with(|| plane.message_buffer(r.total_len as usize));
-    let start = r.offset as usize;
-    if let Some(dst) = msg.get_mut(start..start + r.data.len()) {
-        dst.copy_from_slice(r.data);
-    }
-    if !r.complete {
-        return;
-    }
-    let Some(msg) = partial.remove(&r.seq) else { return };
-    if msg.len() < MESSAGE_HEADER {
-        tracing::debug!(peer = %from, "plane message of {} bytes has no header; dropped", msg.len());
-        return;
-    }
+    parts.drain(..first);
     let mut word = [0u8; 8];
-    word.copy_from_slice(&msg[..8]);
+    word.copy_from_slice(&header[..8]);
     let op = u64::from_le_bytes(word);
-    word.copy_from_slice(&msg[8..16]);
+    word.copy_from_slice(&header[8..]);
     let id = u64::from_le_bytes(word);
-    let payload =
-        Bytes::from_owner(Recycled { buf: msg, pool: plane.received.clone() }).slice(MESSAGE_HEADER..);
     lock(&plane.counters).messages += 1;
-    plane.deliver(from, op, (id, payload));
+    plane.deliver(from, op, (id, parts));
 }
