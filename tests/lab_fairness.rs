@@ -80,16 +80,17 @@ fn a_tcp_flow_keeps_a_third_of_a_bottleneck_it_shares_with_the_ring_on_the_plane
     lab.rate_limit(1, RATE_MBIT, QUEUE_MS);
     let peers = lab.peers();
     let server = lab.spawn(1, &["iperf3", "-s", "-1", "-J"], &[]);
-    let args = bench_args(&peers, 24);
+    let args = bench_args(&peers, 30);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let ring: Vec<usize> = (0..2).map(|i| lab.spawn(i, &args, &BENCH_ENV)).collect();
     // The ring is up (rendezvous, the plane link's probe, the verified first allreduce) and
-    // at the bottleneck's rate before TCP starts; 24 allreduces outlast the TCP flow even if
-    // the ring took all of the link.
+    // at the bottleneck's rate before TCP starts; 30 allreduces outlast the TCP flow even if
+    // the ring took all of the link. Should the ring start late on a loaded machine, the
+    // 15 s of TCP still leave at least 5 whole seconds beside it.
     std::thread::sleep(Duration::from_secs(6));
     let tcp_start = Instant::now();
     let host1 = lab.hosts[1].eth1.clone();
-    let client = lab.spawn(0, &["iperf3", "-c", &host1, "-t", "10", "-i", "1", "-J"], &[]);
+    let client = lab.spawn(0, &["iperf3", "-c", &host1, "-t", "15", "-i", "1", "-J"], &[]);
     // When each ring process ends (the ring's timed part ended before), watched closely.
     let deadline = Instant::now() + Duration::from_secs(240);
     let mut ended: [Option<Instant>; 2] = [None, None];
@@ -128,7 +129,7 @@ fn a_tcp_flow_keeps_a_third_of_a_bottleneck_it_shares_with_the_ring_on_the_plane
     for iv in intervals {
         let s = &iv["sum"];
         let (a, b) = (s["start"].as_f64().unwrap_or(0.0), s["end"].as_f64().unwrap_or(0.0));
-        // The first second is TCP's slow start, the last a sliver past 10 s: left out.
+        // The first second is TCP's slow start, the last a sliver past 15 s: left out.
         if a >= 1.0 && b - a >= 0.5 && a >= ring_from && b <= ring_to {
             bytes += s["bytes"].as_f64().unwrap_or(0.0);
             secs += b - a;
