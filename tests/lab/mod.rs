@@ -334,6 +334,39 @@ impl Lab {
         self.nft(i, &rules);
     }
 
+    /// A bottleneck: what reaches host `i` over eth1 passes a token bucket of `mbit` Mbit/s
+    /// with a drop-tail queue of `queue_ms` milliseconds at that rate (tc `tbf` on the hub's
+    /// end of host `i`'s link, egress toward host `i`). It sits in the network, not in a
+    /// sender: senders see it only as delay and drops, as on a real path, and no local
+    /// qdisc pushes back on their sockets. Only traffic *to* host `i` is limited; the lab's
+    /// namespaces (and so the qdisc) go at teardown.
+    pub fn rate_limit(&self, i: usize, mbit: u32, queue_ms: u32) {
+        // Bytes per second; the bucket holds 2 ms of sending (at least 16 KiB, so a GSO
+        // segment train of a few datagrams fits), the queue `queue_ms`.
+        let rate = u64::from(mbit) * 1_000_000 / 8;
+        let burst = (rate / 500).max(16 << 10);
+        let limit = (rate * u64::from(queue_ms) / 1000).max(2 * burst);
+        must(&[
+            "ip",
+            "netns",
+            "exec",
+            &self.hub,
+            "tc",
+            "qdisc",
+            "replace",
+            "dev",
+            &format!("h{i}e1"),
+            "root",
+            "tbf",
+            "rate",
+            &format!("{mbit}mbit"),
+            "burst",
+            &burst.to_string(),
+            "limit",
+            &limit.to_string(),
+        ]);
+    }
+
     /// A link flap: host `i`'s eth1 goes down for `down`, then up again (blocks meanwhile).
     /// The address stays; the kernel restores the subnet route when the link comes back.
     pub fn flap(&self, i: usize, down: Duration) {
