@@ -1,15 +1,20 @@
-//! Allreduce benchmark on the 3-host lab, side by side in one run:
-//! meshd's QUIC ring (`meshd bench allreduce`), PyTorch Gloo's allreduce (launched by
-//! meshd run) directly over TCP, one TCP stream (iperf3) between two of the hosts, and last
-//! the same Gloo job behind the one-port firewall on every host, through meshd's tunnel.
+//! Allreduce benchmark on the lab (3 hosts unless `--hosts N`), side by side in one run:
+//! meshd's QUIC ring (`meshd bench allreduce`), a ring allreduce over TLS 1.3 TCP
+//! (rustls, AES-128-GCM) and the same ring over plaintext TCP (`allreduce/tls_ring.rs`, run
+//! by this binary itself on each host), PyTorch Gloo's allreduce (launched by meshd run)
+//! directly over TCP, one TCP stream (iperf3) between two of the hosts, and last the same
+//! Gloo job behind the one-port firewall on every host, through meshd's tunnel.
 //! meshd's ring runs twice at the large size, on the data plane's datagrams and on QUIC
-//! streams (`--plane both`).
+//! streams (`--plane both`). The last lines are the ratios issue 22's goals are stated in:
+//! data plane / AES-TCP ring, data plane / Gloo, QUIC streams / Gloo.
 //! Run as root: `cargo bench --bench allreduce` (`-- --size BYTES` to change 64 MiB,
-//! `-- --mtu 9000` for jumbo frames on the lab's eth1, `-- --ring-only` for meshd's ring
-//! alone).
+//! `-- --mtu 9000` for jumbo frames on the lab's eth1, `-- --hosts 8` for a bigger lab,
+//! `-- --ring-only` for meshd's ring and the TCP rings alone: no Gloo, client or iperf3).
 
 #[path = "../tests/lab/mod.rs"]
 mod lab;
+#[path = "allreduce/tls_ring.rs"]
+mod tls_ring;
 
 use lab::{Lab, meshd};
 use std::time::Duration;
@@ -18,20 +23,56 @@ fn field(line: &str, key: &str) -> Option<f64> {
     line.split_whitespace().find_map(|kv| kv.strip_prefix(key)).and_then(|v| v.parse().ok())
 }
 
+/// Timed allreduces of the TCP rings: as many as meshd's bench times at the large size
+/// (`--iters 3`, 3 rounds).
+const TCP_RING_ITERS: u32 = 9;
+
+/// The TCP ring on every host of `lab` (`certs`: TLS with them, or plaintext): one JSON
+/// line per host that finished.
+fn tcp_ring(lab: &mut Lab, size: usize, certs: Option<&tls_ring::CertDir>) -> Vec<serde_json::Value> {
+    let exe = std::env::current_exe().expect("the bench binary's path");
+    let exe = exe.to_str().expect("a UTF-8 path");
+    let (peers, size, iters) = (lab.peers(), size.to_string(), TCP_RING_ITERS.to_string());
+    let mode = certs.map(|c| c.path().to_str().expect("a UTF-8 path")).unwrap_or("plain");
+    let ks: Vec<usize> = (0..lab.hosts.len())
+        .map(|i| {
+            let rank = i.to_string();
+            lab.spawn(i, &[exe, "--tls-ring-worker", &rank, &peers, &size, &iters, mode], &[])
+        })
+        .collect();
+    let deadline = std::time::Instant::now() + Duration::from_secs(300);
+    ks.into_iter()
+        .filter_map(|k| {
+            let (code, out, err) = lab.wait(k, deadline.saturating_duration_since(std::time::Instant::now()));
+            if code != Some(0) {
+                println!("TCP ring ({mode}) failed ({code:?}): {err}");
+            }
+            serde_json::from_str::<serde_json::Value>(out.trim()).ok()
+        })
+        .collect()
+}
+
 fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    // One rank of the TCP ring, started by `tcp_ring` in a lab host.
+    if let Some(i) = args.iter().position(|a| a == "--tls-ring-worker") {
+        std::process::exit(tls_ring::worker(&args[i + 1..]));
+    }
     if !lab::bench_mode(env!("CARGO_CRATE_NAME")) {
         return;
     }
     let size: usize = lab::bench_opt("--size", 64 << 20);
     let sz = size.to_string();
     let mtu: u32 = lab::bench_opt("--mtu", 1500);
-    let mut lab = Lab::new(3);
+    let hosts: usize = lab::bench_opt("--hosts", 3).clamp(2, lab::ETH1_OCTETS.len());
+    let nn = hosts.to_string();
+    let mut lab = Lab::new(hosts);
     if mtu != 1500 {
         lab.set_mtu(mtu);
     }
     let peers = lab.peers();
     println!(
-        "allreduce benchmark: 3 lab hosts, eth1 MTU {mtu}, float32, {size} bytes (busbw = algbw x 2(n-1)/n)"
+        "allreduce benchmark: {hosts} lab hosts, eth1 MTU {mtu}, float32, {size} bytes (busbw = algbw x 2(n-1)/n)"
     );
 
     // 1. meshd's ring over QUIC, at `size` and at 8 bytes (small-message latency).
@@ -42,7 +83,7 @@ fn main() {
             "allreduce",
             "--json",
             "--nnodes",
-            "3",
+            &nn,
             "--peers",
             &peers,
             "--size",
@@ -93,7 +134,37 @@ fn main() {
         })
         .collect();
     println!("data plane links to the next node (whole run): {plane:?}");
+
+    // 2. The same allreduce as a ring over TCP, TLS 1.3 AES-128-GCM, then plaintext.
+    let certs = tls_ring::CertDir::new().expect("a self-signed certificate in the temp dir");
+    let tls = tcp_ring(&mut lab, size, Some(&certs));
+    let plain = tcp_ring(&mut lab, size, None);
+    let pick = |v: &[serde_json::Value], key: &str| -> Vec<f64> {
+        v.iter().filter_map(|j| j[key].as_f64()).collect()
+    };
+    let (tls_bus, plain_bus) = (pick(&tls, "busbw_gbs"), pick(&plain, "busbw_gbs"));
+    for (name, rows) in [("TLS 1.3 AES-128-GCM", &tls), ("plaintext", &plain)] {
+        let rss = pick(rows, "peak_rss_mib");
+        println!(
+            "TCP ring, {name}, {size} bytes, {} of {hosts} ranks ({:?}): busbw {} GB/s, {} CPU s/GB per link, peak RSS {} MiB",
+            rows.len(),
+            rows.first().and_then(|j| j["suite"].as_str()).unwrap_or("n/a"),
+            show(mean(&pick(rows, "busbw_gbs"))),
+            show(mean(&pick(rows, "cpu_s_per_gb"))),
+            rss.iter().copied().reduce(f64::max).map(|r| format!("{r:.0}")).unwrap_or_else(|| "n/a".into()),
+        );
+    }
+    let ratio = |a: &[f64], b: &[f64]| match (mean(a), mean(b)) {
+        (Some(a), Some(b)) if b > 0.0 => format!("{:.2}", a / b),
+        _ => "n/a".into(),
+    };
     if std::env::args().any(|a| a == "--ring-only") {
+        println!(
+            "busbw ratios: data plane / AES-TCP ring {}, QUIC streams / AES-TCP ring {}, data plane / plaintext TCP ring {}",
+            ratio(&meshd_bus, &tls_bus),
+            ratio(&streams_bus, &tls_bus),
+            ratio(&meshd_bus, &plain_bus)
+        );
         return;
     }
     let ceiling_cpu: Vec<f64> = big.iter().filter_map(|v| v["ceiling_cpu_s_per_gb"].as_f64()).collect();
@@ -108,11 +179,11 @@ fn main() {
     let meshd_lat: Vec<f64> =
         ring(&mut lab, "8", "50", false).iter().filter_map(|v| v["results"][0]["time_s"].as_f64()).collect();
 
-    // `meshd run` of one of the examples' Python benchmarks on the 3 hosts.
+    // `meshd run` of one of the examples' Python benchmarks on every host.
     let py_job = |nproc: usize, collective: &str, script: &str| -> Vec<String> {
-        lab::python_job(&peers, 3, nproc, collective, script, &["--size", &sz])
+        lab::python_job(&peers, hosts, nproc, collective, script, &["--size", &sz])
     };
-    // 2. Gloo (PyTorch), one process per host, launched by meshd run.
+    // 3. Gloo (PyTorch), one process per host, launched by meshd run.
     let gloo = py_job(1, "auto", "gloo_allreduce_bench.py");
     let gloo: Vec<&str> = gloo.iter().map(String::as_str).collect();
     let (mut gloo_bus, mut gloo_lat, mut gloo_time) = (Vec::new(), Vec::new(), Vec::new());
@@ -129,7 +200,7 @@ fn main() {
         }
     }
 
-    // 3. The path ranks use: meshd's Python client, 2 ranks per host, buffers read and
+    // 4. The path ranks use: meshd's Python client, 2 ranks per host, buffers read and
     //    written in place (the default) and sent through the socket (MESHD_IN_PLACE=0).
     let client = py_job(2, "quic", "client_allreduce_bench.py");
     let client: Vec<&str> = client.iter().map(String::as_str).collect();
@@ -146,7 +217,7 @@ fn main() {
         client_time.push(times);
     }
 
-    // 4. One TCP stream (iperf3) host 0 -> host 1.
+    // 5. One TCP stream (iperf3) host 0 -> host 1.
     let server = lab.spawn(1, &["iperf3", "-s", "-1"], &[]);
     std::thread::sleep(Duration::from_millis(500));
     let (_, out, _) =
@@ -157,9 +228,9 @@ fn main() {
         .and_then(|v| v["end"]["sum_received"]["bits_per_second"].as_f64())
         .map(|b| b / 8e9);
 
-    // 5. Gloo again, behind the one-port firewall on every host: the preflight picks tunnel
+    // 6. Gloo again, behind the one-port firewall on every host: the preflight picks tunnel
     //    mode and Gloo's TCP connections travel through meshd's QUIC connections.
-    for i in 0..3 {
+    for i in 0..hosts {
         lab.firewall_only_udp(i, 29400);
     }
     let (mut tun_bus, mut tun_lat, mut tun_time) = (Vec::new(), Vec::new(), Vec::new());
@@ -189,6 +260,8 @@ fn main() {
         show(mean(&meshd_lat).map(|t| t * 1e6))
     );
     println!("{:<34} {:>12} {:>16}", "bare quinn ring (per link)", show(mean(&ceiling)), "");
+    println!("{:<34} {:>12} {:>16}", "TCP ring, TLS 1.3 AES-128-GCM", show(mean(&tls_bus)), "");
+    println!("{:<34} {:>12} {:>16}", "TCP ring, plaintext", show(mean(&plain_bus)), "");
     println!(
         "{:<34} {:>12} {:>16}",
         "PyTorch Gloo (TCP)",
@@ -204,17 +277,19 @@ fn main() {
     println!("{:<34} {:>12} {:>16}", "one TCP stream, iperf3 (GB/s)", show(tcp), "");
     let ms = |v: &[f64]| mean(v).map(|t| format!("{:.1} ms", t * 1e3)).unwrap_or_else(|| "n/a".into());
     println!(
-        "{size}-byte allreduce: meshd ring (bench, 1 buffer per host) {}; Python client, 3 hosts x 2 ranks: in place {}, through the socket {}; Gloo (1 rank per host) {}",
+        "{size}-byte allreduce: meshd ring (bench, 1 buffer per host) {}; Python client, {hosts} hosts x 2 ranks: in place {}, through the socket {}; Gloo (1 rank per host) {}",
         ms(&big.iter().filter_map(|v| v["results"][0]["time_s"].as_f64()).collect::<Vec<_>>()),
         ms(&client_time[0]),
         ms(&client_time[1]),
         ms(&gloo_time),
     );
     println!(
-        "CPU seconds per GB carried per link: meshd ring on the data plane {}, on QUIC streams {}, bare quinn ring {}; QUIC payload reached {:?} B",
+        "CPU seconds per GB carried per link: meshd ring on the data plane {}, on QUIC streams {}, bare quinn ring {}, TCP ring with TLS {}, plaintext {}; QUIC payload reached {:?} B",
         show(mean(&meshd_cpu)),
         show(mean(&streams_cpu)),
         show(mean(&ceiling_cpu)),
+        show(mean(&pick(&tls, "cpu_s_per_gb"))),
+        show(mean(&pick(&plain, "cpu_s_per_gb"))),
         mtus
     );
     if let (Some(m), Some(s), Some(c)) = (mean(&meshd_bus), mean(&streams_bus), mean(&ceiling)) {
@@ -240,4 +315,11 @@ fn main() {
             ms(&tun_time)
         );
     }
+    println!(
+        "goals' busbw ratios (this run): data plane / AES-TCP ring {}, data plane / Gloo {}, QUIC streams / Gloo {} (data plane / plaintext TCP ring {})",
+        ratio(&meshd_bus, &tls_bus),
+        ratio(&meshd_bus, &gloo_bus),
+        ratio(&streams_bus, &gloo_bus),
+        ratio(&meshd_bus, &plain_bus)
+    );
 }
