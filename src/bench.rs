@@ -269,6 +269,10 @@ pub async fn main(which: Which, env: &crate::env::EnvConfig) -> Result<ExitCode>
     if a.plane == "both" && p.mesh.plane.is_none() {
         p.mesh.plane = Some(true);
     }
+    // `--lanes` sets the data plane's lanes too.
+    if let Some(l) = a.lanes.and_then(|l| std::num::NonZeroUsize::new(l.into())) {
+        p.mesh.plane_lanes = Some(l);
+    }
     let mut cfg = NodeConfig::new(p.mesh);
     cfg.rdzv = p.job.rdzv.clone();
     cfg.rdzv_timeout = p.job.rdzv_timeout;
@@ -308,6 +312,16 @@ pub async fn main(which: Which, env: &crate::env::EnvConfig) -> Result<ExitCode>
     let plane_counters = node.transport().plane().map(|p| p.counters());
     let plane =
         if n > 1 { node.transport().plane().and_then(|p| p.link_stats(addrs[(rank + 1) % n])) } else { None };
+    // Lanes the plane sends on to the next node, and each one's packets sent.
+    let plane_lanes: Vec<u64> = match node.transport().plane() {
+        Some(p) if n > 1 => {
+            let next = addrs[(rank + 1) % n];
+            (0..p.ready_lanes(next))
+                .map(|l| p.lane_stats(next, l as u8).map_or(0, |s| s.sender.packets_sent))
+                .collect()
+        }
+        _ => Vec::new(),
+    };
     node.finish().await?;
     let factor = if n > 1 { 2.0 * (n as f64 - 1.0) / n as f64 } else { 0.0 };
     if a.json {
@@ -321,6 +335,7 @@ pub async fn main(which: Which, env: &crate::env::EnvConfig) -> Result<ExitCode>
         println!(
             "{}",
             json!({"nodes": n, "rank": rank, "lanes": lanes, "chunks_sent": if a.copy { "copied" } else { "lent" }, "dtype": "float32", "op": "sum", "results": results, "ceiling_gbs": ceiling.as_ref().map(|c| c.gbs), "ceiling_cpu_s_per_gb": ceiling.as_ref().map(|c| c.cpu_per_gb), "ceiling_datagrams_per_send": ceiling.as_ref().map(|c| c.batch.tx_per_call), "ceiling_acks_per_datagram": ceiling.as_ref().map(|c| c.batch.acks_per_rx), "ceiling_ratios": ceiling.as_ref().map(|c| c.ratios.clone()),
+                "plane_lane_packets": plane_lanes,
                 "plane_datagrams": plane_counters.as_ref().map(|c| json!({"opened": c.opened, "refused": c.refused, "messages": c.messages, "unknown_source": c.unknown_source, "overflow": c.overflow})),
                 "plane": plane.as_ref().map(|p| json!({"packets_sent": p.sender.packets_sent, "retransmitted": p.sender.retransmitted, "lost": p.sender.lost, "congestion_events": p.sender.congestion_events, "random_loss_events": p.sender.random_loss_events, "ptos": p.sender.ptos, "window": p.window, "rtt_us": p.rtt.as_micros() as u64})),
                 "path": path.map(|p| json!({"mtu": p.mtu, "rtt_us": p.rtt.as_micros() as u64, "sent_packets": p.sent_packets, "lost_packets": p.lost_packets, "congestion_events": p.congestion_events, "connections": p.connections}))})

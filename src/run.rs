@@ -485,6 +485,7 @@ pub fn prepare(a: &JobArgs, cmd: &[String], env: &EnvConfig) -> Result<Prepared>
         membership: MembershipConfig::default(),
         gso: env.gso,
         plane: env.plane,
+        plane_lanes: env.lanes,
         cc: env.cc,
     };
     let job = JobConfig {

@@ -45,8 +45,12 @@ async fn node(port: u16) -> Result<(), String> {
         .iter()
         .map(|&p| (format!("127.0.0.1:{p}"), std::net::SocketAddr::from(([127, 0, 0, 1], p))))
         .collect();
+    // Three plane lanes on two nodes, one on the third: a sender uses the lanes both
+    // ends run (3 between the first two, 1 to and from the third).
+    let lanes = if port == PORTS[2] { 1 } else { 3 };
     let mut node = meshd::Node::spawn(meshd::NodeConfig::new(MeshConfig {
         plane: Some(true),
+        plane_lanes: std::num::NonZeroUsize::new(lanes),
         ..MeshConfig::new(
             meshd::random_node_id(),
             port,
@@ -62,6 +66,8 @@ async fn node(port: u16) -> Result<(), String> {
     let roster = node.roster().await.map_err(|e| e.to_string())?;
     let rank = roster.node_rank(node.id()).ok_or("in the roster")?;
     let mut ring: RingNet = node.ring().ok_or("the ring")?;
+    let next = roster.members[(rank + 1) % roster.members.len()].addr;
+    let want_lanes = lanes.min(if next.port() == PORTS[2] { 1 } else { 3 });
     ring.join_timeout = Duration::from_secs(30);
     let work = tokio::spawn(async move {
         let check = |got: &[u8], want: &dyn Fn(usize) -> i32, what: &str| -> Result<(), String> {
@@ -94,6 +100,9 @@ async fn node(port: u16) -> Result<(), String> {
             // Each round triples every element: 3 nodes hold the same values after round 1.
             let base = |i: usize| 3 * (i % 7) as i32 - 3;
             check(&got, &|i| base(i) * k, &format!("12 MiB sum, round {op}"))?;
+        }
+        if plane.ready_lanes(next) != want_lanes {
+            return Err(format!("node {rank}: {} plane lanes to {next}, want {want_lanes}", plane.ready_lanes(next)));
         }
         let served = ring.served();
         if served.streams != 0 || served.datagrams != 4 {

@@ -52,6 +52,8 @@ pub struct MeshConfig {
     /// Run the data plane ([`TransportConfig::plane`]); `None`: where the interface's MTU
     /// is at most [`PLANE_MAX_MTU`].
     pub plane: Option<bool>,
+    /// Lanes of the data plane ([`TransportConfig::plane_lanes`]); `None`: its default.
+    pub plane_lanes: Option<std::num::NonZeroUsize>,
     /// Congestion control ([`TransportConfig::cc`]).
     pub cc: crate::transport::CongestionControl,
 }
@@ -84,6 +86,7 @@ impl MeshConfig {
             membership: MembershipConfig::default(),
             gso: true,
             plane: None,
+            plane_lanes: None,
             cc: Default::default(),
         }
     }
@@ -207,6 +210,9 @@ impl Mesh {
         // frames already cut QUIC's per-packet work; docs/PERFORMANCE.md): the ring stays on
         // QUIC streams there until the plane decrypts straight into the reduction.
         tc.plane = cfg.plane.unwrap_or_else(|| tc.mtu.is_none_or(|m| m <= PLANE_MAX_MTU));
+        if let Some(l) = cfg.plane_lanes {
+            tc.plane_lanes = l.get();
+        }
         if choice.addr.is_ipv6() {
             tc.bind = IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED);
         }

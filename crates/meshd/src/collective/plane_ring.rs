@@ -87,6 +87,7 @@ impl Drop for Tracked {
 pub(super) async fn write_chunks(
     plane: Plane,
     next: SocketAddr,
+    lane: usize,
     op: u64,
     mut chunks: mpsc::Receiver<(u64, Bytes)>,
     progress: Arc<Progress>,
@@ -100,7 +101,7 @@ pub(super) async fn write_chunks(
             progress: progress.clone(),
         });
         // Lent, not copied: the link copies each fragment once, into the datagram it seals.
-        plane.send(next, op, id, tracked).map_err(|reason| CollectiveError::Link { peer: next, reason })?;
+        plane.send(next, lane, op, id, tracked).map_err(|reason| CollectiveError::Link { peer: next, reason })?;
     }
     loop {
         let done = outstanding.done.notified();

@@ -566,8 +566,9 @@ impl RingNet {
         let mut lanes = self.lanes.get().min(MAX_LANES).min(state.plan().chunk_count(0).max(1));
         let plane_out = self.plane_to(next).await;
         let sends = match &plane_out {
-            Some(_) => {
-                lanes = 1;
+            Some(plane) => {
+                // The plane's own lanes (each a driver task), those both ends run.
+                lanes = plane.ready_lanes(next).min(state.plan().chunk_count(0)).max(1);
                 self.announce_plane(next, op_id).await?;
                 Vec::new()
             }
@@ -602,15 +603,18 @@ impl RingNet {
             writers.push(tokio::spawn(write_frames(send, wrx, next, progress.clone())));
         }
         if let Some(plane) = plane_out {
-            let (wtx, wrx) = mpsc::channel::<(u64, Bytes)>(64);
-            wtxs.push(wtx);
-            writers.push(tokio::spawn(super::plane_ring::write_chunks(
-                plane,
-                next,
-                op_id,
-                wrx,
-                progress.clone(),
-            )));
+            for lane in 0..lanes {
+                let (wtx, wrx) = mpsc::channel::<(u64, Bytes)>(64);
+                wtxs.push(wtx);
+                writers.push(tokio::spawn(super::plane_ring::write_chunks(
+                    plane.clone(),
+                    next,
+                    lane,
+                    op_id,
+                    wrx,
+                    progress.clone(),
+                )));
+            }
         }
         let (rtx, mut rrx) = mpsc::channel::<Result<(u64, Vec<Bytes>), CollectiveError>>(64);
         let mut readers: Vec<_> = recvs

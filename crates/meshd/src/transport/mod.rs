@@ -87,6 +87,10 @@ pub struct TransportConfig {
     /// Run the data plane (AEAD datagrams on the same port for the ring's bulk data;
     /// `MESHD_PLANE=0` turns it off, and peers then use QUIC streams with this node).
     pub plane: bool,
+    /// Lanes of the data plane, each its own driver task with its own keys (the CLI's
+    /// `MESHD_LANES`; default [`plane::default_lanes`], at most
+    /// [`plane::MAX_PLANE_LANES`]). A sender uses the lanes both ends run.
+    pub plane_lanes: usize,
 }
 
 impl TransportConfig {
@@ -105,6 +109,7 @@ impl TransportConfig {
             connect_timeout: Duration::from_secs(3),
             mtu: None,
             plane: true,
+            plane_lanes: plane::default_lanes(),
             reliable_horizon: Duration::from_secs(30),
             send_timeout: Duration::from_secs(10),
         }
@@ -513,11 +518,10 @@ impl Transport {
         // One socket for QUIC and the data plane, told apart by the QUIC fixed bit, which
         // meshd's endpoints therefore never grease (docs/PROTOCOL.md, "The data plane").
         ec.grease_quic_bit(false);
-        let (plane_tx, plane_rx) = tokio::sync::mpsc::channel(socket::PLANE_QUEUE);
-        let demux = Arc::new(
-            socket::DemuxSocket::new(socket, cfg.plane.then_some(plane_tx))
-                .map_err(|e| bind_error(addr, e))?,
-        );
+        let lanes = if cfg.plane { cfg.plane_lanes.clamp(1, plane::MAX_PLANE_LANES) } else { 0 };
+        let (plane_tx, plane_rx): (Vec<_>, Vec<_>) =
+            (0..lanes).map(|_| tokio::sync::mpsc::channel(socket::PLANE_QUEUE)).unzip();
+        let demux = Arc::new(socket::DemuxSocket::new(socket, plane_tx).map_err(|e| bind_error(addr, e))?);
         let plane_datagram = max_payload.map_or(if cfg.bind.is_ipv6() { 1452 } else { 1472 }, usize::from);
         let plane = cfg.plane.then(|| plane::Plane::start(demux.clone(), plane_rx, plane_datagram));
         let socket: Arc<dyn quinn::AsyncUdpSocket> = match max_payload {

@@ -18,7 +18,7 @@ use super::socket::{DemuxSocket, PlaneBatch};
 use bytes::Bytes;
 use meshd_proto::plane::link::{MAX_DATAGRAM, MIN_DATAGRAM};
 use meshd_proto::plane::{Event, Link, LinkConfig, LinkKeys, LinkStats, PlaneError, Received};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -73,16 +73,30 @@ struct Subs {
     unclaimed: Vec<((SocketAddr, u64), Vec<Delivery>)>,
 }
 
+/// Most lanes a node's plane runs (each its own driver task, so its own core).
+pub const MAX_PLANE_LANES: usize = 8;
+
+/// Lanes when the configuration does not say: one per four cores (each lane's driver
+/// seals, sends, receives and opens; the ring's reduction and quinn's endpoint need cores
+/// too), at least one, at most [`MAX_PLANE_LANES`].
+pub fn default_lanes() -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cores / 4).clamp(1, MAX_PLANE_LANES)
+}
+
 /// A handle on the node's data plane. Cheap to clone.
 #[derive(Clone)]
 pub struct Plane {
-    cmd: mpsc::UnboundedSender<Cmd>,
+    /// One driver per lane.
+    cmds: Vec<mpsc::UnboundedSender<Cmd>>,
     subs: Arc<Mutex<Subs>>,
-    ready: Arc<Mutex<HashMap<SocketAddr, bool>>>,
+    /// (peer, lane) of every link whose full-size probe the peer acknowledged.
+    ready: Arc<Mutex<HashSet<(SocketAddr, u8)>>>,
     counters: Arc<Mutex<PlaneCounters>>,
     socket: Arc<DemuxSocket>,
-    /// Each peer's sending link's counters, as of the driver's last look (every 500 ms).
-    stats: Arc<Mutex<HashMap<SocketAddr, LinkStats>>>,
+    /// Each peer's sending links' counters per lane, as of the drivers' last look (every
+    /// 500 ms).
+    stats: Arc<Mutex<HashMap<(SocketAddr, u8), LinkStats>>>,
 }
 
 impl std::fmt::Debug for Plane {
@@ -96,38 +110,68 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Plane {
-    /// Starts the driver over `socket`, reading what it queued from `batches`. Datagrams
-    /// carry at most `max_datagram` bytes of UDP payload.
+    /// Starts one driver per lane over `socket`, lane `l` reading what the socket queued
+    /// in `batches[l]` (at most [`MAX_PLANE_LANES`] are used). Datagrams carry at most
+    /// `max_datagram` bytes of UDP payload.
     pub fn start(
         socket: Arc<DemuxSocket>,
-        batches: mpsc::Receiver<PlaneBatch>,
+        batches: Vec<mpsc::Receiver<PlaneBatch>>,
         max_datagram: usize,
     ) -> Plane {
         let max_datagram = max_datagram.clamp(MIN_DATAGRAM, MAX_DATAGRAM);
-        let (cmd, cmd_rx) = mpsc::unbounded_channel();
+        let mut cmds = Vec::new();
+        let mut rxs = Vec::new();
+        for _ in batches.iter().take(MAX_PLANE_LANES) {
+            let (tx, rx) = mpsc::unbounded_channel();
+            cmds.push(tx);
+            rxs.push(rx);
+        }
         let plane = Plane {
-            cmd,
+            cmds,
             subs: Arc::default(),
             ready: Arc::default(),
             counters: Arc::default(),
             socket: socket.clone(),
             stats: Arc::default(),
         };
-        let driver =
-            Driver { socket, max_datagram, links: HashMap::new(), plane: plane.clone(), buf: Vec::new() };
-        tokio::spawn(driver.run(cmd_rx, batches));
+        for (lane, (cmd_rx, batches)) in rxs.into_iter().zip(batches).enumerate() {
+            let driver = Driver {
+                lane: lane as u8,
+                socket: socket.clone(),
+                max_datagram,
+                links: HashMap::new(),
+                plane: plane.clone(),
+                buf: Vec::new(),
+            };
+            tokio::spawn(driver.run(cmd_rx, batches));
+        }
         plane
     }
 
-    /// Makes a link for an authenticated connection (`client`: this end connected).
+    /// Lanes this node's plane runs.
+    pub fn lanes(&self) -> usize {
+        self.cmds.len()
+    }
+
+    /// Makes a link per lane for an authenticated connection (`client`: this end connected).
     pub fn add_link(&self, conn: quinn::Connection, client: bool) {
-        let _ = self.cmd.send(Cmd::AddLink { conn, client });
+        for cmd in &self.cmds {
+            let _ = cmd.send(Cmd::AddLink { conn: conn.clone(), client });
+        }
     }
 
     /// Whether a link to `peer` had its full-size probe acknowledged: datagrams get
     /// through both ways.
     pub fn is_ready(&self, peer: SocketAddr) -> bool {
-        lock(&self.ready).get(&super::canonical(peer)).copied().unwrap_or(false)
+        self.ready_lanes(peer) > 0
+    }
+
+    /// Lanes `0..k` to `peer` whose probes the peer acknowledged (a peer that runs fewer
+    /// lanes never answers on the others): the lanes a sender may use.
+    pub fn ready_lanes(&self, peer: SocketAddr) -> usize {
+        let peer = super::canonical(peer);
+        let ready = lock(&self.ready);
+        (0..self.lanes()).take_while(|&l| ready.contains(&(peer, l as u8))).count()
     }
 
     /// Waits up to `wait` for [`Plane::is_ready`].
@@ -144,14 +188,15 @@ impl Plane {
         }
     }
 
-    /// Queues transfer `id` of operation `op` for `to`; the plane resends until it
-    /// arrives. `payload` is not copied: the link holds it until the peer acknowledged
-    /// every byte, and copies each fragment once, into the datagram it seals.
-    pub fn send(&self, to: SocketAddr, op: u64, id: u64, payload: Bytes) -> Result<(), String> {
+    /// Queues transfer `id` of operation `op` for `to` on `lane` (modulo the lanes); the
+    /// plane resends until it arrives. `payload` is not copied: the link holds it until
+    /// the peer acknowledged every byte, and copies each fragment once, into the datagram
+    /// it seals.
+    pub fn send(&self, to: SocketAddr, lane: usize, op: u64, id: u64, payload: Bytes) -> Result<(), String> {
         let mut head = [0u8; MESSAGE_HEADER];
         head[..8].copy_from_slice(&op.to_le_bytes());
         head[8..].copy_from_slice(&id.to_le_bytes());
-        self.cmd
+        self.cmds[lane % self.cmds.len()]
             .send(Cmd::Send { to: super::canonical(to), head, body: payload })
             .map_err(|_| "the data plane stopped".to_string())
     }
@@ -175,10 +220,15 @@ impl Plane {
         lock(&self.subs).open.remove(&(super::canonical(peer), op));
     }
 
-    /// The counters and estimates of the link this node sends to `peer` on, as of at most
-    /// half a second ago.
+    /// The counters and estimates of the lane-0 link this node sends to `peer` on, as of
+    /// at most half a second ago.
     pub fn link_stats(&self, peer: SocketAddr) -> Option<LinkStats> {
-        lock(&self.stats).get(&super::canonical(peer)).cloned()
+        self.lane_stats(peer, 0)
+    }
+
+    /// [`Plane::link_stats`] of `lane`.
+    pub fn lane_stats(&self, peer: SocketAddr, lane: u8) -> Option<LinkStats> {
+        lock(&self.stats).get(&(super::canonical(peer), lane)).cloned()
     }
 
     /// The counters so far, the socket's included.
@@ -233,6 +283,7 @@ struct Entry {
 }
 
 struct Driver {
+    lane: u8,
     socket: Arc<DemuxSocket>,
     max_datagram: usize,
     links: HashMap<SocketAddr, Vec<Entry>>,
@@ -295,11 +346,11 @@ impl Driver {
 
     fn add_link(&mut self, conn: quinn::Connection, client: bool) {
         let peer = super::canonical(conn.remote_address());
-        let Some(keys) = link_keys(&conn, client, 0) else {
+        let Some(keys) = link_keys(&conn, client, self.lane) else {
             tracing::debug!(%peer, "no TLS keying material for a plane link");
             return;
         };
-        let mut config = LinkConfig::new(keys, 0);
+        let mut config = LinkConfig::new(keys, self.lane);
         config.max_datagram = self.max_datagram;
         config.max_message_len = MAX_MESSAGE;
         let mut link = match Link::new(config, Instant::now()) {
@@ -393,14 +444,15 @@ impl Driver {
             });
             !entries.is_empty()
         });
+        let lane = self.lane;
         let mut ready = lock(&self.plane.ready);
-        ready.retain(|peer, _| self.links.get(peer).is_some_and(|v| v.iter().any(|e| e.probed)));
+        ready.retain(|(peer, l)| *l != lane || self.links.get(peer).is_some_and(|v| v.iter().any(|e| e.probed)));
         drop(ready);
         let mut stats = lock(&self.plane.stats);
-        stats.clear();
+        stats.retain(|(_, l), _| *l != lane);
         for (peer, entries) in self.links.iter_mut() {
             if let Some(e) = best(entries) {
-                stats.insert(*peer, e.link.stats());
+                stats.insert((*peer, lane), e.link.stats());
             }
         }
     }
@@ -432,7 +484,7 @@ impl Driver {
                         Event::Delivered { tag: TAG_PROBE, .. } => {
                             // The peer acknowledged the full-size probe: both directions work.
                             e.probed = true;
-                            lock(&self.plane.ready).insert(*peer, true);
+                            lock(&self.plane.ready).insert((*peer, self.lane));
                         }
                         // The message's bytes are dropped with it (a lent ring chunk's loan ends).
                         Event::Delivered { .. } => {}

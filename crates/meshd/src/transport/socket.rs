@@ -56,15 +56,17 @@ pub struct DemuxSocket {
     state: UdpSocketState,
     /// Addresses with an authenticated plane link, and how many links each has.
     routes: RwLock<HashMap<SocketAddr, usize>>,
-    plane_tx: Option<mpsc::Sender<PlaneBatch>>,
+    /// One queue per plane lane (datagrams of lane `l` go to queue `l % len`).
+    plane_tx: Vec<mpsc::Sender<PlaneBatch>>,
     /// What happened to plane datagrams.
     pub counters: SocketCounters,
 }
 
 impl DemuxSocket {
-    /// Wraps a bound socket. With `plane_tx`, plane datagrams from routed addresses go
-    /// there; without, every plane datagram is dropped.
-    pub fn new(socket: std::net::UdpSocket, plane_tx: Option<mpsc::Sender<PlaneBatch>>) -> io::Result<Self> {
+    /// Wraps a bound socket. Plane datagrams from routed addresses go to the queue of
+    /// their lane in `plane_tx` (the lane byte modulo the queues); with no queue, every
+    /// plane datagram is dropped.
+    pub fn new(socket: std::net::UdpSocket, plane_tx: Vec<mpsc::Sender<PlaneBatch>>) -> io::Result<Self> {
         socket.set_nonblocking(true)?;
         let state = UdpSocketState::new((&socket).into())?;
         Ok(DemuxSocket {
@@ -139,20 +141,28 @@ impl DemuxSocket {
             let segments = len.div_ceil(stride);
             if !self.routed(&m.addr) {
                 self.counters.plane_unknown.fetch_add(plane_segments as u64, Ordering::Relaxed);
+            } else if self.plane_tx.is_empty() {
+                self.counters.plane_overflow.fetch_add(plane_segments as u64, Ordering::Relaxed);
             } else {
-                let mut data = Vec::with_capacity(plane_segments * stride);
+                // One batch per lane queue. A shorter segment can only be the batch's last
+                // one: each batch of plane datagrams keeps the GSO rule.
+                let queues = self.plane_tx.len();
+                let mut batches: Vec<Option<Vec<u8>>> = vec![None; queues];
+                let mut counts = vec![0u64; queues];
                 for d in buf[..len].chunks(stride).filter(|d| meshd_proto::plane::is_plane_datagram(d[0])) {
-                    data.extend_from_slice(d);
+                    let q = d.get(1).map_or(0, |&lane| usize::from(lane) % queues);
+                    let cap = if queues == 1 { plane_segments * stride } else { len };
+                    batches[q].get_or_insert_with(|| Vec::with_capacity(cap)).extend_from_slice(d);
+                    counts[q] += 1;
                 }
-                // A shorter segment can only be the batch's last one: the batch of plane
-                // datagrams keeps the GSO rule.
-                let batch = PlaneBatch { from: super::canonical(m.addr), stride, data };
-                match self.plane_tx.as_ref().map(|tx| tx.try_send(batch)) {
-                    Some(Ok(())) => {
-                        self.counters.plane_queued.fetch_add(plane_segments as u64, Ordering::Relaxed)
-                    }
-                    _ => self.counters.plane_overflow.fetch_add(plane_segments as u64, Ordering::Relaxed),
-                };
+                for (q, data) in batches.into_iter().enumerate() {
+                    let Some(data) = data else { continue };
+                    let batch = PlaneBatch { from: super::canonical(m.addr), stride, data };
+                    match self.plane_tx[q].try_send(batch) {
+                        Ok(()) => self.counters.plane_queued.fetch_add(counts[q], Ordering::Relaxed),
+                        Err(_) => self.counters.plane_overflow.fetch_add(counts[q], Ordering::Relaxed),
+                    };
+                }
             }
             // Keep the QUIC datagrams, in order, at the front.
             let mut kept = 0;
@@ -256,7 +266,7 @@ mod tests {
     async fn plane_datagrams_leave_quic_stays_and_strangers_are_dropped() {
         let (tx, mut rx) = mpsc::channel(4);
         let std_sock = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
-        let sock = Arc::new(DemuxSocket::new(std_sock, Some(tx)).expect("socket"));
+        let sock = Arc::new(DemuxSocket::new(std_sock, vec![tx]).expect("socket"));
         let to = sock.local_addr().expect("addr");
         let stranger = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
         let member = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
@@ -295,10 +305,39 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn plane_datagrams_go_to_the_queue_of_their_lane() {
+        let (tx0, mut rx0) = mpsc::channel(8);
+        let (tx1, mut rx1) = mpsc::channel(8);
+        let std_sock = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+        let sock = Arc::new(DemuxSocket::new(std_sock, vec![tx0, tx1]).expect("socket"));
+        let to = sock.local_addr().expect("addr");
+        let member = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+        sock.add_route(member.local_addr().expect("addr"));
+        // Lanes 0, 1, 2 and 3: even lanes to queue 0, odd ones to queue 1.
+        for lane in 0..4u8 {
+            member.send_to(&[0x20, lane, 9], to).expect("send");
+        }
+        member.send_to(&[0x40], to).expect("send");
+        let mut quic = 0;
+        while quic == 0 {
+            let (n, meta, _) = recv_once(&sock).await;
+            quic += (0..n).filter(|&i| meta[i].len > 0).count();
+        }
+        let mut lanes = [Vec::new(), Vec::new()];
+        while let Ok(b) = rx0.try_recv() {
+            lanes[0].extend(b.data.chunks(b.stride).map(|d| d[1]));
+        }
+        while let Ok(b) = rx1.try_recv() {
+            lanes[1].extend(b.data.chunks(b.stride).map(|d| d[1]));
+        }
+        assert_eq!(lanes, [vec![0, 2], vec![1, 3]]);
+    }
+
+    #[tokio::test]
     async fn a_full_plane_queue_drops_instead_of_growing() {
         let (tx, _rx) = mpsc::channel(2);
         let std_sock = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
-        let sock = Arc::new(DemuxSocket::new(std_sock, Some(tx)).expect("socket"));
+        let sock = Arc::new(DemuxSocket::new(std_sock, vec![tx]).expect("socket"));
         let to = sock.local_addr().expect("addr");
         let member = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
         sock.add_route(member.local_addr().expect("addr"));
