@@ -111,14 +111,16 @@ fn main() {
     let served: Vec<&str> = big.iter().filter_map(|v| v["results"][0]["served"].as_str()).collect();
     let streams_bus: Vec<f64> = big.iter().filter_map(|v| v["results"][1]["busbw_gbs"].as_f64()).collect();
     let streams_cpu: Vec<f64> = big.iter().filter_map(|v| v["results"][1]["cpu_s_per_gb"].as_f64()).collect();
+    let meshd_rss: Vec<f64> = big.iter().filter_map(|v| v["peak_rss_mib"].as_f64()).collect();
     let mean = |v: &[f64]| if v.is_empty() { None } else { Some(v.iter().sum::<f64>() / v.len() as f64) };
     let show = |x: Option<f64>| x.map(|x| format!("{x:.3}")).unwrap_or_else(|| "n/a".into());
     println!(
-        "meshd ring, {size} bytes: {served:?}: busbw {} GB/s, {} CPU s/GB per link; QUIC streams: busbw {} GB/s, {} CPU s/GB per link",
+        "meshd ring, {size} bytes: {served:?}: busbw {} GB/s, {} CPU s/GB per link; QUIC streams: busbw {} GB/s, {} CPU s/GB per link; meshd peak RSS {} MiB (one process, both paths)",
         show(mean(&meshd_bus)),
         show(mean(&meshd_cpu)),
         show(mean(&streams_bus)),
-        show(mean(&streams_cpu))
+        show(mean(&streams_cpu)),
+        meshd_rss.iter().copied().reduce(f64::max).map(|r| format!("{r:.0}")).unwrap_or_else(|| "n/a".into())
     );
     let plane: Vec<String> = big
         .iter()

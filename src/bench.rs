@@ -127,6 +127,16 @@ fn cpu_seconds() -> f64 {
     tv(ru.ru_utime) + tv(ru.ru_stime)
 }
 
+/// This process's peak resident memory in MiB (every row of the run, the buffers included).
+fn peak_rss_mib() -> f64 {
+    // SAFETY: getrusage only writes the struct we pass.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } != 0 {
+        return f64::NAN;
+    }
+    ru.ru_maxrss as f64 / 1024.0
+}
+
 /// One timed measurement: wall seconds, CPU seconds and batching.
 struct Timed {
     secs: f64,
@@ -336,7 +346,8 @@ pub async fn main(which: Which, env: &crate::env::EnvConfig) -> Result<ExitCode>
             "{}",
             json!({"nodes": n, "rank": rank, "lanes": lanes, "chunks_sent": if a.copy { "copied" } else { "lent" }, "dtype": "float32", "op": "sum", "results": results, "ceiling_gbs": ceiling.as_ref().map(|c| c.gbs), "ceiling_cpu_s_per_gb": ceiling.as_ref().map(|c| c.cpu_per_gb), "ceiling_datagrams_per_send": ceiling.as_ref().map(|c| c.batch.tx_per_call), "ceiling_acks_per_datagram": ceiling.as_ref().map(|c| c.batch.acks_per_rx), "ceiling_ratios": ceiling.as_ref().map(|c| c.ratios.clone()),
                 "plane_lane_packets": plane_lanes,
-                "plane_datagrams": plane_counters.as_ref().map(|c| json!({"opened": c.opened, "refused": c.refused, "messages": c.messages, "unknown_source": c.unknown_source, "overflow": c.overflow})),
+                "peak_rss_mib": peak_rss_mib(),
+                "plane_datagrams": plane_counters.as_ref().map(|c| json!({"opened": c.opened, "refused": c.refused, "messages": c.messages, "unknown_source": c.unknown_source, "overflow": c.overflow, "batches": c.batches})),
                 "plane": plane.as_ref().map(|p| json!({"packets_sent": p.sender.packets_sent, "retransmitted": p.sender.retransmitted, "lost": p.sender.lost, "congestion_events": p.sender.congestion_events, "random_loss_events": p.sender.random_loss_events, "ptos": p.sender.ptos, "window": p.window, "rtt_us": p.rtt.as_micros() as u64})),
                 "path": path.map(|p| json!({"mtu": p.mtu, "rtt_us": p.rtt.as_micros() as u64, "sent_packets": p.sent_packets, "lost_packets": p.lost_packets, "congestion_events": p.congestion_events, "connections": p.connections}))})
         );

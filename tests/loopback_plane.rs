@@ -102,7 +102,10 @@ async fn node(port: u16) -> Result<(), String> {
             check(&got, &|i| base(i) * k, &format!("12 MiB sum, round {op}"))?;
         }
         if plane.ready_lanes(next) != want_lanes {
-            return Err(format!("node {rank}: {} plane lanes to {next}, want {want_lanes}", plane.ready_lanes(next)));
+            return Err(format!(
+                "node {rank}: {} plane lanes to {next}, want {want_lanes}",
+                plane.ready_lanes(next)
+            ));
         }
         let served = ring.served();
         if served.streams != 0 || served.datagrams != 4 {

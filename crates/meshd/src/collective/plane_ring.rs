@@ -101,7 +101,9 @@ pub(super) async fn write_chunks(
             progress: progress.clone(),
         });
         // Lent, not copied: the link copies each fragment once, into the datagram it seals.
-        plane.send(next, lane, op, id, tracked).map_err(|reason| CollectiveError::Link { peer: next, reason })?;
+        plane
+            .send(next, lane, op, id, tracked)
+            .map_err(|reason| CollectiveError::Link { peer: next, reason })?;
     }
     loop {
         let done = outstanding.done.notified();

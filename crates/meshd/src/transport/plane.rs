@@ -63,6 +63,8 @@ pub struct PlaneCounters {
     pub unknown_source: u64,
     /// Plane datagrams the socket dropped: the plane's queue was full.
     pub overflow: u64,
+    /// Receive batches the socket queued (datagrams per batch: GRO at work).
+    pub batches: u64,
 }
 
 #[derive(Default)]
@@ -76,12 +78,12 @@ struct Subs {
 /// Most lanes a node's plane runs (each its own driver task, so its own core).
 pub const MAX_PLANE_LANES: usize = 8;
 
-/// Lanes when the configuration does not say: one per four cores (each lane's driver
-/// seals, sends, receives and opens; the ring's reduction and quinn's endpoint need cores
-/// too), at least one, at most [`MAX_PLANE_LANES`].
+/// Lanes when the configuration does not say: one per two of the runtime's worker threads
+/// (each lane's driver seals, sends, receives and opens; the ring's reduction and quinn's
+/// endpoint need workers too), at least one, at most [`MAX_PLANE_LANES`].
 pub fn default_lanes() -> usize {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    (cores / 4).clamp(1, MAX_PLANE_LANES)
+    let workers = tokio::runtime::Handle::try_current().map_or(1, |h| h.metrics().num_workers());
+    (workers / 2).clamp(1, MAX_PLANE_LANES)
 }
 
 /// A handle on the node's data plane. Cheap to clone.
@@ -237,6 +239,7 @@ impl Plane {
         let s = &self.socket.counters;
         c.unknown_source = s.plane_unknown.load(std::sync::atomic::Ordering::Relaxed);
         c.overflow = s.plane_overflow.load(std::sync::atomic::Ordering::Relaxed);
+        c.batches = s.plane_batches.load(std::sync::atomic::Ordering::Relaxed);
         c
     }
 
@@ -446,7 +449,9 @@ impl Driver {
         });
         let lane = self.lane;
         let mut ready = lock(&self.plane.ready);
-        ready.retain(|(peer, l)| *l != lane || self.links.get(peer).is_some_and(|v| v.iter().any(|e| e.probed)));
+        ready.retain(|(peer, l)| {
+            *l != lane || self.links.get(peer).is_some_and(|v| v.iter().any(|e| e.probed))
+        });
         drop(ready);
         let mut stats = lock(&self.plane.stats);
         stats.retain(|(_, l), _| *l != lane);

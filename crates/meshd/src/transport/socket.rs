@@ -43,6 +43,8 @@ pub struct PlaneBatch {
 pub struct SocketCounters {
     /// Plane datagrams handed to the plane queue.
     pub plane_queued: AtomicU64,
+    /// Batches (receive calls' buffers, GRO included) those came in.
+    pub plane_batches: AtomicU64,
     /// Plane datagrams from an address without an authenticated link: dropped.
     pub plane_unknown: AtomicU64,
     /// Plane datagrams dropped because the plane queue was full (or no plane runs).
@@ -159,7 +161,10 @@ impl DemuxSocket {
                     let Some(data) = data else { continue };
                     let batch = PlaneBatch { from: super::canonical(m.addr), stride, data };
                     match self.plane_tx[q].try_send(batch) {
-                        Ok(()) => self.counters.plane_queued.fetch_add(counts[q], Ordering::Relaxed),
+                        Ok(()) => {
+                            self.counters.plane_batches.fetch_add(1, Ordering::Relaxed);
+                            self.counters.plane_queued.fetch_add(counts[q], Ordering::Relaxed)
+                        }
                         Err(_) => self.counters.plane_overflow.fetch_add(counts[q], Ordering::Relaxed),
                     };
                 }
