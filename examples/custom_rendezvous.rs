@@ -45,6 +45,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         membership: MembershipConfig::default(),
         gso: true,
         plane: Some(true),
+        plane_lanes: None,
         cc: Default::default(),
     }))
     .await?;

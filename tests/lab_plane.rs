@@ -164,3 +164,66 @@ while time.time() < end:
     // The flooder ran all along (it stops by itself after a minute).
     assert!(!lab.exited(flooder), "the flood stopped early");
 }
+
+/// The ring runs on the plane; then host 1 starts dropping every plane datagram (a
+/// middlebox that changed its mind). The operations sending to and from host 1 end with
+/// an error that names the cause, in seconds, instead of waiting out the collective
+/// timeout, and every host's run ends.
+#[test]
+fn datagrams_that_stop_getting_through_mid_run_end_the_operation_naming_the_cause() {
+    if !lab::available() {
+        return;
+    }
+    let mut lab = firewalled_lab();
+    let peers = lab.peers();
+    let args = [
+        meshd(),
+        "bench",
+        "allreduce",
+        "--nnodes",
+        "3",
+        "--peers",
+        &peers,
+        "--size",
+        "16777216",
+        "--iters",
+        "200",
+        "--plane",
+        "auto",
+        "--json",
+    ];
+    let env = [("MESHD_TOKEN", "plane"), ("MESHD_RING_CHUNK", "262144")];
+    let nodes: Vec<usize> = (0..3).map(|i| lab.spawn(i, &args, &env)).collect();
+    // Long enough for the rendezvous and the first operations on the plane.
+    std::thread::sleep(Duration::from_secs(8));
+    assert!(nodes.iter().all(|&k| !lab.exited(k)), "the run ended before the middlebox came");
+    let dropped_at = std::time::Instant::now();
+    lab.nft(
+        1,
+        "table inet mdplane {\n chain input {\n type filter hook input priority -5; policy accept;\n \
+         udp dport 29400 @th,64,8 & 0xc0 == 0 drop\n }\n}\n",
+    );
+    let done: Vec<_> = nodes.into_iter().map(|k| lab.wait(k, Duration::from_secs(120))).collect();
+    let took = dropped_at.elapsed();
+    let mut named = 0;
+    for (i, (code, out, err)) in done.iter().enumerate() {
+        assert_ne!(
+            *code,
+            Some(0),
+            "host {i} finished 200 operations although host 1 dropped the plane:\n{out}\n{err}"
+        );
+        assert!(code.is_some(), "host {i} did not end:\n{err}");
+        if err.contains("stopped getting through") {
+            named += 1;
+        }
+    }
+    // Hosts 0 and 1 send to a node whose plane datagrams (or their acknowledgements) no
+    // longer arrive: their operations fail naming that.
+    assert!(named >= 1, "no host named the cause: {done:?}");
+    // Well under the collective timeout (60 s) plus the silence before it counts.
+    let errs: Vec<&String> = done.iter().map(|(_, _, e)| e).collect();
+    assert!(
+        took < Duration::from_secs(50),
+        "the runs took {took:?} to end after the middlebox came: {errs:#?}"
+    );
+}

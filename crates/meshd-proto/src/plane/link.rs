@@ -369,6 +369,12 @@ impl Link {
         self.sender.handle_timeout(now);
     }
 
+    /// How long this end's packets have been in flight with nothing acknowledged (`None`
+    /// with nothing in flight).
+    pub fn unacknowledged_for(&self, now: Instant) -> Option<Duration> {
+        self.sender.unacknowledged_for(now)
+    }
+
     /// The next event for the application.
     pub fn poll_event(&mut self) -> Option<Event> {
         self.sender.poll_event()

@@ -145,6 +145,8 @@ pub struct Sender {
     largest_acked: Option<u64>,
     loss_time: Option<Instant>,
     last_eliciting: Option<Instant>,
+    /// When an ACK last acknowledged something new, or data went in flight on an idle link.
+    progress_at: Instant,
     pto_count: u32,
     probes: u32,
     pacing_until: Option<Instant>,
@@ -187,6 +189,7 @@ impl Sender {
             largest_acked: None,
             loss_time: None,
             last_eliciting: None,
+            progress_at: now,
             pto_count: 0,
             probes: 0,
             pacing_until: None,
@@ -273,6 +276,12 @@ impl Sender {
     /// The congestion window in bytes.
     pub fn window(&self) -> u64 {
         self.cc.window()
+    }
+
+    /// How long packets have been in flight with nothing acknowledged (`None` with nothing
+    /// in flight): a path that stopped carrying datagrams shows here, whatever comes back.
+    pub fn unacknowledged_for(&self, now: Instant) -> Option<Duration> {
+        (self.in_flight > 0).then(|| now.saturating_duration_since(self.progress_at))
     }
 
     /// Bytes in flight.
@@ -399,6 +408,9 @@ impl Sender {
                 self.stats.retransmitted += 1;
             }
             self.ping = false;
+            if self.in_flight == 0 {
+                self.progress_at = now;
+            }
             self.in_flight += size as u64;
             self.last_eliciting = Some(now);
             self.pacer.on_sent(size as u64);
@@ -453,6 +465,7 @@ impl Sender {
         }
         if newly_acked {
             self.pto_count = 0;
+            self.progress_at = now;
         }
         if self.round.0 + self.round.1 >= LOSS_SPAN {
             self.prev_round = std::mem::take(&mut self.round);

@@ -83,7 +83,11 @@ impl Drop for Tracked {
 /// Hands the chunks the ring queues for `next` to the plane until the ring closes the
 /// queue, then waits until the next node acknowledged every one: when the operation ends,
 /// the plane holds none of its chunks (a lent range of the caller's buffer is the caller's
-/// again; on QUIC streams, quinn may still hold one for a while).
+/// again; on QUIC streams, quinn may still hold one for a while). While chunks are
+/// outstanding, a link that stops getting through (`plane::SILENCE`) ends the operation:
+/// the error goes to `errors` (the ring's receive queue, which the ring reads while it
+/// waits for chunks; weak, so that the queue still closes when its readers end) as well
+/// as to the caller.
 pub(super) async fn write_chunks(
     plane: Plane,
     next: SocketAddr,
@@ -91,26 +95,51 @@ pub(super) async fn write_chunks(
     op: u64,
     mut chunks: mpsc::Receiver<(u64, Bytes)>,
     progress: Arc<Progress>,
+    errors: mpsc::WeakSender<Result<(u64, Vec<Bytes>), CollectiveError>>,
 ) -> Result<(), CollectiveError> {
     let outstanding = Arc::new(Outstanding::default());
-    while let Some((id, bytes)) = chunks.recv().await {
-        outstanding.count.fetch_add(1, Ordering::AcqRel);
-        let tracked = Bytes::from_owner(Tracked {
-            bytes,
-            outstanding: outstanding.clone(),
-            progress: progress.clone(),
-        });
-        // Lent, not copied: the link copies each fragment once, into the datagram it seals.
-        plane
-            .send(next, lane, op, id, tracked)
-            .map_err(|reason| CollectiveError::Link { peer: next, reason })?;
-    }
+    let silent = || CollectiveError::Link {
+        peer: next,
+        reason: format!(
+            "data plane datagrams to it stopped getting through (nothing acknowledged for {}s); \
+             its next ring operations use QUIC streams",
+            crate::transport::plane::SILENCE.as_secs()
+        ),
+    };
+    let mut tick = tokio::time::interval(Duration::from_millis(250));
+    let mut open = true;
     loop {
-        let done = outstanding.done.notified();
-        if outstanding.count.load(Ordering::Acquire) == 0 {
+        let waiting = outstanding.count.load(Ordering::Acquire);
+        if !open && waiting == 0 {
             return Ok(());
         }
-        done.await;
+        if waiting > 0 && plane.ready_lanes(next) <= lane {
+            if let Some(errors) = errors.upgrade() {
+                let _ = errors.try_send(Err(silent()));
+            }
+            return Err(silent());
+        }
+        let done = outstanding.done.notified();
+        tokio::select! {
+            chunk = chunks.recv(), if open => match chunk {
+                Some((id, bytes)) => {
+                    outstanding.count.fetch_add(1, Ordering::AcqRel);
+                    let tracked = Bytes::from_owner(Tracked {
+                        bytes,
+                        outstanding: outstanding.clone(),
+                        progress: progress.clone(),
+                    });
+                    // Lent, not copied: the link copies each fragment once, into the
+                    // datagram it seals.
+                    plane
+                        .send(next, lane, op, id, tracked)
+                        .map_err(|reason| CollectiveError::Link { peer: next, reason })?;
+                }
+                None => open = false,
+            },
+            _ = done, if !open => {}
+            _ = tick.tick() => {}
+        }
     }
 }
 

@@ -602,6 +602,7 @@ impl RingNet {
             wtxs.push(wtx);
             writers.push(tokio::spawn(write_frames(send, wrx, next, progress.clone())));
         }
+        let (rtx, mut rrx) = mpsc::channel::<Result<(u64, Vec<Bytes>), CollectiveError>>(64);
         if let Some(plane) = plane_out {
             for lane in 0..lanes {
                 let (wtx, wrx) = mpsc::channel::<(u64, Bytes)>(64);
@@ -613,10 +614,10 @@ impl RingNet {
                     op_id,
                     wrx,
                     progress.clone(),
+                    rtx.downgrade(),
                 )));
             }
         }
-        let (rtx, mut rrx) = mpsc::channel::<Result<(u64, Vec<Bytes>), CollectiveError>>(64);
         let mut readers: Vec<_> = recvs
             .into_iter()
             .map(|recv| tokio::spawn(read_frames(recv, rtx.clone(), prev, max_chunk, progress.clone())))

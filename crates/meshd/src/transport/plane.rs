@@ -37,6 +37,11 @@ pub const MESSAGE_HEADER: usize = 16;
 const UNCLAIMED_OPS_PER_PEER: usize = 4;
 /// Largest plane message this end accepts: a ring chunk and its header, with room.
 const MAX_MESSAGE: u64 = 1 << 30;
+/// How long a ready link may have packets in flight with nothing acknowledged before it
+/// counts as no longer getting through: it is no longer ready, and ring operations to the
+/// peer use QUIC streams from the next one (the running one fails, naming the cause).
+pub const SILENCE: Duration = Duration::from_secs(5);
+
 /// Datagrams in a row a peer's link must open, tried first, before it opens the next ones
 /// in place rather than in a copy (see `open_with`).
 const CONFIDENT: u32 = 64;
@@ -281,6 +286,8 @@ struct Entry {
     streak: u32,
     /// Whether the peer acknowledged the probe.
     probed: bool,
+    /// Stopped getting through after it was ready: never ready again.
+    silenced: bool,
     /// Used up its keys: removed at the next prune.
     dead: bool,
 }
@@ -381,6 +388,7 @@ impl Driver {
             last_heard: None,
             streak: 0,
             probed: false,
+            silenced: false,
             dead: false,
         });
     }
@@ -436,6 +444,29 @@ impl Driver {
     }
 
     fn prune(&mut self) {
+        let now = Instant::now();
+        for (peer, entries) in self.links.iter_mut() {
+            let silent = entries
+                .iter()
+                .any(|e| e.probed && e.link.unacknowledged_for(now).is_some_and(|d| d >= SILENCE));
+            if !silent {
+                continue;
+            }
+            // The probe got through once; datagrams no longer do (a middlebox, a path MTU
+            // change). The path failed, not one connection: no link to the peer on this
+            // lane is ready again (new connections make new links, with new probes).
+            tracing::warn!(
+                peer = %peer,
+                lane = self.lane,
+                "data plane datagrams to {peer} stopped getting through (nothing acknowledged for {}s); \
+                 ring operations to it use QUIC streams from the next one",
+                SILENCE.as_secs()
+            );
+            for e in entries.iter_mut() {
+                e.probed = false;
+                e.silenced = true;
+            }
+        }
         let socket = self.socket.clone();
         self.links.retain(|peer, entries| {
             entries.retain(|e| {
@@ -486,7 +517,7 @@ impl Driver {
                 }
                 while let Some(ev) = e.link.poll_event() {
                     match ev {
-                        Event::Delivered { tag: TAG_PROBE, .. } => {
+                        Event::Delivered { tag: TAG_PROBE, .. } if !e.silenced => {
                             // The peer acknowledged the full-size probe: both directions work.
                             e.probed = true;
                             lock(&self.plane.ready).insert((*peer, self.lane));
