@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 /// Shortest time between two looks at a changing view (a thousand joins are one look,
 /// not a thousand).
-const VIEW_EVERY: Duration = Duration::from_millis(20);
+const VIEW_EVERY: Duration = Duration::from_millis(2);
 
 pub(super) struct Round {
     pub rdzv: Rendezvous,

@@ -478,7 +478,7 @@ impl Transport {
             // not listening yet is lost; with quinn's default 333 ms initial RTT the
             // retransmit (and so the whole rendezvous) waits about a second. Cluster links
             // are sub-millisecond: start the estimate at 30 ms.
-            .initial_rtt(Duration::from_millis(30))
+            .initial_rtt(Duration::from_millis(10))
             .send_window(64 << 20);
         // Every connection starts with tiny windows and stream limits (what authentication
         // needs) and gets the bulk-data ones only once the peer's MAC verified
