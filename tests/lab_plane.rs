@@ -14,31 +14,40 @@ fn firewalled_lab() -> Lab {
     lab
 }
 
-/// `meshd bench allreduce` of one size on every host with `--plane plane`; per host, the
-/// "served by" of each row. The bench checks every result before timing it.
-fn bench(lab: &mut Lab, size: &str, plane: &str) -> Vec<Vec<String>> {
-    let peers = lab.peers();
-    let args = [
+/// The environment of every bench here: the lab's token and 256 KiB chunks.
+const ENV: [(&str, &str); 2] = [("MESHD_TOKEN", "plane"), ("MESHD_RING_CHUNK", "262144")];
+
+/// nft rules that drop every UDP datagram to meshd's port whose first payload byte has the
+/// top two bits clear: the plane's, never QUIC's (meshd does not grease the fixed bit).
+const DROP_PLANE: &str = "table inet mdplane {\n chain input {\n type filter hook input priority -5; policy accept;\n \
+                          udp dport 29400 @th,64,8 & 0xc0 == 0 drop\n }\n}\n";
+
+/// `meshd bench allreduce --json` of 3 nodes on `peers`: `size` bytes, `iters` times, by
+/// `plane` (auto, streams or both).
+fn bench_args<'a>(peers: &'a str, size: &'a str, iters: &'a str, plane: &'a str) -> [&'a str; 14] {
+    [
         meshd(),
         "bench",
         "allreduce",
         "--nnodes",
         "3",
         "--peers",
-        &peers,
+        peers,
         "--size",
         size,
         "--iters",
-        "2",
+        iters,
         "--plane",
         plane,
         "--json",
-    ];
-    let res = lab.run_on_all(
-        &args,
-        &[("MESHD_TOKEN", "plane"), ("MESHD_RING_CHUNK", "262144")],
-        Duration::from_secs(180),
-    );
+    ]
+}
+
+/// `meshd bench allreduce` of one size on every host by `plane`; per host, the "served
+/// by" of each row. The bench checks every result before timing it.
+fn bench(lab: &mut Lab, size: &str, plane: &str) -> Vec<Vec<String>> {
+    let peers = lab.peers();
+    let res = lab.run_on_all(&bench_args(&peers, size, "2", plane), &ENV, Duration::from_secs(180));
     res.iter()
         .enumerate()
         .map(|(i, (code, out, err))| {
@@ -71,13 +80,8 @@ fn a_middlebox_that_drops_plane_datagrams_leaves_the_ring_on_quic_streams() {
         return;
     }
     let mut lab = firewalled_lab();
-    // Host 1 drops every UDP datagram to meshd's port whose first payload byte has the top
-    // two bits clear: the plane's, never QUIC's (meshd does not grease the fixed bit).
-    lab.nft(
-        1,
-        "table inet mdplane {\n chain input {\n type filter hook input priority -5; policy accept;\n \
-         udp dport 29400 @th,64,8 & 0xc0 == 0 drop\n }\n}\n",
-    );
+    // Host 1 drops every plane datagram.
+    lab.nft(1, DROP_PLANE);
     let served = bench(&mut lab, "4194304", "auto");
     // Host 1 hears nothing back on its plane link, nor does the host before it; the third
     // host's next one is not host 1.
@@ -143,8 +147,7 @@ while time.time() < end:
         "2",
         "--json",
     ];
-    let env = [("MESHD_TOKEN", "plane"), ("MESHD_RING_CHUNK", "262144")];
-    let nodes: Vec<usize> = (0..3).map(|i| lab.spawn(i, &args, &env)).collect();
+    let nodes: Vec<usize> = (0..3).map(|i| lab.spawn(i, &args, &ENV)).collect();
     let done: Vec<_> = nodes.into_iter().map(|k| lab.wait(k, Duration::from_secs(180))).collect();
     let mut strangers = 0;
     for (i, (code, out, err)) in done.into_iter().enumerate() {
@@ -176,33 +179,13 @@ fn datagrams_that_stop_getting_through_mid_run_end_the_operation_naming_the_caus
     }
     let mut lab = firewalled_lab();
     let peers = lab.peers();
-    let args = [
-        meshd(),
-        "bench",
-        "allreduce",
-        "--nnodes",
-        "3",
-        "--peers",
-        &peers,
-        "--size",
-        "16777216",
-        "--iters",
-        "200",
-        "--plane",
-        "auto",
-        "--json",
-    ];
-    let env = [("MESHD_TOKEN", "plane"), ("MESHD_RING_CHUNK", "262144")];
-    let nodes: Vec<usize> = (0..3).map(|i| lab.spawn(i, &args, &env)).collect();
+    let args = bench_args(&peers, "16777216", "200", "auto");
+    let nodes: Vec<usize> = (0..3).map(|i| lab.spawn(i, &args, &ENV)).collect();
     // Long enough for the rendezvous and the first operations on the plane.
     std::thread::sleep(Duration::from_secs(8));
     assert!(nodes.iter().all(|&k| !lab.exited(k)), "the run ended before the middlebox came");
     let dropped_at = std::time::Instant::now();
-    lab.nft(
-        1,
-        "table inet mdplane {\n chain input {\n type filter hook input priority -5; policy accept;\n \
-         udp dport 29400 @th,64,8 & 0xc0 == 0 drop\n }\n}\n",
-    );
+    lab.nft(1, DROP_PLANE);
     let done: Vec<_> = nodes.into_iter().map(|k| lab.wait(k, Duration::from_secs(120))).collect();
     let took = dropped_at.elapsed();
     let mut named = 0;
