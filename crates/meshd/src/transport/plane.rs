@@ -581,42 +581,46 @@ fn open_with(
     let mut last = PlaneError::Auth;
     for (tried, k) in order.enumerate() {
         let e = &mut entries[k];
-        let in_place = tried + 1 == n || (tried == 0 && confident);
-        if !in_place {
-            // A failed open leaves the buffer zeroed: every try but the last opens a copy (two
-            // links to one peer exist while a connection is being replaced, or both nodes
-            // dialled at once), which goes back into the batch once it opened.
-            let mut copy = datagram.to_vec();
-            let base = copy.as_ptr() as usize;
-            match e.link.handle_datagram(&mut copy, now) {
-                Ok(r) => {
-                    e.last_heard = Some(now);
-                    e.streak = if tried == 0 { e.streak.saturating_add(1) } else { 1 };
-                    let f = r.and_then(|r| fragment_at(k, base, &r));
-                    datagram.copy_from_slice(&copy);
-                    return Ok(f);
-                }
-                Err(err) => {
-                    e.streak = 0;
-                    last = err;
-                }
-            }
-            continue;
+        if tried + 1 == n || (tried == 0 && confident) {
+            return open_one(e, k, tried, datagram, now);
         }
-        let base = datagram.as_ptr() as usize;
-        return match e.link.handle_datagram(datagram, now) {
-            Ok(r) => {
-                e.last_heard = Some(now);
-                e.streak = if tried == 0 { e.streak.saturating_add(1) } else { 1 };
-                Ok(r.and_then(|r| fragment_at(k, base, &r)))
+        // A failed open leaves the buffer zeroed: every other try opens a copy (two links to
+        // one peer exist while a connection is being replaced, or both nodes dialled at
+        // once), which goes back into the batch once it opened.
+        let mut copy = datagram.to_vec();
+        match open_one(e, k, tried, &mut copy, now) {
+            Ok(f) => {
+                datagram.copy_from_slice(&copy);
+                return Ok(f);
             }
-            Err(err) => {
-                e.streak = 0;
-                Err(err)
-            }
-        };
+            Err(err) => last = err,
+        }
     }
     Err(last)
+}
+
+/// Opens `buf` in place with link `k` of the peer (the `tried`-th one tried) and keeps its
+/// record: when it last heard, how many it opened in a row as the first one tried.
+/// Returns the ring data fragment it carried, located within `buf`.
+fn open_one(
+    e: &mut Entry,
+    k: usize,
+    tried: usize,
+    buf: &mut [u8],
+    now: Instant,
+) -> Result<Option<Fragment>, PlaneError> {
+    let base = buf.as_ptr() as usize;
+    match e.link.handle_datagram(buf, now) {
+        Ok(r) => {
+            e.last_heard = Some(now);
+            e.streak = if tried == 0 { e.streak.saturating_add(1) } else { 1 };
+            Ok(r.and_then(|r| fragment_at(k, base, &r)))
+        }
+        Err(err) => {
+            e.streak = 0;
+            Err(err)
+        }
+    }
 }
 
 /// The ring data fragment `r`, located within the datagram that starts at address `base`.
