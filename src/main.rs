@@ -80,11 +80,15 @@ fn main() -> ExitCode {
     if std::env::args().nth(1).as_deref() == Some("__nccl-root") {
         return ExitCode::from(meshd_nccl::serve_root_blocking().clamp(0, 255) as u8);
     }
+    // Tunnel mode holds an open file per tunnelled connection at each end: the soft limit
+    // (often 1024) goes up to the hard one, for meshd and the ranks it starts.
+    let files = meshd::files::raise_limit();
     let mut cli = Cli::parse();
     if let Cmd::Run(a) = &mut cli.cmd {
         a.note_dashdash(&std::env::args().collect::<Vec<_>>());
     }
     common::init_tracing();
+    tracing::debug!("open-files limit {} (hard {})", files.soft, files.hard);
     // meshd's own tuning variables, read once: the library reads no environment.
     let env = env::EnvConfig::from_env();
     // One worker per 8 cores, from 2 to 8: meshd shares the machine with the job's own

@@ -18,6 +18,7 @@
 //! - [`signals`]: SIGINT/SIGTERM watched once, so that every wait of a job ends on them.
 
 pub mod collective;
+pub mod files;
 pub mod interfaces;
 pub mod job;
 pub mod mesh;

@@ -15,13 +15,20 @@
 //! is closed without a half-close first, which the preload library reports to the rank as
 //! ECONNRESET).
 //!
-//! Far end: a peer's tunnel stream is served only when the peer is a roster member and the
-//! destination is this node's own roster address; anything else is answered "unreachable".
+//! Far end ([`far`]): a peer's tunnel stream is served only when it comes from a roster
+//! member's own address, for this node's roster address, on a port where a process of this
+//! job listens ([`listeners`]); anything else is refused and logged once per peer and reason.
+//! Both ends cap the connections one peer may hold ([`far::MAX_PER_PEER`]) and share the
+//! node's open files ([`Budget`]); a round's tasks, and every connection they carry, end
+//! with the round's [`Tunnel`].
+
+mod far;
+pub mod listeners;
 
 use crate::transport::{TUNNEL_REQUEST_LEN, Transport, TunnelStream};
 use bytes::{Bytes, BytesMut};
 use meshd_proto::NodeId;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -52,12 +59,12 @@ mod wire {
 const RESET: u32 = 1;
 /// How long a rank has to send its request.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
-/// How long the far end tries to connect to the destination.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long the near end waits for the far end's status (it includes [`CONNECT_TIMEOUT`]).
+/// How long the near end waits for the far end's status (it includes the far end's 10 s
+/// connect timeout).
 const STATUS_TIMEOUT: Duration = Duration::from_secs(15);
-/// Tunnelled connections one node's ranks may hold open at once.
-const MAX_TUNNELS: usize = 4096;
+/// Open files kept out of the tunnel's [`Budget`]: the ranks' pipes, the service's
+/// clients, /proc reads, quinn's socket.
+const RESERVED_FILES: usize = 64;
 /// The block a local socket's bytes are read into, then lent to quinn read by read: one
 /// allocation per block, not per read.
 const BLOCK: usize = 1 << 20;
@@ -142,6 +149,8 @@ pub struct TunnelStats {
     pub failed: AtomicU64,
     /// Connections peers' ranks opened to this node through their tunnels (established).
     pub served: AtomicU64,
+    /// Peers' tunnel streams this node refused (not a member, not the job's port, a cap).
+    pub refused: AtomicU64,
     /// Tunnelled connections open now (both ends).
     pub active: AtomicU64,
     /// Bytes sent into the tunnel (to other nodes).
@@ -168,10 +177,11 @@ impl TunnelStats {
     pub fn line(&self) -> String {
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
         format!(
-            "{} opened by this node's ranks ({} failed), {} served for other nodes, {} open; {:.1} MiB sent, {:.1} MiB received",
+            "{} opened by this node's ranks ({} failed), {} served for other nodes ({} refused), {} open; {:.1} MiB sent, {:.1} MiB received",
             crate::plural(g(&self.opened), "tunnelled connection"),
             g(&self.failed),
             g(&self.served),
+            g(&self.refused),
             g(&self.active),
             g(&self.bytes_out) as f64 / (1 << 20) as f64,
             g(&self.bytes_in) as f64 / (1 << 20) as f64,
@@ -195,10 +205,16 @@ pub struct TunnelConfig {
     pub dir: PathBuf,
     /// Every other roster node: its address on the chosen interface -> its meshd.
     pub routes: HashMap<IpAddr, SocketAddr>,
-    /// Roster members whose tunnel streams this node serves.
-    pub members: HashSet<NodeId>,
+    /// Roster members whose tunnel streams this node serves: id -> roster address (a
+    /// stream must come from that address).
+    pub members: HashMap<NodeId, IpAddr>,
     /// This node's roster address: the only destination served for peers.
     pub local_ip: IpAddr,
+    /// The process whose descendants are the job (meshd itself): the far end connects only
+    /// to ports they listen on ([`listeners::JobPorts`]).
+    pub job_root: i32,
+    /// Count `job_root`'s own listeners as the job's (a test process playing both parts).
+    pub job_root_itself: bool,
     /// The preload library the ranks load, when the user gave one (the CLI's
     /// `MESHD_PRELOAD_LIB`); else meshd writes its embedded copy to `dir`.
     pub preload_lib: Option<PathBuf>,
@@ -213,6 +229,42 @@ pub struct Tunnel {
     peers: String,
     tasks: Vec<JoinHandle<()>>,
     stats: Arc<TunnelStats>,
+    budget: Arc<Budget>,
+}
+
+/// The open files the tunnel may use on this node, both ends together: one for each
+/// tunnelled connection at each end (the rank's Unix socket at the near end, the TCP
+/// connection at the far end). Past it a connection is refused at once (the rank sees
+/// ECONNREFUSED, and Gloo and TCPStore retry) rather than failing some other part of meshd
+/// with EMFILE.
+#[derive(Debug)]
+pub struct Budget {
+    slots: Arc<Semaphore>,
+    capacity: usize,
+}
+
+impl Budget {
+    /// A budget of `capacity` connections.
+    pub fn new(capacity: usize) -> Budget {
+        Budget { slots: Arc::new(Semaphore::new(capacity)), capacity }
+    }
+
+    /// What this process can hold: its open-files limit, less the files open now and
+    /// [`RESERVED_FILES`].
+    pub fn for_this_process() -> Budget {
+        let limit = crate::files::limit().soft;
+        let open = crate::files::open_now().unwrap_or(32);
+        Budget::new(limit.saturating_sub(open + RESERVED_FILES).max(8))
+    }
+
+    fn try_take(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        self.slots.clone().try_acquire_owned().ok()
+    }
+
+    /// Connections it holds at most.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
 }
 
 impl Tunnel {
@@ -232,12 +284,29 @@ impl Tunnel {
         let mut peers: Vec<IpAddr> = cfg.routes.keys().copied().collect();
         peers.sort();
         let peers = peers.iter().map(|ip| ip.to_string()).collect::<Vec<_>>().join(",");
-        let cfg = Arc::new(cfg);
-        let tasks = vec![
-            tokio::spawn(near(listener, cfg.clone(), transport, stats.clone())),
-            tokio::spawn(far(incoming, cfg, stats.clone())),
-        ];
-        Ok(Tunnel { socket, lib, wrote_lib, peers, tasks, stats })
+        let budget = Arc::new(Budget::for_this_process());
+        let far = Arc::new(far::Far {
+            ports: Arc::new(listeners::JobPorts::new(cfg.job_root, cfg.job_root_itself)),
+            cfg: Arc::new(cfg),
+            stats: stats.clone(),
+            budget: budget.clone(),
+            logged: Default::default(),
+            per_peer: Default::default(),
+        });
+        let near = Near {
+            cfg: far.cfg.clone(),
+            transport,
+            stats: stats.clone(),
+            budget: budget.clone(),
+            per_peer: Default::default(),
+        };
+        let tasks = vec![tokio::spawn(near.serve(listener)), tokio::spawn(far::far(incoming, far))];
+        Ok(Tunnel { socket, lib, wrote_lib, peers, tasks, stats, budget })
+    }
+
+    /// Tunnelled connections this node can hold (both ends together).
+    pub fn capacity(&self) -> usize {
+        self.budget.capacity()
     }
 
     /// The ranks' environment: `LD_PRELOAD` (the library first, then `user_preload`),
@@ -315,134 +384,123 @@ fn noexec(dir: &Path) -> bool {
 }
 
 /// The near end: ranks' requests on the tunnel socket.
-async fn near(listener: UnixListener, cfg: Arc<TunnelConfig>, transport: Transport, stats: Arc<TunnelStats>) {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let me = unsafe { libc::geteuid() };
-    let limit = Arc::new(Semaphore::new(MAX_TUNNELS));
-    while let Ok((s, _)) = listener.accept().await {
-        // The directory is owner-only already; the kernel's word on the peer as well.
-        if s.peer_cred().map(|c| c.uid()).ok() != Some(me) {
-            continue;
+struct Near {
+    cfg: Arc<TunnelConfig>,
+    transport: Transport,
+    stats: Arc<TunnelStats>,
+    budget: Arc<Budget>,
+    /// Connections this node's ranks hold to each other node.
+    per_peer: std::sync::Mutex<HashMap<SocketAddr, Arc<Semaphore>>>,
+}
+
+impl Near {
+    /// Accepts ranks' connections until the round's tunnel is dropped; every connection's
+    /// task is in `tasks`, so they all end with it. An accept error (EMFILE: the process is
+    /// out of open files) is waited out, never the end of the loop.
+    async fn serve(self, listener: UnixListener) {
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        let me = unsafe { libc::geteuid() };
+        let near = Arc::new(self);
+        let mut tasks = tokio::task::JoinSet::new();
+        let mut errors = crate::files::AcceptErrors::new("the tunnel's socket");
+        loop {
+            let accepted = tokio::select! {
+                a = listener.accept() => a,
+                Some(_) = tasks.join_next(), if !tasks.is_empty() => continue,
+            };
+            let s = match accepted {
+                Ok((s, _)) => {
+                    errors.ok();
+                    s
+                }
+                Err(e) => {
+                    tokio::time::sleep(errors.failed(&e)).await;
+                    continue;
+                }
+            };
+            // The directory is owner-only already; the kernel's word on the peer as well.
+            if s.peer_cred().map(|c| c.uid()).ok() != Some(me) {
+                continue;
+            }
+            let near = near.clone();
+            tasks.spawn(async move { near.one(s).await });
         }
-        let Ok(permit) = limit.clone().try_acquire_owned() else {
+    }
+
+    fn peer_slots(&self, node: SocketAddr) -> Arc<Semaphore> {
+        let mut m = self.per_peer.lock().unwrap_or_else(|p| p.into_inner());
+        m.entry(node).or_insert_with(|| Arc::new(Semaphore::new(far::MAX_PER_PEER))).clone()
+    }
+
+    async fn one(&self, mut s: UnixStream) {
+        let stats = &*self.stats;
+        let mut request = [0u8; TUNNEL_REQUEST_LEN];
+        if !matches!(tokio::time::timeout(REQUEST_TIMEOUT, s.read_exact(&mut request)).await, Ok(Ok(_))) {
+            return;
+        }
+        let fail = |status: u8, why: String| {
             stats.failed.fetch_add(1, Ordering::Relaxed);
-            let mut s = s;
-            let _ = s.write_all(&[wire::FAILED]).await;
-            continue;
+            debug!("tunnel: {why}");
+            status
         };
-        let (cfg, transport, stats) = (cfg.clone(), transport.clone(), stats.clone());
-        tokio::spawn(async move {
-            near_one(s, &cfg, &transport, &stats).await;
-            drop(permit);
-        });
-    }
-}
-
-async fn near_one(mut s: UnixStream, cfg: &TunnelConfig, transport: &Transport, stats: &TunnelStats) {
-    let mut request = [0u8; TUNNEL_REQUEST_LEN];
-    if !matches!(tokio::time::timeout(REQUEST_TIMEOUT, s.read_exact(&mut request)).await, Ok(Ok(_))) {
-        return;
-    }
-    let fail = |status: u8, why: String| {
-        stats.failed.fetch_add(1, Ordering::Relaxed);
-        debug!("tunnel: {why}");
-        status
-    };
-    let Some(dest) = decode_request(&request) else {
-        let _ = s.write_all(&[fail(wire::FAILED, "malformed request from a rank".into())]).await;
-        return;
-    };
-    let Some(node) = cfg.routes.get(&dest.ip().to_canonical()).copied() else {
-        let _ = s.write_all(&[fail(wire::UNREACHABLE, format!("{dest} is not another roster node"))]).await;
-        return;
-    };
-    let opened = async {
-        let (send, mut recv) = transport.open_tunnel(node, &request).await.map_err(|e| e.to_string())?;
-        let mut st = [0u8; 1];
-        recv.read_exact(&mut st).await.map_err(|e| e.to_string())?;
-        Ok::<_, String>((send, recv, st[0]))
-    };
-    let (send, recv) = match tokio::time::timeout(STATUS_TIMEOUT, opened).await {
-        Ok(Ok((send, recv, wire::OK))) => (send, recv),
-        Ok(Ok((_, _, st))) => {
-            let _ = s.write_all(&[fail(st, format!("{dest}: the far end answered status {st}"))]).await;
+        let Some(dest) = decode_request(&request) else {
+            let _ = s.write_all(&[fail(wire::FAILED, "malformed request from a rank".into())]).await;
             return;
-        }
-        Ok(Err(e)) => {
-            let _ = s.write_all(&[fail(wire::UNREACHABLE, format!("{dest}: {e}"))]).await;
+        };
+        let Some(node) = self.cfg.routes.get(&dest.ip().to_canonical()).copied() else {
+            let _ =
+                s.write_all(&[fail(wire::UNREACHABLE, format!("{dest} is not another roster node"))]).await;
             return;
-        }
-        Err(_) => {
-            let _ = s.write_all(&[fail(wire::TIMED_OUT, format!("{dest}: no answer in time"))]).await;
+        };
+        let Ok(peer_permit) = self.peer_slots(node).try_acquire_owned() else {
+            let why =
+                format!("{dest}: this node's ranks hold {} tunnelled connections to it", far::MAX_PER_PEER);
+            let _ = s.write_all(&[fail(wire::REFUSED, why)]).await;
             return;
-        }
-    };
-    if s.write_all(&[wire::OK]).await.is_err() {
-        return; // the rank gave up (its deadline): dropping the streams resets them
-    }
-    stats.opened.fetch_add(1, Ordering::Relaxed);
-    set_sndbuf(&s, UNIX_SNDBUF);
-    let (r, w) = s.into_split();
-    // A failure closes the socket at once, without the half-close a dropped write half
-    // would send first: the rank then sees its peer gone (the preload library's reset,
-    // see its doc), not an end of file.
-    pipe(r, w, send, recv, stats, tokio::net::unix::OwnedWriteHalf::forget).await;
-}
-
-/// The far end: peers' tunnel streams.
-async fn far(incoming: Incoming, cfg: Arc<TunnelConfig>, stats: Arc<TunnelStats>) {
-    let mut incoming = incoming.lock().await;
-    while let Some(mut t) = incoming.recv().await {
-        let dest = decode_request(&t.request);
-        let allowed = cfg.members.contains(&t.node);
-        match dest {
-            Some(dest) if allowed && dest.ip().to_canonical() == cfg.local_ip.to_canonical() => {
-                let stats = stats.clone();
-                tokio::spawn(async move { far_one(t, dest, &stats).await });
+        };
+        let Some(file_permit) = self.budget.try_take() else {
+            let why = format!(
+                "{dest}: this node holds {} tunnelled connections, all its open files allow (ulimit -n)",
+                self.budget.capacity()
+            );
+            crate::files::warn_once_out_of_files(&why);
+            let _ = s.write_all(&[fail(wire::REFUSED, why)]).await;
+            return;
+        };
+        let opened = async {
+            let (send, mut recv) =
+                self.transport.open_tunnel(node, &request).await.map_err(|e| e.to_string())?;
+            let mut st = [0u8; 1];
+            recv.read_exact(&mut st).await.map_err(|e| e.to_string())?;
+            Ok::<_, String>((send, recv, st[0]))
+        };
+        let (send, recv) = match tokio::time::timeout(STATUS_TIMEOUT, opened).await {
+            Ok(Ok((send, recv, wire::OK))) => (send, recv),
+            Ok(Ok((_, _, st))) => {
+                let _ = s.write_all(&[fail(st, format!("{dest}: the far end answered status {st}"))]).await;
+                return;
             }
-            _ => {
-                debug!(
-                    "tunnel: refusing a stream from {} to {dest:?} (member: {allowed}; only {} is served)",
-                    t.from, cfg.local_ip
-                );
-                let _ = t.send.write_all(&[wire::UNREACHABLE]).await;
-                let _ = t.send.finish();
+            Ok(Err(e)) => {
+                let _ = s.write_all(&[fail(wire::UNREACHABLE, format!("{dest}: {e}"))]).await;
+                return;
             }
+            Err(_) => {
+                let _ = s.write_all(&[fail(wire::TIMED_OUT, format!("{dest}: no answer in time"))]).await;
+                return;
+            }
+        };
+        if s.write_all(&[wire::OK]).await.is_err() {
+            return; // the rank gave up (its deadline): dropping the streams resets them
         }
+        stats.opened.fetch_add(1, Ordering::Relaxed);
+        set_sndbuf(&s, UNIX_SNDBUF);
+        let (r, w) = s.into_split();
+        // A failure closes the socket at once, without the half-close a dropped write half
+        // would send first: the rank then sees its peer gone (the preload library's reset,
+        // see its doc), not an end of file.
+        pipe(r, w, send, recv, stats, tokio::net::unix::OwnedWriteHalf::forget).await;
+        drop((peer_permit, file_permit));
     }
-}
-
-async fn far_one(mut t: TunnelStream, dest: SocketAddr, stats: &TunnelStats) {
-    let status = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(dest)).await {
-        Ok(Ok(tcp)) => Ok(tcp),
-        Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused => Err(wire::REFUSED),
-        Ok(Err(e)) => {
-            debug!("tunnel: connect {dest} for {}: {e}", t.from);
-            Err(wire::FAILED)
-        }
-        Err(_) => Err(wire::TIMED_OUT),
-    };
-    let tcp = match status {
-        Ok(tcp) => tcp,
-        Err(st) => {
-            let _ = t.send.write_all(&[st]).await;
-            let _ = t.send.finish();
-            return;
-        }
-    };
-    if t.send.write_all(&[wire::OK]).await.is_err() {
-        return;
-    }
-    let _ = tcp.set_nodelay(true);
-    stats.served.fetch_add(1, Ordering::Relaxed);
-    let (r, w) = tcp.into_split();
-    // A failure is passed on as TCP RST: linger 0, then close (without the FIN a dropped
-    // write half would send first).
-    pipe(r, w, t.send, t.recv, stats, |w: tokio::net::tcp::OwnedWriteHalf| {
-        reset_on_close(w.as_ref());
-        w.forget();
-    })
-    .await;
 }
 
 /// Sets `SO_SNDBUF` (best effort: the kernel caps it at `net.core.wmem_max`).
@@ -580,17 +638,26 @@ pub fn start_for_round(
             .filter(|m| m.id != me.id)
             .map(|m| (m.addr.ip().to_canonical(), m.addr))
             .collect(),
-        members: roster.members.iter().map(|m| m.id).filter(|id| *id != me.id).collect(),
+        members: roster
+            .members
+            .iter()
+            .filter(|m| m.id != me.id)
+            .map(|m| (m.id, m.addr.ip().to_canonical()))
+            .collect(),
         local_ip: me.addr.ip().to_canonical(),
         preload_lib: preload_lib.map(Path::to_path_buf),
+        job_root: std::process::id() as i32,
+        job_root_itself: false,
     };
     match Tunnel::start(cfg, transport.clone(), incoming.clone(), stats.clone()) {
         Ok(t) => {
             transport.set_tunnel_stats(Some(stats.clone()));
             info!(
-                "tunnel: the ranks' TCP connections to {} go through meshd (LD_PRELOAD {})",
+                "tunnel: the ranks' TCP connections to {} go through meshd (LD_PRELOAD {}); peers reach only \
+                 ports this job's ranks listen on here; up to {} tunnelled connections (open files)",
                 t.peers,
-                t.lib.display()
+                t.lib.display(),
+                t.capacity()
             );
             Some(t)
         }

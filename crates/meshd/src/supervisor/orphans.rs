@@ -68,6 +68,11 @@ fn processes() -> Vec<Proc> {
         .collect()
 }
 
+/// Every process's (pid, parent pid), from /proc.
+pub(crate) fn process_parents() -> Vec<(i32, i32)> {
+    processes().into_iter().map(|p| (p.pid, p.ppid)).collect()
+}
+
 /// The processes a round's ranks left behind: members of their process `groups`, and
 /// meshd's children that are not its helpers (orphans re-parented to the subreaper).
 fn left_behind(groups: &BTreeSet<i32>, me: i32, all: &[Proc]) -> Vec<Proc> {

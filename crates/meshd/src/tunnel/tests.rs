@@ -48,6 +48,12 @@ fn dir(name: &str) -> PathBuf {
 }
 
 fn pair(name: &str) -> Pair {
+    pair_with(name, true)
+}
+
+/// A pair whose far end (b) counts the test process's listeners as the job's when
+/// `b_listeners_are_the_jobs`, else as outside the job.
+fn pair_with(name: &str, b_listeners_are_the_jobs: bool) -> Pair {
     let mut ts = Vec::new();
     for (n, ip) in [(1u128, "127.0.0.1"), (2, "127.0.0.2")] {
         let mut cfg = TransportConfig::new(NodeId::from_u128(n), 0);
@@ -65,9 +71,12 @@ fn pair(name: &str) -> Pair {
     let cfg = |d: &PathBuf, me: usize| TunnelConfig {
         dir: d.clone(),
         routes: [(ts[1 - me].local_addr().ip(), ts[1 - me].local_addr())].into_iter().collect(),
-        members: [NodeId::from_u128(2 - me as u128)].into_iter().collect(),
+        members: [(NodeId::from_u128(2 - me as u128), ts[1 - me].local_addr().ip())].into_iter().collect(),
         local_ip: ts[me].local_addr().ip(),
         preload_lib: None,
+        // The test's own listeners play the ranks'.
+        job_root: std::process::id() as i32,
+        job_root_itself: me == 0 || b_listeners_are_the_jobs,
     };
     let start = |d: &PathBuf, me: usize| {
         Tunnel::start(
@@ -139,6 +148,39 @@ async fn loopback_tunnel_half_closes_refuses_and_resets() {
     assert_eq!(p.b.stats().served.load(Ordering::Relaxed), 2, "{}", p.b.stats().line());
     assert_eq!(a.bytes_out.load(Ordering::Relaxed), 5);
     assert_eq!(a.bytes_in.load(Ordering::Relaxed), 5);
+}
+
+/// The far end serves the job, not the host: a port on which something outside the job
+/// listens is refused (counted, and the connection never made), and a token holder that
+/// claims a member's node id from another address reaches nothing.
+#[tokio::test]
+async fn the_far_end_refuses_ports_outside_the_job_and_ids_from_elsewhere() {
+    let p = pair_with("outside", false);
+    let listener = TcpListener::bind("127.0.0.2:0").await.expect("listen");
+    let dest = listener.local_addr().expect("addr");
+    assert_eq!(open(&p, dest).await.1, wire::REFUSED);
+    assert_eq!(p.b.stats().refused.load(Ordering::Relaxed), 1, "{}", p.b.stats().line());
+    assert_eq!(p.b.stats().served.load(Ordering::Relaxed), 0);
+    let accepted = tokio::time::timeout(Duration::from_millis(300), listener.accept()).await;
+    assert!(accepted.is_err(), "the far end connected to a port outside the job");
+
+    // An impostor at 127.0.0.3 with node a's id (1): authenticated, but not from a's
+    // roster address.
+    let mut cfg = TransportConfig::new(NodeId::from_u128(1), 0);
+    cfg.bind = "127.0.0.3".parse().expect("ip");
+    cfg.run_hash = 7;
+    let (imp, mut events) = Transport::bind(cfg).expect("bind");
+    tokio::spawn(async move { while events.recv().await.is_some() {} });
+    let b_addr = p._transports[1].local_addr();
+    let (_send, mut recv) = imp.open_tunnel(b_addr, &encode_request(dest)).await.expect("stream");
+    let mut st = [0u8; 1];
+    tokio::time::timeout(Duration::from_secs(10), recv.read_exact(&mut st))
+        .await
+        .expect("answer")
+        .expect("byte");
+    assert_eq!(st[0], wire::UNREACHABLE);
+    assert_eq!(p.b.stats().refused.load(Ordering::Relaxed), 2, "{}", p.b.stats().line());
+    assert!(tokio::time::timeout(Duration::from_millis(300), listener.accept()).await.is_err());
 }
 
 /// The preload library in a real process (python3, when present): a plain socket to the
