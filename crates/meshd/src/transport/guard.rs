@@ -107,13 +107,23 @@ pub const STREAM_RECEIVE_WINDOW: u32 = 16 << 20;
 /// per connection, so a larger limit costs resident memory over a long job
 /// (docs/PERFORMANCE.md, "Memory over a long job").
 pub const UNI_STREAMS: u32 = 64;
-/// Bidirectional streams an authenticated peer may have open at once: the hello, status
-/// queries and, in tunnel mode (on its first data connection), one per TCP connection a
-/// rank of that node holds to this node (Gloo: one per pair of ranks, NCCL: bootstrap,
-/// proxy and its sockets per peer).
-/// A stream beyond it waits for one to end (the tunnel's open times out and the
-/// application sees ETIMEDOUT); the 64 MiB connection window bounds their buffers together.
-pub const BIDI_STREAMS: u32 = 1024;
+/// Bidirectional streams an authenticated peer may have open at once on the data
+/// connection that carries tunnel streams (data connection 1, in tunnel mode): one per TCP
+/// connection a rank of that node holds to this node (Gloo: one per pair of ranks, NCCL:
+/// bootstrap, proxy and its sockets per peer); the tunnel caps them at 1024 per peer too.
+/// A stream beyond it waits for one to end (the tunnel's open times out and the application
+/// sees ETIMEDOUT); the connection's receive window bounds their buffers together.
+pub const TUNNEL_BIDI_STREAMS: u32 = 1024;
+/// Bidirectional streams on every other authenticated connection (a main connection or
+/// another data connection): none is used after the hello, a few are allowed.
+pub const BIDI_STREAMS: u32 = 4;
+/// Authenticated connections kept from one peer address (ip:port, one meshd) at once: its
+/// main connection and its data connections, each possibly twice for a while (both ends
+/// dialled at once, or one reconnected). One more is refused.
+pub const MAX_CONNS_PER_ADDR: usize = 2 * (1 + wire::MAX_LANES);
+/// Authenticated connections kept from one IP address at once (several meshds on one host,
+/// as in loopback tests; a token holder opening ports one after another).
+pub const MAX_CONNS_PER_IP: usize = 512;
 /// Received QUIC datagrams buffered per connection (the oldest is dropped past it). Also a
 /// transport parameter fixed for the connection's life, so it is small from the start: it
 /// holds a few gossip datagrams (they are read as they come, and may be lost) and is more
@@ -133,11 +143,60 @@ pub fn pre_auth_limits(tc: &mut quinn::TransportConfig) {
 }
 
 /// Gives a connection whose peer's MAC verified the full windows and stream limits (the
-/// peer learns them from MAX_DATA / MAX_STREAMS frames in the next packets).
-pub fn open_up(conn: &quinn::Connection) {
+/// peer learns them from MAX_DATA / MAX_STREAMS frames in the next packets); `lane` is the
+/// connection's (0 the main connection): tunnel streams come on data connection 1.
+pub fn open_up(conn: &quinn::Connection, lane: u8) {
     conn.set_receive_window(RECEIVE_WINDOW.into());
     conn.set_max_concurrent_uni_streams(UNI_STREAMS.into());
-    conn.set_max_concurrent_bi_streams(BIDI_STREAMS.into());
+    let bidi = if lane == TUNNEL_LANE { TUNNEL_BIDI_STREAMS } else { BIDI_STREAMS };
+    conn.set_max_concurrent_bi_streams(bidi.into());
+}
+
+/// The data connection that carries tunnel streams (and ring lane 0).
+pub const TUNNEL_LANE: u8 = 1;
+
+/// Every authenticated connection, by peer address, to bound how many one peer holds.
+#[derive(Debug, Default)]
+pub struct Conns {
+    by_addr: Mutex<HashMap<SocketAddr, Vec<quinn::Connection>>>,
+}
+
+/// Which bound a new connection would pass.
+#[derive(Debug, PartialEq, Eq)]
+pub enum TooMany {
+    /// [`MAX_CONNS_PER_ADDR`] from this address.
+    Addr,
+    /// [`MAX_CONNS_PER_IP`] from this IP.
+    Ip,
+}
+
+impl Conns {
+    /// Keeps `conn` from `addr`, unless the peer holds too many open already (closed ones
+    /// are forgotten first).
+    pub fn admit(&self, addr: SocketAddr, conn: &quinn::Connection) -> Result<(), TooMany> {
+        let mut m = lock(&self.by_addr);
+        m.retain(|_, v| {
+            v.retain(|c| c.close_reason().is_none());
+            !v.is_empty()
+        });
+        let here = m.get(&addr).map_or(0, Vec::len);
+        if here >= MAX_CONNS_PER_ADDR {
+            return Err(TooMany::Addr);
+        }
+        let ip = addr.ip().to_canonical();
+        let from_ip: usize =
+            m.iter().filter(|(a, _)| a.ip().to_canonical() == ip).map(|(_, v)| v.len()).sum();
+        if from_ip >= MAX_CONNS_PER_IP {
+            return Err(TooMany::Ip);
+        }
+        m.entry(addr).or_default().push(conn.clone());
+        Ok(())
+    }
+
+    /// Open connections from `addr` now.
+    pub fn count(&self, addr: SocketAddr) -> usize {
+        lock(&self.by_addr).get(&addr).map_or(0, |v| v.iter().filter(|c| c.close_reason().is_none()).count())
+    }
 }
 
 /// Reads and drops the datagrams of a connection whose peer is not authenticated yet, so

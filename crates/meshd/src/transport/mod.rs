@@ -353,6 +353,8 @@ struct Inner {
     lane_connect: Mutex<HashMap<(SocketAddr, u8), OneAtATime>>,
     /// The data plane, unless turned off.
     plane: Option<plane::Plane>,
+    /// Every authenticated connection, to bound how many one peer holds.
+    authenticated: guard::Conns,
 }
 
 /// A node's QUIC endpoint. Cheap to clone.
@@ -554,6 +556,7 @@ impl Transport {
             data_links: Mutex::new(Vec::new()),
             lane_connect: Mutex::new(HashMap::new()),
             plane,
+            authenticated: guard::Conns::default(),
         });
         tokio::spawn(accept_loop(inner.clone()));
         Ok((Transport { inner }, rx))
@@ -731,10 +734,14 @@ impl Transport {
         }
         let one = lock(&self.inner.lane_connect).entry((to, lane)).or_default().clone();
         let _one = one.lock().await;
-        match existing_lane(&self.inner, to, lane) {
-            Some(c) => Ok(c),
-            None => Ok(connect(&self.inner, to, lane).await?.0),
+        if let Some(c) = existing_lane(&self.inner, to, lane) {
+            return Ok(c);
         }
+        // The peer takes a data connection only beside a live main connection of this node.
+        if existing(&self.inner, to).is_none() {
+            connect(&self.inner, to, 0).await?;
+        }
+        Ok(connect(&self.inner, to, lane).await?.0)
     }
 
     /// Sets the tunnel counters `meshd status` probes are told.
@@ -1371,7 +1378,8 @@ async fn connect(
             ))
         })??;
     // The server proved the token: its streams and data may come now.
-    guard::open_up(&conn);
+    guard::open_up(&conn, lane);
+    let _ = inner.authenticated.admit(to, &conn);
     if lane == 0 {
         register(inner, conn.clone(), node, observed);
     } else {
@@ -1518,27 +1526,67 @@ async fn accept_loop(inner: Arc<Inner>) {
             // Half-open or silent handshakes are dropped after the connect timeout.
             let done = tokio::time::timeout(inner.cfg.connect_timeout, fut).await;
             drop(permit);
-            if let Ok(Some((conn, _, _))) = &done {
+            let done = match done {
+                Ok(Some((conn, node, kind))) => admit(&inner, conn, node, kind),
+                _ => None,
+            };
+            if let Some((conn, _, kind)) = &done {
                 // The client proved the token: its streams and data may come now.
-                guard::open_up(conn);
+                guard::open_up(conn, if let Accepted::Lane(l) = kind { *l } else { 0 });
             }
             match done {
                 // A probe gets its answer and nothing else: no frame of it is read.
-                Ok(Some((conn, _, Accepted::Probe))) => serve_queries(&inner, conn).await,
-                Ok(Some((conn, node, Accepted::Peer))) => register(&inner, conn, node, None),
+                Some((conn, _, Accepted::Probe)) => serve_queries(&inner, conn).await,
+                Some((conn, node, Accepted::Peer)) => register(&inner, conn, node, None),
                 // A lane carries the peer's bulk data and tunnel streams only: it is not the
                 // peer's connection for gossip and raises no PeerUp.
                 // Kept so that this node may send on it too (either end may open streams).
-                Ok(Some((conn, node, Accepted::Lane(lane)))) => {
+                Some((conn, node, Accepted::Lane(lane))) => {
                     let from = canonical(conn.remote_address());
                     add_lane(&inner, from, lane, &conn, node);
                     tokio::spawn(read_bidi_streams(inner.clone(), conn.clone(), node));
                     read_streams(inner, conn, node).await
                 }
-                _ => {}
+                None => {}
             }
         });
     }
+}
+
+/// The bounds an authenticated incoming connection must pass before it is used: a data
+/// connection only beside a live main connection of the same node from the same address
+/// (a lane raises no PeerUp, so a second "node X" must not slip in through one), and no
+/// more connections per peer than [`guard::MAX_CONNS_PER_ADDR`] / [`guard::MAX_CONNS_PER_IP`].
+fn admit(
+    inner: &Inner,
+    conn: quinn::Connection,
+    node: NodeId,
+    kind: Accepted,
+) -> Option<(quinn::Connection, NodeId, Accepted)> {
+    let from = canonical(conn.remote_address());
+    if let Accepted::Lane(lane) = kind {
+        let main = lock(&inner.conns).get(&from).filter(|(c, _)| c.close_reason().is_none()).map(|(_, n)| *n);
+        if main != Some(node) {
+            let why = Refusal::Other(format!(
+                "data connection {lane} without a live main connection of the same node from {from}"
+            ));
+            refuse(inner, &conn, code::PROTOCOL, &why, PROTOCOL_VERSION);
+            return None;
+        }
+    }
+    if let Err(e) = inner.authenticated.admit(from, &conn) {
+        let why = match e {
+            guard::TooMany::Addr => {
+                format!("more than {} connections from {from}", guard::MAX_CONNS_PER_ADDR)
+            }
+            guard::TooMany::Ip => {
+                format!("more than {} connections from {}", guard::MAX_CONNS_PER_IP, from.ip())
+            }
+        };
+        refuse(inner, &conn, code::PROTOCOL, &Refusal::Other(why), PROTOCOL_VERSION);
+        return None;
+    }
+    Some((conn, node, kind))
 }
 
 /// Answers a probe connection's queries (a few at most) until it closes or idles.
@@ -1766,6 +1814,32 @@ mod tests {
         }
         let reason = auth_failed(&mut events).await;
         assert!(reason.contains("different token"), "{reason}");
+    }
+
+    /// Issue 29: a data connection (which raises no PeerUp) is taken only beside a live main
+    /// connection of the same node from the same address: a second "node 1" cannot slip in
+    /// through a lane. With the main connection, the lane is taken; a peer then holds at most
+    /// `MAX_CONNS_PER_ADDR` connections.
+    #[tokio::test]
+    async fn lanes_need_the_nodes_main_connection_and_connections_per_peer_are_capped() {
+        let (server, _se) = loopback(2, Some("tok"), 7);
+        let to = server.local_addr();
+        let (client, _ce) = loopback(1, Some("tok"), 7);
+        let err = connect(&client.inner, to, 3).await.expect_err("a lane alone").to_string();
+        assert!(err.contains("without a live main connection"), "{err}");
+        connect(&client.inner, to, 0).await.expect("main");
+        connect(&client.inner, to, 3).await.expect("lane beside the main connection");
+        let mut refused = None;
+        for i in 0..guard::MAX_CONNS_PER_ADDR + 2 {
+            if let Err(e) = connect(&client.inner, to, 0).await {
+                refused = Some((i, e.to_string()));
+                break;
+            }
+        }
+        let (i, why) = refused.expect("a cap on connections per peer");
+        assert_eq!(i, guard::MAX_CONNS_PER_ADDR - 2, "{why}");
+        assert!(why.contains("connections from"), "{why}");
+        assert_eq!(server.inner.authenticated.count(client.local_addr()), guard::MAX_CONNS_PER_ADDR);
     }
 
     fn loopback(
