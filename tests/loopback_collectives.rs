@@ -340,6 +340,25 @@ fn client_calls_to_a_silent_meshd_raise_after_the_timeout() {
     assert!(stdout.contains("TIMEOUT OK"), "{stdout}\n{stderr}");
 }
 
+/// Issue 29: a rank that gave up on a collective (its client timed out) gets nothing written
+/// into its buffer afterwards, when the late local rank arrives; the late rank gets an error
+/// naming the one that gave up (`tests/python/abandoned_buffer.py`). Before, meshd wrote
+/// the result into the abandoned address with process_vm_writev.
+#[test]
+fn nothing_is_written_into_a_buffer_its_rank_gave_up_on() {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/python/abandoned_buffer.py");
+    let out = Command::new(env!("CARGO_BIN_EXE_meshd"))
+        .args(["run", "--nnodes", "1", "--peers", "127.0.0.1:29791", "--port", "29791"])
+        .args(["--nproc-per-node", "2", "--collective", "quic", "--rdzv-timeout", "60s", "--"])
+        .args(["/usr/bin/python3", script])
+        .env("MESHD_TOKEN", "loopback")
+        .output()
+        .expect("run meshd");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert_eq!(stdout.matches("ABANDONED OK").count(), 2, "{stdout}\n{stderr}");
+}
+
 /// README's DDP snippet as written: the hook's allreduces on their background thread, and
 /// no barrier at the end, so each rank exits the moment its last `backward()` returned.
 /// That thread was then still inside `Future.set_result` (torch's C++, GIL released) when

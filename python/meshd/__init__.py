@@ -23,6 +23,7 @@ import json
 import os
 import socket
 import struct
+import time
 import weakref
 
 __all__ = ["connect", "Client", "MeshdError"]
@@ -48,6 +49,9 @@ _OPS = ("sum", "avg", "min", "max")
 DEFAULT_TIMEOUT = 1800.0
 # A store_get waits for its own timeout plus this long for meshd's answer.
 _STORE_MARGIN = 30.0
+# After a call timed out: how long to wait for meshd to confirm it abandoned the request
+# (it closes the connection once nothing more will be written into our buffers).
+_GIVE_UP_WAIT = 5.0
 
 
 def _timeout_from_env():
@@ -297,7 +301,7 @@ class Client:
                 "(its node's collective or a peer may be stuck; MESHD_TIMEOUT or Client(timeout=) "
                 "sets this limit); the connection is closed"
             )
-            self._sock.close()
+            self._give_up()
             raise MeshdError(self._broken) from None
         except MeshdError as e:
             self._broken = str(e)
@@ -313,6 +317,26 @@ class Client:
         if not reply.get("ok"):
             raise MeshdError(reply.get("error", "meshd refused the request"))
         return reply, body
+
+    def _give_up(self):
+        """Abandons the call in flight: half-closes, then waits (at most ``_GIVE_UP_WAIT``
+        seconds) until meshd closes its end. meshd closes only once it marked the request
+        abandoned, with no write into this process's buffers in progress or to come, so the
+        caller may reuse its buffer when this returns (``except MeshdError:`` saving a
+        checkpoint from it)."""
+        deadline = time.monotonic() + _GIVE_UP_WAIT
+        try:
+            self._sock.shutdown(socket.SHUT_WR)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._sock.settimeout(left)
+                if not self._sock.recv(65536):
+                    break
+        except OSError:
+            pass
+        self._sock.close()
 
     def _collective(self, head, view):
         if self.in_place and len(view):

@@ -24,6 +24,7 @@ use meshd_proto::wire::StoreMsg;
 use serde_json::{Value, json};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
@@ -68,6 +69,31 @@ struct Part {
     data: Data,
     global: u32,
     reply: oneshot::Sender<Result<Vec<u8>, String>>,
+    /// Set when the rank gave up on this request (it timed out, or closed its connection):
+    /// nothing is written into its buffer after that.
+    gave_up: Arc<GaveUp>,
+}
+
+/// Whether a rank gave up on its request. The lock is held for every write into the
+/// rank's memory, so once [`GaveUp::set`] returned no write is in progress and none comes:
+/// the client's connection is closed only then, and the Python client returns from a
+/// timed-out call only once it saw that close.
+#[derive(Debug, Default)]
+struct GaveUp(std::sync::Mutex<bool>);
+
+impl GaveUp {
+    fn lock(&self) -> std::sync::MutexGuard<'_, bool> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Marks the request abandoned, waiting for a write in progress to end.
+    fn set(&self) {
+        *self.lock() = true;
+    }
+
+    fn is_set(&self) -> bool {
+        *self.lock()
+    }
 }
 
 /// A rank's buffer: sent through the socket, or read and written in place.
@@ -270,7 +296,19 @@ async fn accept(
     coll: mpsc::Sender<CollReq>,
     store: mpsc::Sender<StoreReq>,
 ) {
-    while let Ok((stream, _)) = listener.accept().await {
+    let mut errors = crate::files::AcceptErrors::new("the local service's socket (MESHD_SOCKET)");
+    loop {
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => {
+                errors.ok();
+                stream
+            }
+            // Out of open files (EMFILE) and the like: wait and accept again, never stop.
+            Err(e) => {
+                tokio::time::sleep(errors.failed(&e)).await;
+                continue;
+            }
+        };
         let (cfg, coll, store) = (cfg.clone(), coll.clone(), store.clone());
         tokio::spawn(async move {
             if let Err(e) = client(stream, &cfg, coll, store).await {
@@ -387,16 +425,24 @@ async fn client(
                     Err(e) => (fail(e), vec![]),
                     Ok((kind, data)) => {
                         let (tx, rx) = oneshot::channel();
-                        let part = Part { kind, data, global, reply: tx };
+                        let gave_up = Arc::new(GaveUp::default());
+                        let part = Part { kind, data, global, reply: tx, gave_up: gave_up.clone() };
                         seq += 1;
                         if coll.send(CollReq { local, seq, part }).await.is_err() {
                             (fail("the node's collective engine stopped".into()), vec![])
                         } else {
-                            match rx.await {
-                                Ok(Ok(data)) => (json!({"ok": true}), data),
-                                Ok(Err(e)) => (fail(e), vec![]),
-                                Err(_) => {
+                            match until_hangup(rx, &mut r).await {
+                                Some(Ok(Ok(data))) => (json!({"ok": true}), data),
+                                Some(Ok(Err(e))) => (fail(e), vec![]),
+                                Some(Err(_)) => {
                                     (fail("the collective was abandoned (job stopping?)".into()), vec![])
+                                }
+                                // The rank timed out or went away: its buffer is not ours to
+                                // write any more. Closing the connection tells it so.
+                                None => {
+                                    gave_up.set();
+                                    debug!("rank {global} gave up on its collective #{seq}");
+                                    return Ok(());
                                 }
                             }
                         }
@@ -432,6 +478,26 @@ async fn client(
         spare = body;
     }
     Ok(())
+}
+
+/// Waits for `rx`, unless the client hangs up first (end of file or an error on its
+/// connection: the Python client half-closes when its call times out): then `None`. Bytes
+/// the client sent meanwhile stay unread for the next request.
+async fn until_hangup<T, R: tokio::io::AsyncBufRead + Unpin>(
+    rx: oneshot::Receiver<T>,
+    r: &mut R,
+) -> Option<Result<T, oneshot::error::RecvError>> {
+    use tokio::io::AsyncBufReadExt;
+    tokio::pin!(rx);
+    tokio::select! {
+        v = &mut rx => return Some(v),
+        more = r.fill_buf() => match more {
+            Ok(b) if !b.is_empty() => {}
+            _ => return None,
+        },
+    }
+    // The client sent more before its answer (not what the clients do): just wait.
+    Some(rx.await)
 }
 
 /// Whether meshd can read the client's memory: the probe bytes must be found at the
@@ -518,6 +584,20 @@ impl Work {
 async fn run_one(cfg: &ServiceConfig, ring: &mut RingNet, op_id: u64, parts: Vec<Part>, work: &mut Work) {
     let kind = parts[0].kind.clone();
     let len = parts[0].data.len();
+    if let Some(gone) = parts.iter().find(|p| p.gave_up.is_set()) {
+        let msg = format!(
+            "collective #{} ({}) cannot complete on this node: rank {} gave up on it before every local \
+             rank had called it (its call timed out or its connection closed)",
+            op_id & ((1 << 40) - 1),
+            describe(&kind, len),
+            gone.global
+        );
+        tracing::warn!("{msg}");
+        for p in parts {
+            let _ = p.reply.send(Err(msg.clone()));
+        }
+        return;
+    }
     if let Some(bad) = parts.iter().find(|p| p.kind != kind || p.data.len() != len) {
         let msg = format!(
             "local ranks disagree on collective #{}: rank {} calls {}, rank {} calls {}",
@@ -640,7 +720,14 @@ fn write_back(parts: &[Part], result: &[u8]) -> Vec<Result<(), String>> {
         parts
             .iter()
             .map(|p| match &p.data {
-                Data::InPlace(r) => cma::write(r, off, src).map_err(|e| cma_error(r, &e)),
+                Data::InPlace(r) => {
+                    // Held while writing: a rank that gave up gets nothing written after.
+                    let gave_up = p.gave_up.lock();
+                    if *gave_up {
+                        return Err(format!("rank {} gave up on this collective", p.global));
+                    }
+                    cma::write(r, off, src).map_err(|e| cma_error(r, &e))
+                }
                 Data::Sent(_) => Ok(()),
             })
             .collect()
