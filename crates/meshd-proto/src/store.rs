@@ -16,6 +16,10 @@
 //! When a set completes, every live member holds its version *or a newer one* (a
 //! concurrent set of the same key may win; that is the point of versions).
 //!
+//! A version is tied to its sender: a copy whose writer is not the node it came from is
+//! dropped, and one whose counter jumps more than [`MAX_COUNTER_STEP`] past this node's
+//! clock is refused, so no peer can make its value win over every later set of a key.
+//!
 //! Bounds ([`StoreConfig`]): key length ([`MAX_STORE_KEY`]), value length
 //! ([`MAX_STORE_VALUE`]), number of keys, total bytes held (keys + values), and bytes of
 //! sets still awaiting acknowledgement. A local set beyond a bound fails at once with a
@@ -133,7 +137,23 @@ pub enum StoreError {
         /// The limit.
         max: u64,
     },
+    /// A copy's version counter is further above this node's clock than any run of sets
+    /// could take it ([`MAX_COUNTER_STEP`]): only a hostile or broken peer sends one, and
+    /// keeping it would let that value beat every later set of its key.
+    #[error("store version {counter} is too far ahead of this node's {clock} (a broken or hostile peer)")]
+    VersionTooFar {
+        /// The copy's counter.
+        counter: u64,
+        /// This node's clock.
+        clock: u64,
+    },
 }
+
+/// How far above this node's Lamport clock a copy's counter may be. Every node sees every
+/// set of its round, so honest counters differ by the sets in flight at once (bounded by
+/// the pending-bytes limit): 2^32 is never reached, and a peer that jumps by it at every set
+/// needs 2^32 sets to exhaust the counters, so no single copy can freeze a key.
+pub const MAX_COUNTER_STEP: u64 = 1 << 32;
 
 /// Why a local set did not complete.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -356,10 +376,16 @@ impl Store {
         let _ = now;
         match msg {
             StoreMsg::Set { restart, key, value, version } => {
-                if restart != self.restart {
+                // A copy comes from its writer (sets are not forwarded): one naming another
+                // writer is a forgery, and is neither kept nor acknowledged.
+                if restart != self.restart || version.writer != from {
                     return;
                 }
+                let too_far = version.counter > self.clock.saturating_add(MAX_COUNTER_STEP);
                 let refused = match self.entries.get(&key) {
+                    _ if too_far => {
+                        Some(StoreError::VersionTooFar { counter: version.counter, clock: self.clock })
+                    }
                     Some(e) if e.version >= version => None,
                     _ => match self.check(&key, &value) {
                         Ok(()) => {
@@ -477,6 +503,50 @@ impl Store {
             self.pending_bytes -= p.bytes();
             self.by_version.remove(&p.version);
         }
+    }
+}
+
+/// Store frames that arrive before this node's store of their round exists (a faster
+/// node's ranks already set values while this node's still start), kept for it: bounded
+/// in frames and in bytes, beyond which a frame is dropped (its writer resends it until
+/// acknowledged). Only frames the node core let through reach it: those of this round's
+/// roster members, from their roster addresses.
+#[derive(Debug, Default)]
+pub struct Backlog {
+    frames: Vec<(NodeId, StoreMsg)>,
+    bytes: usize,
+}
+
+impl Backlog {
+    /// Most frames kept.
+    pub const MAX_FRAMES: usize = 4096;
+    /// Most bytes kept (a frame counts its key, its value and 64 bytes).
+    pub const MAX_BYTES: usize = 16 << 20;
+
+    /// Keeps `msg` from `from` when it fits; whether it was kept.
+    pub fn push(&mut self, from: NodeId, msg: StoreMsg) -> bool {
+        let bytes = 64
+            + match &msg {
+                StoreMsg::Set { key, value, .. } => key.len() + value.len(),
+                StoreMsg::Ack { .. } => 0,
+            };
+        if self.frames.len() >= Self::MAX_FRAMES || self.bytes + bytes > Self::MAX_BYTES {
+            return false;
+        }
+        self.bytes += bytes;
+        self.frames.push((from, msg));
+        true
+    }
+
+    /// The frames kept, oldest first; the backlog is empty after.
+    pub fn take(&mut self) -> Vec<(NodeId, StoreMsg)> {
+        self.bytes = 0;
+        std::mem::take(&mut self.frames)
+    }
+
+    /// Bytes kept now.
+    pub fn bytes(&self) -> usize {
+        self.bytes
     }
 }
 

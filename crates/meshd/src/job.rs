@@ -329,9 +329,6 @@ fn cpu_seconds() -> f64 {
     (process_cpu() - start).max(0.0)
 }
 
-/// Store frames kept until the round's service starts (bounded).
-const MAX_STORE_BACKLOG: usize = 4096;
-
 /// Runs the job on this node until it ends everywhere, then leaves the mesh. Every wait
 /// also ends on a stop request from `signals` (exit 130 for SIGINT, 143 for SIGTERM, after
 /// stopping the ranks).
@@ -380,7 +377,7 @@ pub async fn run(
         roster_at: Instant::now(),
         preflight_began: Instant::now(),
         round: None,
-        backlog: Vec::new(),
+        backlog: Default::default(),
         transport: mesh.transport().clone(),
         addr: mesh.addr(),
         iface: mesh.choice().name.clone(),
@@ -435,7 +432,8 @@ pub(crate) struct JobIo {
     roster_at: Instant,
     preflight_began: Instant,
     round: Option<Round>,
-    backlog: Vec<(NodeId, StoreMsg)>,
+    /// Store frames that came before this round's service started (bounded).
+    backlog: meshd_proto::store::Backlog,
     transport: crate::transport::Transport,
     addr: SocketAddr,
     iface: String,
@@ -552,7 +550,7 @@ impl JobIo {
             }
         };
         if let Some(s) = &svc {
-            for (from, m) in std::mem::take(&mut self.backlog) {
+            for (from, m) in self.backlog.take() {
                 if roster.node_rank(from).is_some() {
                     s.remote_store(from, m);
                 }
@@ -705,8 +703,9 @@ impl JobIo {
             Some((s, roster)) if roster.node_rank(from).is_some() => s.remote_store(from, msg),
             Some(_) => {}
             // A faster node's ranks may already use the store: keep it for the service.
-            None if self.backlog.len() < MAX_STORE_BACKLOG => self.backlog.push((from, msg)),
-            None => {}
+            None => {
+                self.backlog.push(from, msg);
+            }
         }
     }
 

@@ -407,7 +407,7 @@ impl Node {
             Input::Frame { from, node, frame } => match frame {
                 Frame::Gossip(m) => self.membership.handle_message(from, m, now),
                 Frame::Rdzv(m) => self.on_message(from, node, m, now),
-                Frame::Store(msg) => self.events.push_back(Event::Store { from: node, msg }),
+                Frame::Store(msg) => self.store_frame(from, node, msg),
             },
             Input::HeardFrom(id) => self.membership.heard_from(id, now),
             Input::Seeds(seeds) => {
@@ -521,6 +521,26 @@ impl Node {
             Phase::Preflight(_) => self.preflight_message(node, msg, now),
             Phase::Running(_) => self.running_message(node, msg, now),
             Phase::Stopping(_) | Phase::Closing(_) | Phase::Finished => self.closing_message(node, msg),
+        }
+    }
+
+    /// A store frame goes to the IO's store only when it comes from a member of this
+    /// round's agreed roster, from that member's roster address, for this round: nothing
+    /// else may fill a store (or its backlog before the ranks start), and a token holder
+    /// claiming a member's id from elsewhere writes nothing.
+    fn store_frame(&mut self, from: SocketAddr, node: NodeId, msg: StoreMsg) {
+        let restart = match &msg {
+            StoreMsg::Set { restart, .. } | StoreMsg::Ack { restart, .. } => *restart,
+        };
+        let member = self.roster().and_then(|r| {
+            let m = r.members.iter().find(|m| m.id == node && m.id != self.cfg.id)?;
+            Some((r.restart, m.addr.ip().to_canonical()))
+        });
+        match member {
+            Some((round, ip)) if round == restart && ip == from.ip().to_canonical() => {
+                self.events.push_back(Event::Store { from: node, msg })
+            }
+            _ => {}
         }
     }
 

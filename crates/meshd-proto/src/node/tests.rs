@@ -161,3 +161,31 @@ fn a_lone_node_of_two_times_out_with_a_report() {
     assert_eq!(lines.first().map(String::as_str), Some("waiting for nodes: 1/2 present"));
     assert_eq!(lines.len(), 1, "at 2 s, not again before 7 s: {lines:?}");
 }
+
+/// Issue 29: store frames reach the IO's store only from this round's roster members (from
+/// their roster addresses, for this round): a stranger's, or one claiming this node's own
+/// id, fills nothing, before the roster or after the launch.
+#[test]
+fn store_frames_from_outside_the_roster_are_dropped() {
+    let set = |restart| crate::wire::StoreMsg::Set {
+        restart,
+        key: "k".into(),
+        value: vec![0; 1 << 20],
+        version: crate::store::Version { counter: 1, writer: NodeId::from_u128(9) },
+    };
+    let stranger: SocketAddr = "10.0.0.9:29400".parse().expect("address");
+    let now = Instant::now();
+    let mut early = Node::new(config(0), now);
+    let frame = |node, restart| Input::Frame { from: stranger, node, frame: Frame::Store(set(restart)) };
+    early.handle(frame(NodeId::from_u128(9), 0), now);
+    let (mut n, now) = launched(0);
+    for f in [frame(NodeId::from_u128(9), 0), frame(NodeId::from_u128(7), 0), frame(NodeId::from_u128(9), 1)]
+    {
+        n.handle(f, now);
+    }
+    for node in [&mut early, &mut n] {
+        let stored: Vec<Event> =
+            events(node).into_iter().filter(|e| matches!(e, Event::Store { .. })).collect();
+        assert!(stored.is_empty(), "{stored:?}");
+    }
+}

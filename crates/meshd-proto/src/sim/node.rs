@@ -21,7 +21,7 @@ use crate::preflight::TcpProbe;
 use crate::rendezvous::{RankFailure, RdzvConfig, Roster};
 use crate::rng::Rng;
 use crate::store::{SetId, Store, StoreConfig, StoreEvent};
-use crate::wire::{self, Frame, StoreMsg};
+use crate::wire::{self, Frame};
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, BinaryHeap, HashMap};
 use std::net::SocketAddr;
@@ -172,7 +172,7 @@ struct SimNode {
     /// The round's store (as meshd's service runs it), with the roster it serves.
     store: Option<(Store, Roster)>,
     /// Store frames that came before the round's store existed.
-    store_backlog: Vec<(NodeId, StoreMsg)>,
+    store_backlog: crate::store::Backlog,
     store_events: Vec<StoreEvent>,
 }
 
@@ -221,7 +221,7 @@ impl NodeSim {
                 ranks_ended: None,
                 started: None,
                 store: None,
-                store_backlog: Vec::new(),
+                store_backlog: Default::default(),
                 store_events: Vec::new(),
             })
             .collect();
@@ -700,7 +700,7 @@ impl NodeSim {
             Event::Launch { roster, .. } => {
                 let now = self.at(self.now);
                 let mut store = Store::new(core.id(), roster.restart, StoreConfig::default());
-                for (from, msg) in std::mem::take(&mut self.nodes[i].store_backlog) {
+                for (from, msg) in self.nodes[i].store_backlog.take() {
                     if roster.node_rank(from).is_some() {
                         store.handle_message(from, msg, now);
                     }
@@ -742,8 +742,9 @@ impl NodeSim {
                         st.handle_message(from, msg, now)
                     }
                     Some(_) => {}
-                    None if n.store_backlog.len() < 4096 => n.store_backlog.push((from, msg)),
-                    None => {}
+                    None => {
+                        n.store_backlog.push(from, msg);
+                    }
                 }
             }
             Event::PeerFinished(id) => {

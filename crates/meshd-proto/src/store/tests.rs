@@ -419,32 +419,63 @@ fn a_copy_beyond_a_members_bound_is_refused_in_its_ack_and_fails_the_set() {
 fn a_hostile_copy_is_refused_not_stored() {
     let now = Instant::now();
     let mut s = Store::new(id(1), 0, cfg());
-    let version = Version { counter: u64::MAX, writer: id(9) };
-    let big = StoreMsg::Set { restart: 0, key: "k".into(), value: vec![0; MAX_STORE_VALUE + 1], version };
+    let v1 = Version { counter: 1, writer: id(9) };
+    let big = StoreMsg::Set { restart: 0, key: "k".into(), value: vec![0; MAX_STORE_VALUE + 1], version: v1 };
     s.handle_message(id(9), big, now);
     assert!(s.is_empty());
     let (_, ack) = s.poll_transmit().expect("ack");
     assert!(matches!(ack, StoreMsg::Ack { refused: Some(StoreError::ValueTooLarge { .. }), .. }));
-    let empty = StoreMsg::Set { restart: 0, key: String::new(), value: vec![], version };
+    let empty = StoreMsg::Set { restart: 0, key: String::new(), value: vec![], version: v1 };
     s.handle_message(id(9), empty, now);
     assert!(matches!(
         s.poll_transmit(),
         Some((_, StoreMsg::Ack { refused: Some(StoreError::EmptyKey), .. }))
     ));
     // An ack for a set nobody made, or from a node nobody waits for, is ignored.
-    s.handle_message(id(9), StoreMsg::Ack { restart: 0, version, refused: None }, now);
+    s.handle_message(id(9), StoreMsg::Ack { restart: 0, version: v1, refused: None }, now);
     let sid = s.set("k".into(), b"v".to_vec(), [id(2)], now).expect("set");
     let v = s.version("k").expect("version");
     s.handle_message(id(9), StoreMsg::Ack { restart: 0, version: v, refused: None }, now);
     assert_eq!(s.unacknowledged(sid), vec![id(2)]);
     assert_eq!(v.counter, 1, "refused copies do not move the clock");
-    // A valid copy numbered u64::MAX is kept, and no later local set can beat it: the set
-    // says so instead of storing a value that would lose everywhere else.
+    while s.poll_transmit().is_some() {}
+    let version = Version { counter: u64::MAX, writer: id(9) };
+    // Issue 29: a copy numbered u64::MAX (it would beat every later set of its key, on
+    // every node, for good) is refused, and the key stays settable.
     let top = StoreMsg::Set { restart: 0, key: "t".into(), value: b"x".to_vec(), version };
     s.handle_message(id(9), top, now);
-    assert_eq!(s.get("t"), Some(&b"x"[..]));
-    assert_eq!(s.set("t".into(), b"y".to_vec(), [], now), Err(StoreError::VersionsExhausted));
-    assert_eq!(s.get("t"), Some(&b"x"[..]));
+    assert_eq!(s.get("t"), None);
+    assert!(matches!(
+        s.poll_transmit(),
+        Some((_, StoreMsg::Ack { refused: Some(StoreError::VersionTooFar { counter: u64::MAX, .. }), .. }))
+    ));
+    s.set("t".into(), b"y".to_vec(), [], now).expect("the key is not frozen");
+    assert_eq!(s.get("t"), Some(&b"y"[..]));
+    // The largest honest step is kept, and a later local set still beats it.
+    let far = Version { counter: s.version("t").expect("v").counter + MAX_COUNTER_STEP, writer: id(9) };
+    s.handle_message(
+        id(9),
+        StoreMsg::Set { restart: 0, key: "t".into(), value: b"z".to_vec(), version: far },
+        now,
+    );
+    assert_eq!(s.get("t"), Some(&b"z"[..]));
+    s.set("t".into(), b"w".to_vec(), [], now).expect("set after a far copy");
+    assert_eq!(s.get("t"), Some(&b"w"[..]));
+}
+
+/// Issue 29: a version is tied to its sender. A copy that names another node as its writer
+/// (a token holder writing a key "as" a member) is neither kept nor acknowledged.
+#[test]
+fn a_copy_naming_another_writer_is_dropped() {
+    let now = Instant::now();
+    let mut s = Store::new(id(1), 0, cfg());
+    let forged = Version { counter: 5, writer: id(2) };
+    let msg = StoreMsg::Set { restart: 0, key: "k".into(), value: b"evil".to_vec(), version: forged };
+    s.handle_message(id(9), msg.clone(), now);
+    assert_eq!(s.get("k"), None);
+    assert!(s.poll_transmit().is_none(), "no acknowledgement for a forgery");
+    s.handle_message(id(2), msg, now);
+    assert_eq!(s.get("k"), Some(&b"evil"[..]), "from its writer it is kept");
 }
 
 /// Whatever a peer sends (any round, version, key, size, acks for anything), the store

@@ -15,8 +15,6 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 use tokio::sync::{mpsc, oneshot, watch};
 
-/// Store frames kept until the round's store exists (bounded).
-const MAX_BACKLOG: usize = 4096;
 /// Readers waiting for keys that are not set yet (bounded).
 const MAX_WAITERS: usize = 4096;
 
@@ -61,7 +59,7 @@ pub(crate) struct Library {
     finish_pending: bool,
     me: NodeId,
     store: Option<(Store, Roster)>,
-    backlog: Vec<(NodeId, StoreMsg)>,
+    backlog: meshd_proto::store::Backlog,
     sets: BTreeMap<SetId, oneshot::Sender<Result<(), String>>>,
     gets: Vec<(String, oneshot::Sender<Vec<u8>>)>,
 }
@@ -76,7 +74,7 @@ impl Library {
             finish_pending: false,
             me,
             store: None,
-            backlog: Vec::new(),
+            backlog: Default::default(),
             sets: BTreeMap::new(),
             gets: Vec::new(),
         }
@@ -116,8 +114,9 @@ impl Library {
         match self.store.as_mut() {
             Some((s, roster)) if roster.node_rank(from).is_some() => s.handle_message(from, msg, now),
             Some(_) => {}
-            None if self.backlog.len() < MAX_BACKLOG => self.backlog.push((from, msg)),
-            None => {}
+            None => {
+                self.backlog.push(from, msg);
+            }
         }
     }
 
@@ -194,7 +193,7 @@ impl Library {
         self.launched = true;
         let now = Instant::now();
         let mut store = Store::new(self.me, roster.restart, StoreConfig::default());
-        for (from, msg) in std::mem::take(&mut self.backlog) {
+        for (from, msg) in self.backlog.take() {
             if roster.node_rank(from).is_some() {
                 store.handle_message(from, msg, now);
             }
