@@ -415,6 +415,13 @@ pub fn prepare(a: &JobArgs, cmd: &[String], env: &EnvConfig) -> Result<Prepared>
     };
     let nproc = nproc(&a.nproc_per_node, gpus)?;
     let token = a.net.token_for(max)?;
+    if token.is_none() && max > 1 && a.collective.forced() == Some(Collective::Tunnel) {
+        bail!(
+            "--collective tunnel needs a token: the tunnel lets the nodes' ranks reach each other's TCP \
+             ports, and with --insecure anyone who reaches UDP port {port} could; make one with \
+             `meshd token --file ~/.meshd-token` and pass --token-file on every node"
+        );
+    }
     let (peers, unresolved) =
         if a.standalone { (Vec::new(), Vec::new()) } else { common::peers(peer_text.as_deref(), port)? };
     if peers.is_empty() && unresolved.is_empty() && max > 1 {

@@ -92,6 +92,22 @@ fn token_files_others_can_read_are_refused_and_meshd_token_makes_private_ones() 
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Issue 29: `--insecure` and the tunnel do not mix (the tunnel reaches the ranks' ports):
+/// asking for it without a token is refused at once, naming why.
+#[test]
+fn the_tunnel_without_a_token_is_refused() {
+    let out = meshd(
+        &["run", "--insecure", "--nnodes", "2", "--peers", "127.0.0.1:29775", "--port", "29774"]
+            .into_iter()
+            .chain(["--collective", "tunnel", "--", "true"])
+            .collect::<Vec<_>>(),
+        &[],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("--collective tunnel needs a token") && err.contains("--token-file"), "{err}");
+}
+
 #[test]
 fn a_multi_node_mesh_without_a_token_is_refused_unless_insecure() {
     for cmd in [

@@ -286,11 +286,14 @@ fn blocked_pairs(roster: &Roster, blocked: &std::collections::BTreeSet<(NodeId, 
         .collect()
 }
 
-/// Turns every node's report into the verdict. `forced` is `--collective nccl|quic|tunnel`.
+/// Turns every node's report into the verdict. `forced` is `--collective nccl|quic|tunnel`;
+/// `tunnel` says whether the tunnel may be used (the mesh has a token): without it, blocked
+/// TCP gives `quic`, and a forced tunnel is refused.
 pub fn evaluate(
     roster: &Roster,
     reports: &BTreeMap<NodeId, NodeReport>,
     forced: Option<Collective>,
+    tunnel: bool,
 ) -> Verdict {
     let mut checks = Vec::new();
     let missing: Vec<String> =
@@ -392,11 +395,35 @@ pub fn evaluate(
         mtu.detail.push_str(" (warning: mismatched MTUs can stall large transfers)");
     }
     checks.push(mtu);
+    let multi = roster.members.len() > 1;
     let collective = match forced {
         Some(c) => c,
         None if tcp_ok => Collective::Nccl,
-        None => Collective::Tunnel,
+        None if tunnel => Collective::Tunnel,
+        None => {
+            checks.push(Check {
+                name: "tunnel".into(),
+                ok: false,
+                detail:
+                    "TCP between nodes is blocked and the mesh has no token: the tunnel, which would carry \
+                         the ranks' TCP through meshd's UDP port, is off (without a token anyone who reaches \
+                         that port could reach the ranks' ports); pass --token-file on every node for it"
+                        .into(),
+                fatal: false,
+            });
+            Collective::Quic
+        }
     };
+    if forced == Some(Collective::Tunnel) && !tunnel && multi {
+        checks.push(Check {
+            name: "tunnel".into(),
+            ok: false,
+            detail: "--collective tunnel needs a token (--token-file on every node): without one anyone who \
+                     reaches meshd's UDP port could reach the ranks' ports"
+                .into(),
+            fatal: true,
+        });
+    }
     let nccl_impossible = forced == Some(Collective::Nccl) && !tcp_ok;
     let ok = !nccl_impossible && checks.iter().all(|c| c.ok || !c.fatal);
     let nccl_id = roster.master().and_then(|m| reports.get(&m.id)).is_some_and(|r| !r.nccl_root.is_empty());
@@ -456,9 +483,29 @@ mod tests {
 
     #[test]
     fn open_network_is_nccl() {
-        let v = evaluate(&roster(3), &all(3), None);
+        let v = evaluate(&roster(3), &all(3), None, true);
         assert!(v.ok, "{v:?}");
         assert_eq!(v.collective, Collective::Nccl);
+    }
+
+    /// Issue 29: `--insecure` and the tunnel do not mix. Without a token, blocked TCP gives
+    /// `quic` (meshd's client and hook) and says why; a forced tunnel is refused.
+    #[test]
+    fn without_a_token_the_tunnel_is_never_chosen() {
+        let mut reps = all(3);
+        reps.get_mut(&NodeId::from_u128(2)).expect("r").tcp[1].ok = false;
+        let v = evaluate(&roster(3), &reps, None, false);
+        assert!(v.ok, "{v:?}");
+        assert_eq!(v.collective, Collective::Quic);
+        let t = v.checks.iter().find(|c| c.name == "tunnel").expect("a tunnel check");
+        assert!(!t.ok && !t.fatal && t.detail.contains("no token"), "{t:?}");
+        let forced = evaluate(&roster(3), &all(3), Some(Collective::Tunnel), false);
+        assert!(!forced.ok, "a forced tunnel without a token must not launch: {forced:?}");
+        // TCP open, no token: nothing changes.
+        let open = evaluate(&roster(3), &all(3), None, false);
+        assert!(
+            open.ok && open.collective == Collective::Nccl && open.checks.iter().all(|c| c.name != "tunnel")
+        );
     }
 
     #[test]
@@ -470,17 +517,17 @@ mod tests {
         let mut both = reps.clone();
         let r = both.get_mut(&NodeId::from_u128(3)).expect("r");
         r.tcp[1].ok = false;
-        let v = evaluate(&roster(3), &both, None);
+        let v = evaluate(&roster(3), &both, None, true);
         assert_eq!(v.tcp_blocked, vec!["198.19.0.2 <-> 198.19.0.3".to_string()], "both ways: one pair");
         let mut back = all(3);
         back.get_mut(&NodeId::from_u128(3)).expect("r").tcp[1].ok = false;
-        let v = evaluate(&roster(3), &back, None);
+        let v = evaluate(&roster(3), &back, None, true);
         assert_eq!(
             v.tcp_blocked,
             vec!["198.19.0.3 -> 198.19.0.2".to_string()],
             "one way keeps its direction"
         );
-        let v = evaluate(&roster(3), &reps, None);
+        let v = evaluate(&roster(3), &reps, None, true);
         assert!(v.ok, "blocked TCP is not fatal: {v:?}");
         assert_eq!(v.collective, Collective::Tunnel, "auto: the ranks' TCP goes through meshd");
         let tcp = v.checks.iter().find(|c| c.name == "tcp").expect("tcp");
@@ -503,7 +550,7 @@ mod tests {
         assert!(c.contains("TCP between nodes is blocked (198.19.0.2 -> 198.19.0.3)"), "{c}");
         assert!(v.collective_line().starts_with("tunnel (TCP between nodes is blocked"));
         // Forcing the QUIC collective keeps the old advice: Gloo/NCCL would hang.
-        let q = evaluate(&roster(3), &reps, Some(Collective::Quic));
+        let q = evaluate(&roster(3), &reps, Some(Collective::Quic), true);
         assert_eq!(q.collective, Collective::Quic);
         let w = q.tcp_warning("eth1").expect("a warning");
         assert!(w.contains("init_process_group") && w.contains("will hang"), "{w}");
@@ -513,46 +560,46 @@ mod tests {
         assert!(c.contains("Gloo/NCCL sockets directly will not: TCP between nodes is blocked"), "{c}");
         assert!(q.collective_line().starts_with("quic (TCP between nodes is blocked"));
         // Forcing the tunnel on an open network says so.
-        let t = evaluate(&roster(3), &all(3), Some(Collective::Tunnel));
+        let t = evaluate(&roster(3), &all(3), Some(Collective::Tunnel), true);
         assert!(t.ok && t.collective == Collective::Tunnel && t.tcp_warning("eth1").is_none());
         assert!(t.collective_line().starts_with("tunnel (forced by --collective"), "{}", t.collective_line());
         // An open network has no warning, and a verdict that says so.
-        let open = evaluate(&roster(3), &all(3), None);
+        let open = evaluate(&roster(3), &all(3), None, true);
         assert_eq!(open.tcp_warning("eth1"), None);
         assert!(open.conclusion().starts_with("a job would work"), "{}", open.conclusion());
         // Forcing NCCL on a network where it cannot work is refused.
-        assert!(!evaluate(&roster(3), &reps, Some(Collective::Nccl)).ok);
+        assert!(!evaluate(&roster(3), &reps, Some(Collective::Nccl), true).ok);
     }
 
     #[test]
     fn command_or_gpu_mismatch_is_fatal_and_says_who() {
         let mut reps = all(3);
         reps.get_mut(&NodeId::from_u128(3)).expect("r").cmd = "python train.py --epochs 4".into();
-        let v = evaluate(&roster(3), &reps, None);
+        let v = evaluate(&roster(3), &reps, None, true);
         assert!(!v.ok);
         let c = v.checks.iter().find(|c| c.name == "command").expect("cmd");
         assert!(c.detail.contains("`python train.py --epochs 4` on 198.19.0.3"), "{}", c.detail);
         assert!(c.detail.contains("198.19.0.1, 198.19.0.2"), "{}", c.detail);
         let mut reps = all(3);
         reps.get_mut(&NodeId::from_u128(1)).expect("r").gpus = 4;
-        assert!(!evaluate(&roster(3), &reps, None).ok);
+        assert!(!evaluate(&roster(3), &reps, None, true).ok);
     }
 
     #[test]
     fn nccl_root_must_be_the_masters_address() {
-        let v = evaluate(&roster(3), &all(3), None);
+        let v = evaluate(&roster(3), &all(3), None, true);
         let c = v.checks.iter().find(|c| c.name == "nccl id").expect("nccl id");
         assert!(c.ok, "{c:?}");
         let mut reps = all(3);
         reps.get_mut(&NodeId::from_u128(1)).expect("r").nccl_root = "198.18.0.4:5000".into();
-        let v = evaluate(&roster(3), &reps, None);
+        let v = evaluate(&roster(3), &reps, None, true);
         let c = v.checks.iter().find(|c| c.name == "nccl id").expect("nccl id");
         assert!(!c.ok && c.detail.contains("198.18.0.4:5000"), "{c:?}");
         let mut reps = all(3);
         let m = reps.get_mut(&NodeId::from_u128(1)).expect("r");
         m.nccl_root.clear();
         m.nccl_note = "libnccl not found".into();
-        let v = evaluate(&roster(3), &reps, None);
+        let v = evaluate(&roster(3), &reps, None, true);
         assert!(v.ok, "a missing NCCL is not fatal");
         // The collective is still nccl (TCP works), but the line says no id comes from meshd.
         assert_eq!(v.collective, Collective::Nccl);
@@ -562,7 +609,9 @@ mod tests {
             "{}",
             v.collective_line()
         );
-        assert!(evaluate(&roster(3), &all(3), None).collective_line().contains("MESHD_NCCL_UNIQUE_ID from"));
+        assert!(
+            evaluate(&roster(3), &all(3), None, true).collective_line().contains("MESHD_NCCL_UNIQUE_ID from")
+        );
         assert!(v.checks.iter().any(|c| c.name == "nccl id" && c.detail.contains("libnccl not found")));
     }
 
@@ -570,12 +619,12 @@ mod tests {
     fn mtu_mismatch_only_warns_and_missing_report_is_fatal() {
         let mut reps = all(3);
         reps.get_mut(&NodeId::from_u128(1)).expect("r").mtu = 9000;
-        let v = evaluate(&roster(3), &reps, None);
+        let v = evaluate(&roster(3), &reps, None, true);
         assert!(v.ok);
         assert!(v.checks.iter().any(|c| c.name == "mtu" && !c.ok));
         let mut reps = all(3);
         reps.remove(&NodeId::from_u128(2));
-        let v = evaluate(&roster(3), &reps, None);
+        let v = evaluate(&roster(3), &reps, None, true);
         assert!(!v.ok);
         assert!(v.checks[0].detail.contains("198.19.0.2"));
     }

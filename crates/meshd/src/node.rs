@@ -103,6 +103,7 @@ pub(crate) fn core_config(
             mtu: crate::preflight::mtu(&iface),
             iface,
             forced: facts.forced,
+            tunnel: mesh.transport().has_token(),
         },
         seed: stable_hash(&[&mesh.node().0]),
         timing: Timing::default(),

@@ -61,6 +61,10 @@ pub struct LocalFacts {
     pub iface: String,
     /// `--collective` when forced.
     pub forced: Option<crate::preflight::Collective>,
+    /// The tunnel may carry the ranks' TCP when TCP between nodes is blocked: the mesh has
+    /// a token (the same on every node: a node without one cannot join a mesh with one).
+    /// Without a token anyone who reaches the UDP port could reach the ranks' ports.
+    pub tunnel: bool,
 }
 
 /// Periods and bounds of the job lifecycle. The defaults are what `meshd run` uses.

@@ -206,7 +206,8 @@ impl Node {
             return;
         }
         if p.stage == Stage::Reports && (p.reports.len() >= p.roster.members.len() || late) {
-            let verdict = preflight::evaluate(&p.roster, &p.reports, self.cfg.report.forced);
+            let verdict =
+                preflight::evaluate(&p.roster, &p.reports, self.cfg.report.forced, self.cfg.report.tunnel);
             let roster = p.roster.clone();
             let nccl_id = p.nccl_id.clone();
             self.events.push_back(Event::Preflight(verdict.clone()));

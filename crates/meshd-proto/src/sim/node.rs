@@ -381,6 +381,7 @@ impl NodeSim {
                 mtu: 1500,
                 iface: "eth0".into(),
                 forced: None,
+                tunnel: true,
             },
             meta,
             seeds: vec![node_addr(self.seed_of.get(&i).copied().unwrap_or(0))],

@@ -659,6 +659,11 @@ impl Transport {
         Ok(ProbeInfo { node, observed, rtt: start.elapsed() })
     }
 
+    /// Whether connections are authenticated by a token (the tunnel needs one).
+    pub fn has_token(&self) -> bool {
+        self.inner.cfg.token.is_some()
+    }
+
     /// The receiver of incoming bulk data streams (once; later calls get `None`).
     pub fn take_data_streams(&self) -> Option<mpsc::Receiver<DataStream>> {
         lock(&self.inner.data_rx).take()
