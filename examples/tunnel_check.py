@@ -3,7 +3,10 @@
 Under `meshd run` with TCP between the nodes blocked: init_process_group("gloo") over
 env://, the TCPStore's set/get/wait across nodes, all_gather_object, a TCP connection this
 script opens itself to a rank on another node (with a half-close), and a connection to a
-port nobody listens on, which must fail fast with ECONNREFUSED. Prints TUNNEL OK per rank.
+port nobody listens on, which must fail fast with ECONNREFUSED. With MESHD_TEST_OUTSIDE_PORT
+set (a port on which something outside the job listens on every node, as sshd would), a
+connection to it on the next node must be refused too: the tunnel reaches only the job's
+own ports. Prints TUNNEL OK per rank.
 """
 import datetime
 import errno
@@ -86,6 +89,15 @@ def main():
         assert e.errno == errno.ECONNREFUSED, e
     refused_secs = time.time() - t0
     assert refused_secs < 5, refused_secs
+
+    # Something outside the job listens there (an sshd-like service): refused all the same.
+    outside = os.environ.get("MESHD_TEST_OUTSIDE_PORT")
+    if outside:
+        try:
+            socket.create_connection((host, int(outside)), timeout=20)
+            raise AssertionError("the tunnel reached a port outside the job")
+        except ConnectionRefusedError as e:
+            assert e.errno == errno.ECONNREFUSED, e
 
     dist.barrier()
     print(

@@ -75,6 +75,20 @@ fn unmodified_ddp_over_gloo_trains_to_identical_parameters_behind_a_one_port_fir
     assert!(digests.iter().all(|d| *d == digests[0]), "parameters differ across ranks: {digests:?}");
 }
 
+/// Listens on `ip:port` outside any job (as sshd would) for `secs`, printing one line per
+/// connection it gets.
+fn outside_listener(ip: &str, port: u16, secs: u32) -> String {
+    format!(
+        "import socket, time\ns = socket.socket()\ns.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n\
+         s.bind(({ip:?}, {port}))\ns.listen(16)\ns.settimeout(0.5)\nprint('LISTENING', flush=True)\n\
+         end = time.time() + {secs}\nwhile time.time() < end:\n    try:\n        c, a = s.accept()\n        \
+         print('OUTSIDE CONNECTION', a, flush=True)\n        c.close()\n    except socket.timeout:\n        pass\n"
+    )
+}
+
+/// Also issue 29: an sshd-like listener started outside meshd on every node's address is
+/// out of reach through the tunnel (ECONNREFUSED, and it never sees a connection), while
+/// the job's own TCPStore, Gloo and user listeners work.
 #[test]
 fn store_objects_user_sockets_and_refusals_go_through_the_tunnel() {
     if !lab::available() {
@@ -82,10 +96,34 @@ fn store_objects_user_sockets_and_refusals_go_through_the_tunnel() {
     }
     needs_torch();
     let mut lab = firewalled_lab(3);
+    const OUTSIDE: u16 = 2222;
+    let outside: Vec<usize> = (0..3)
+        .map(|i| {
+            let script = outside_listener(&lab.hosts[i].eth1.clone(), OUTSIDE, 200);
+            lab.spawn(i, &[PY, "-c", &script], &[])
+        })
+        .collect();
     let args = python_job(&lab.peers(), 3, 2, "auto", "tunnel_check.py", &[]);
-    for (i, (code, out, err)) in run(&mut lab, &args).iter().enumerate() {
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let port = OUTSIDE.to_string();
+    let results = lab.run_on_all(
+        &args,
+        &[("MESHD_TOKEN", "tunnel"), ("MESHD_TEST_OUTSIDE_PORT", &port)],
+        Duration::from_secs(240),
+    );
+    for k in outside {
+        lab.signal(k, libc::SIGKILL);
+        let (_, out, err) = lab.wait(k, Duration::from_secs(5));
+        assert!(out.contains("LISTENING"), "the outside listener did not start:\n{out}\n{err}");
+        assert!(!out.contains("OUTSIDE CONNECTION"), "the tunnel reached a port outside the job:\n{out}");
+    }
+    for (i, (code, out, err)) in results.iter().enumerate() {
         assert_eq!(*code, Some(0), "host {i}:\n{out}\n{err}");
         check_tunnel_lines(i, err);
+        assert!(
+            err.contains("no rank of this job listens on port 2222 here"),
+            "host {i}: the refusal is logged, naming the port:\n{err}"
+        );
         let ok: Vec<&str> = out.lines().filter(|l| l.contains("TUNNEL OK")).collect();
         assert_eq!(ok.len(), 2, "host {i}: both ranks pass:\n{out}\n{err}");
         for l in ok {
@@ -301,4 +339,43 @@ fn collective_tunnel_can_be_forced_on_an_open_network() {
         assert_eq!(out.matches("TUNNEL OK").count(), 2, "host {i}:\n{out}\n{err}");
         check_counters(i, err);
     }
+}
+
+/// Issue 29: the tunnel under `prlimit --nofile=128` on every meshd, 2 hosts x 2 ranks
+/// (`tests/python/tunnel_fds.py`): 150 connections held at once, more than 128 files allow,
+/// each connected or refused at once (ECONNREFUSED, never a hang), and after they close one
+/// more connects: the accept loops wait out EMFILE, and the tunnel's budget of open files
+/// refuses past it. Before, the first EMFILE ended the tunnel's accept loop for good.
+#[test]
+fn tunnelled_connections_past_the_open_files_limit_are_refused_and_the_tunnel_lives_on() {
+    if !lab::available() {
+        return;
+    }
+    let mut lab = firewalled_lab(2);
+    let script = format!("{}/tests/python/tunnel_fds.py", env!("CARGO_MANIFEST_DIR"));
+    let peers = lab.peers();
+    let args = [
+        "prlimit",
+        "--nofile=128",
+        lab::meshd(),
+        "run",
+        "--nnodes",
+        "2",
+        "--peers",
+        &peers,
+        "--nproc-per-node",
+        "2",
+        "--collective",
+        "tunnel",
+        "--",
+        PY,
+        &script,
+    ];
+    let results = lab.run_on_all(&args, &[("MESHD_TOKEN", "tunnel")], Duration::from_secs(120));
+    for (i, (code, out, err)) in results.iter().enumerate() {
+        assert_eq!(*code, Some(0), "host {i}:\n{out}\n{err}");
+        assert_eq!(out.matches("FDS OK").count(), 2, "host {i}:\n{out}\n{err}");
+    }
+    let said = results.iter().any(|(_, _, err)| err.contains("all its open files allow"));
+    assert!(said, "a refusal names the open-files limit:\n{results:?}");
 }

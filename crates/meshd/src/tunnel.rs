@@ -494,13 +494,26 @@ impl Near {
         }
         stats.opened.fetch_add(1, Ordering::Relaxed);
         set_sndbuf(&s, UNIX_SNDBUF);
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&s);
         let (r, w) = s.into_split();
         // A failure closes the socket at once, without the half-close a dropped write half
         // would send first: the rank then sees its peer gone (the preload library's reset,
         // see its doc), not an end of file.
-        pipe(r, w, send, recv, stats, tokio::net::unix::OwnedWriteHalf::forget).await;
+        pipe(r, w, send, recv, stats, Some(fd), tokio::net::unix::OwnedWriteHalf::forget).await;
         drop((peer_permit, file_permit));
     }
+}
+
+/// How often a near end whose rank stopped sending checks whether the rank closed its
+/// socket entirely.
+const HANGUP_CHECK: Duration = Duration::from_millis(500);
+
+/// Whether the peer of the Unix socket `fd` closed it entirely (POLLHUP: both directions
+/// shut; a half-close shows only POLLRDHUP).
+fn hung_up(fd: std::os::fd::RawFd) -> bool {
+    let mut p = libc::pollfd { fd, events: libc::POLLOUT, revents: 0 };
+    // SAFETY: poll on one valid pollfd with a zero timeout.
+    unsafe { libc::poll(&mut p, 1, 0) == 1 && p.revents & libc::POLLHUP != 0 }
 }
 
 /// Sets `SO_SNDBUF` (best effort: the kernel caps it at `net.core.wmem_max`).
@@ -538,12 +551,19 @@ fn reset_on_close(tcp: &TcpStream) {
 /// ended. End of file becomes a half-close on the other side; a failure on either side
 /// resets the other (`abort` takes the local write half; the read half, dropped last,
 /// closes the socket).
+///
+/// `closed`, at the near end, is the rank's socket: once the rank stopped sending, it is
+/// checked every [`HANGUP_CHECK`] for a full close (`close()`, not `shutdown(SHUT_WR)`):
+/// then nothing more can reach the rank, so the stream's receive side is stopped (the far
+/// application's next write is reset, as TCP answers data for a closed socket) and the
+/// connection's files are freed, instead of being held until the far application closes.
 async fn pipe<R, W>(
     mut r: R,
     mut w: W,
     mut send: quinn::SendStream,
     mut recv: quinn::RecvStream,
     stats: &TunnelStats,
+    closed: Option<std::os::fd::RawFd>,
     abort: impl FnOnce(W),
 ) where
     R: AsyncRead + Unpin,
@@ -587,6 +607,7 @@ async fn pipe<R, W>(
         };
         tokio::pin!(up, down);
         let (mut up_done, mut down_done) = (false, false);
+        let mut hangup = tokio::time::interval(HANGUP_CHECK);
         loop {
             tokio::select! {
                 res = &mut up, if !up_done => {
@@ -596,6 +617,11 @@ async fn pipe<R, W>(
                 res = &mut down, if !down_done => {
                     if res.is_err() { break true; }
                     down_done = true;
+                }
+                _ = hangup.tick(), if up_done && closed.is_some() => {
+                    if closed.is_some_and(hung_up) {
+                        break true;
+                    }
                 }
             }
             if up_done && down_done {

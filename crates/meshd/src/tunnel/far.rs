@@ -202,7 +202,7 @@ async fn serve(mut t: TunnelStream, far: &Far) {
     let (r, w) = tcp.into_split();
     // A failure is passed on as TCP RST: linger 0, then close (without the FIN a dropped
     // write half would send first).
-    pipe(r, w, t.send, t.recv, &far.stats, |w: tokio::net::tcp::OwnedWriteHalf| {
+    pipe(r, w, t.send, t.recv, &far.stats, None, |w: tokio::net::tcp::OwnedWriteHalf| {
         reset_on_close(w.as_ref());
         w.forget();
     })
