@@ -215,6 +215,12 @@ pub struct TunnelConfig {
     pub job_root: i32,
     /// Count `job_root`'s own listeners as the job's (a test process playing both parts).
     pub job_root_itself: bool,
+    /// Tunnelled connections one other node may hold with this one, each way
+    /// ([`far::MAX_PER_PEER`] in a job).
+    pub per_peer: usize,
+    /// Tunnelled connections this node holds at most, both ends together; `None`: what its
+    /// open files allow ([`Budget::for_this_process`]).
+    pub files: Option<usize>,
     /// The preload library the ranks load, when the user gave one (the CLI's
     /// `MESHD_PRELOAD_LIB`); else meshd writes its embedded copy to `dir`.
     pub preload_lib: Option<PathBuf>,
@@ -284,7 +290,7 @@ impl Tunnel {
         let mut peers: Vec<IpAddr> = cfg.routes.keys().copied().collect();
         peers.sort();
         let peers = peers.iter().map(|ip| ip.to_string()).collect::<Vec<_>>().join(",");
-        let budget = Arc::new(Budget::for_this_process());
+        let budget = Arc::new(cfg.files.map_or_else(Budget::for_this_process, Budget::new));
         let far = Arc::new(far::Far {
             ports: Arc::new(listeners::JobPorts::new(cfg.job_root, cfg.job_root_itself)),
             cfg: Arc::new(cfg),
@@ -429,7 +435,7 @@ impl Near {
 
     fn peer_slots(&self, node: SocketAddr) -> Arc<Semaphore> {
         let mut m = self.per_peer.lock().unwrap_or_else(|p| p.into_inner());
-        m.entry(node).or_insert_with(|| Arc::new(Semaphore::new(far::MAX_PER_PEER))).clone()
+        m.entry(node).or_insert_with(|| Arc::new(Semaphore::new(self.cfg.per_peer))).clone()
     }
 
     async fn one(&self, mut s: UnixStream) {
@@ -454,7 +460,7 @@ impl Near {
         };
         let Ok(peer_permit) = self.peer_slots(node).try_acquire_owned() else {
             let why =
-                format!("{dest}: this node's ranks hold {} tunnelled connections to it", far::MAX_PER_PEER);
+                format!("{dest}: this node's ranks hold {} tunnelled connections to it", self.cfg.per_peer);
             let _ = s.write_all(&[fail(wire::REFUSED, why)]).await;
             return;
         };
@@ -674,6 +680,8 @@ pub fn start_for_round(
         preload_lib: preload_lib.map(Path::to_path_buf),
         job_root: std::process::id() as i32,
         job_root_itself: false,
+        per_peer: far::MAX_PER_PEER,
+        files: None,
     };
     match Tunnel::start(cfg, transport.clone(), incoming.clone(), stats.clone()) {
         Ok(t) => {

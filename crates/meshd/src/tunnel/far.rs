@@ -50,8 +50,8 @@ pub enum Refusal {
     NotThisNode(SocketAddr),
     /// Something outside the job listens on the destination port.
     NotTheJobs(u16),
-    /// The peer holds [`MAX_PER_PEER`] tunnelled connections here already.
-    PeerCap,
+    /// The peer holds its cap ([`MAX_PER_PEER`] in a job) of tunnelled connections here.
+    PeerCap(usize),
     /// This node has no open file to spare.
     NodeCap(usize),
 }
@@ -60,7 +60,7 @@ impl Refusal {
     /// The status byte the peer's rank gets.
     fn status(&self) -> u8 {
         match self {
-            Refusal::NotTheJobs(_) | Refusal::PeerCap | Refusal::NodeCap(_) => wire::REFUSED,
+            Refusal::NotTheJobs(_) | Refusal::PeerCap(_) | Refusal::NodeCap(_) => wire::REFUSED,
             _ => wire::UNREACHABLE,
         }
     }
@@ -76,7 +76,7 @@ impl Refusal {
             Refusal::NotTheJobs(p) => format!(
                 "no rank of this job listens on port {p} here (the tunnel reaches only the job's own ports)"
             ),
-            Refusal::PeerCap => format!("it already holds {MAX_PER_PEER} tunnelled connections to this node"),
+            Refusal::PeerCap(n) => format!("it already holds {n} tunnelled connections to this node"),
             Refusal::NodeCap(n) => {
                 format!("this node holds {n} tunnelled connections, all its open files allow")
             }
@@ -98,7 +98,7 @@ pub(super) struct Far {
 impl Far {
     fn peer_slots(&self, node: NodeId) -> Arc<Semaphore> {
         let mut m = self.per_peer.lock().unwrap_or_else(|p| p.into_inner());
-        m.entry(node).or_insert_with(|| Arc::new(Semaphore::new(MAX_PER_PEER))).clone()
+        m.entry(node).or_insert_with(|| Arc::new(Semaphore::new(self.cfg.per_peer))).clone()
     }
 
     /// The checks that need no /proc: who asks, and for which address.
@@ -111,7 +111,8 @@ impl Far {
         if dest.ip().to_canonical() != self.cfg.local_ip.to_canonical() {
             return Err(Refusal::NotThisNode(dest));
         }
-        let peer = self.peer_slots(t.node).try_acquire_owned().map_err(|_| Refusal::PeerCap)?;
+        let peer =
+            self.peer_slots(t.node).try_acquire_owned().map_err(|_| Refusal::PeerCap(self.cfg.per_peer))?;
         let node = self.budget.try_take().ok_or(Refusal::NodeCap(self.budget.capacity()))?;
         Ok((dest, [peer, node]))
     }

@@ -77,6 +77,8 @@ fn pair_with(name: &str, b_listeners_are_the_jobs: bool) -> Pair {
         // The test's own listeners play the ranks'.
         job_root: std::process::id() as i32,
         job_root_itself: me == 0 || b_listeners_are_the_jobs,
+        per_peer: if me == 0 { 3 } else { 2 },
+        files: None,
     };
     let start = |d: &PathBuf, me: usize| {
         Tunnel::start(
@@ -181,6 +183,34 @@ async fn the_far_end_refuses_ports_outside_the_job_and_ids_from_elsewhere() {
     assert_eq!(st[0], wire::UNREACHABLE);
     assert_eq!(p.b.stats().refused.load(Ordering::Relaxed), 2, "{}", p.b.stats().line());
     assert!(tokio::time::timeout(Duration::from_millis(300), listener.accept()).await.is_err());
+}
+
+/// The caps hold and free up: node a's ranks may hold 3 connections to b (a's near cap),
+/// b serves 2 from a (b's far cap); past them a connect is refused at once, and once one
+/// closes the next one connects.
+#[tokio::test]
+async fn per_peer_caps_refuse_at_once_and_free_up() {
+    let p = pair("caps");
+    let listener = TcpListener::bind("127.0.0.2:0").await.expect("listen");
+    let dest = listener.local_addr().expect("addr");
+    let (u1, s1) = open(&p, dest).await;
+    let (_u2, s2) = open(&p, dest).await;
+    assert_eq!((s1, s2), (wire::OK, wire::OK));
+    assert_eq!(open(&p, dest).await.1, wire::REFUSED, "b's far cap of 2");
+    assert_eq!(p.b.stats().refused.load(Ordering::Relaxed), 1, "{}", p.b.stats().line());
+    // The refused stream's near permit is back: still 2 held of a's 3.
+    drop(u1);
+    let mut freed = false;
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let (u, st) = open(&p, dest).await;
+        if st == wire::OK {
+            freed = true;
+            drop(u);
+            break;
+        }
+    }
+    assert!(freed, "a closed connection frees its place");
 }
 
 /// The preload library in a real process (python3, when present): a plain socket to the
