@@ -359,6 +359,25 @@ fn nothing_is_written_into_a_buffer_its_rank_gave_up_on() {
     assert_eq!(stdout.matches("ABANDONED OK").count(), 2, "{stdout}\n{stderr}");
 }
 
+/// Issue 29: meshd reads and writes only the memory of the process that connected its
+/// socket (SO_PEERCRED), not of a process that holds the socket afterwards: a forked child
+/// that sends hello with a probe of its own memory on the inherited connection gets
+/// in-place refused (`tests/python/peer_process.py`).
+#[test]
+fn in_place_buffers_are_only_the_connecting_process_memory() {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/python/peer_process.py");
+    let out = Command::new(env!("CARGO_BIN_EXE_meshd"))
+        .args(["run", "--nnodes", "1", "--peers", "127.0.0.1:29792", "--port", "29792"])
+        .args(["--nproc-per-node", "1", "--collective", "quic", "--rdzv-timeout", "60s", "--"])
+        .args(["/usr/bin/python3", script])
+        .env("MESHD_TOKEN", "loopback")
+        .output()
+        .expect("run meshd");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("PEER OK"), "{stdout}\n{stderr}");
+}
+
 /// README's DDP snippet as written: the hook's allreduces on their background thread, and
 /// no barrier at the end, so each rank exits the moment its last `backward()` returned.
 /// That thread was then still inside `Future.set_result` (torch's C++, GIL released) when
