@@ -582,13 +582,26 @@ pub fn nproc_gpus() -> u32 {
     }
 }
 
+/// The exit status of a `meshd run` whose rendezvous timed out (`--rdzv-timeout`): the node
+/// core's outcome code, as torchrun exits 1 on a rendezvous timeout. Bad flags and setup
+/// errors exit 2.
+pub const RDZV_TIMEOUT_EXIT: u8 = 1;
+
 pub async fn main(a: Args, signals: Signals, env: &EnvConfig) -> Result<ExitCode> {
     let cmd = command(&a, &python())?;
     tracing::debug!("command of every rank: {}", show_cmd(&cmd));
     let p = prepare(&a.job, &cmd, env)?;
     let mut sig = signals.clone();
     let mesh = tokio::select! {
-        m = Mesh::start(p.mesh) => m?,
+        m = Mesh::start(p.mesh) => match m {
+            Ok(m) => m,
+            // No listed peer resolved in time: a rendezvous that timed out, with its code.
+            Err(meshd::mesh::MeshError::Timeout(msg)) => {
+                tracing::error!("rendezvous timed out: {msg}");
+                return Ok(ExitCode::from(RDZV_TIMEOUT_EXIT));
+            }
+            Err(e) => return Err(e.into()),
+        },
         s = sig.recv() => {
             tracing::error!("{} while joining the mesh", s.describe());
             return Ok(ExitCode::from(s.exit_code()));

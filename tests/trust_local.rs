@@ -143,6 +143,8 @@ fn a_multi_node_mesh_without_a_token_is_refused_unless_insecure() {
     );
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("rendezvous timed out"), "{err}");
+    // README: a timed-out rendezvous exits 1 (the node core's outcome), not 2 (bad usage).
+    assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("ANYONE who can reach UDP 29774"), "{err}");
     // A token on the command line works, with a warning that ps shows it.
     let out = meshd(

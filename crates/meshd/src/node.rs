@@ -220,7 +220,10 @@ impl NodeHandle {
         let r = self.snap.wait_for(|s| f(s) || s.outcome.is_some()).await.map(|s| s.clone());
         match r {
             Ok(s) if f(&s) => Ok(s),
-            Ok(s) => Err(MeshError::Aborted(s.outcome.map(|o| o.message).unwrap_or_default())),
+            Ok(s) => Err(match s.outcome {
+                Some(o) if matches!(o.kind, core::OutcomeKind::TimedOut(_)) => MeshError::Timeout(o.message),
+                o => MeshError::Aborted(o.map(|o| o.message).unwrap_or_default()),
+            }),
             Err(_) => Err(MeshError::Closed),
         }
     }

@@ -303,20 +303,22 @@ impl Actor {
                     j.stop().await;
                 }
                 self.nccl_root = None;
-                return Some(match &o.kind {
+                // The outcome, with its code, is the end: a timed-out rendezvous gets its
+                // message completed with what only the IO knows (who never answered).
+                return Some(Ok(match &o.kind {
                     OutcomeKind::TimedOut(report) => {
                         let members = self.core.members();
                         let missing = self.mesh.silent_peers(&members, &self.auth);
-                        let msg = report.timeout_message(
+                        let message = report.timeout_message(
                             &self.auth.clauses(),
                             &missing,
                             self.mesh.addr().port(),
                             &self.mesh.unresolved,
                         );
-                        Err(MeshError::Timeout(msg))
+                        Outcome { message, ..o }
                     }
-                    _ => Ok(o),
-                });
+                    _ => o,
+                }));
             }
         }
         None
