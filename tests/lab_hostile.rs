@@ -282,11 +282,29 @@ fn lane_hellos_out_of_bounds_are_refused() {
         let why = close_reason(&c, Duration::from_secs(5)).await;
         assert_eq!(why, Some((4, "lane 1 is not allowed (a probe has none; at most 16)".to_string())));
 
+        // Issue 29: a lane alone (no main connection of that node from that address) is
+        // refused: a lane raises no PeerUp, so a second "node 70" must not slip in.
+        let c = ep.connect(to, "meshd").expect("connect").await.expect("handshake");
+        let _ = authenticate(&c, lane_hello(2, RUN)).await;
+        let why = close_reason(&c, Duration::from_secs(5)).await;
+        assert!(
+            why.as_ref().is_some_and(|(code, w)| *code == 4 && w.contains("without a live main connection")),
+            "{why:?}"
+        );
+        // Beside the node's main connection, from the same address, it is taken.
+        let main = ep.connect(to, "meshd").expect("connect").await.expect("handshake");
+        authenticate(&main, lane_hello(0, RUN)).await.expect("main connection accepted");
+        tokio::time::sleep(Duration::from_millis(100)).await;
         let c = ep.connect(to, "meshd").expect("connect").await.expect("handshake");
         let (answer, _, _) = authenticate(&c, lane_hello(2, RUN)).await.expect("lane accepted");
         assert_eq!(answer.lane, 2, "the answer names the lane");
         tokio::time::sleep(Duration::from_millis(300)).await;
-        assert!(victim.connected().is_empty(), "a lane is not a peer connection: {:?}", victim.connected());
+        assert_eq!(
+            victim.connected().len(),
+            1,
+            "only the main connection is a peer: {:?}",
+            victim.connected()
+        );
         assert!(c.close_reason().is_none(), "the lane stays open");
         ep.close(0u32.into(), b"");
     });
