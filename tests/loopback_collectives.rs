@@ -618,18 +618,11 @@ fn an_allreduce_with_a_stalled_neighbour_fails_in_time_naming_it() {
             first_global: 0,
             world: 2,
             restart: 0,
-            peers: meshd::collective::StorePeers {
-                me: NodeId::from_u128(1),
-                others: vec![meshd::proto::rendezvous::RosterMember {
-                    id: NodeId::from_u128(2),
-                    addr: b_addr,
-                    nproc: 1,
-                    hostname: "b".into(),
-                }],
-            },
+            // No store here: nobody answers its requests.
+            store: tokio::sync::mpsc::channel(1).0,
             activity: None,
         };
-        let svc = meshd::collective::Service::start(cfg, ring, a.clone()).expect("service");
+        let svc = meshd::collective::Service::start(cfg, ring).expect("service");
         let mut rank = tokio::net::UnixStream::connect(svc.path()).await.expect("connect");
         let reply = call(&mut rank, serde_json::json!({"op": "hello", "rank": 0}), &[]).await;
         assert_eq!(reply["ok"], true, "{reply}");

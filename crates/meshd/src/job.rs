@@ -27,7 +27,6 @@ use meshd_proto::NodeId;
 use meshd_proto::node::{self as core, Input};
 use meshd_proto::preflight::{Collective, Verdict};
 use meshd_proto::rendezvous::{RankFailure, RdzvConfig, Roster};
-use meshd_proto::wire::StoreMsg;
 use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -377,7 +376,7 @@ pub async fn run(
         roster_at: Instant::now(),
         preflight_began: Instant::now(),
         round: None,
-        backlog: Default::default(),
+        store: None,
         transport: mesh.transport().clone(),
         addr: mesh.addr(),
         iface: mesh.choice().name.clone(),
@@ -394,6 +393,7 @@ pub async fn run(
     let node = core::Node::new(core_cfg, Instant::now());
     let nccl = NcclPolicy { make: true, note: cfg.preflight.nccl_note.clone() };
     let actor = Actor::new(mesh, node, nccl, cfg.preflight.connect_timeout);
+    io.store = Some(actor.store_sender());
     let o = actor.run(Edges::Job(Box::new(io))).await?;
     Ok(JobOutcome { code: o.code, message: o.message })
 }
@@ -432,8 +432,8 @@ pub(crate) struct JobIo {
     roster_at: Instant,
     preflight_began: Instant,
     round: Option<Round>,
-    /// Store frames that came before this round's service started (bounded).
-    backlog: meshd_proto::store::Backlog,
+    /// Where the ranks' store requests go (the actor, to the node core); set by [`run`].
+    store: Option<crate::collective::StoreSender>,
     transport: crate::transport::Transport,
     addr: SocketAddr,
     iface: String,
@@ -521,25 +521,20 @@ impl JobIo {
             info!("preflight passed; collective: {}", verdict.collective_line());
         }
         let activity = Arc::new(supervisor::output::Activity::default());
+        let Some(store) = self.store.clone() else {
+            return Input::SpawnFailed("the local service has no store relay".into());
+        };
         let svc_cfg = ServiceConfig {
             path: service::default_path(&self.cfg.runtime_dir, &self.run_id, self.addr.port()),
             local_world: roster.members[node_rank].nproc,
             first_global: roster.first_global_rank(node_rank),
             world: roster.world_size(),
             restart,
-            peers: crate::collective::StorePeers {
-                me: roster.members[node_rank].id,
-                others: roster
-                    .members
-                    .iter()
-                    .filter(|m| m.id != roster.members[node_rank].id)
-                    .cloned()
-                    .collect(),
-            },
+            store: store.clone(),
             activity: Some(activity.clone()),
         };
         let served = ring.served_handle();
-        let svc = match Service::start(svc_cfg.clone(), ring, self.transport.clone()) {
+        let svc = match Service::start(svc_cfg.clone(), ring) {
             Ok(s) => Some(s),
             Err(e) => {
                 warn!(
@@ -549,13 +544,6 @@ impl JobIo {
                 None
             }
         };
-        if let Some(s) = &svc {
-            for (from, m) in self.backlog.take() {
-                if roster.node_rank(from).is_some() {
-                    s.remote_store(from, m);
-                }
-            }
-        }
         let first = roster.first_global_rank(node_rank);
         let globals: Vec<u32> = (0..roster.members[node_rank].nproc).map(|l| first + l).collect();
         let round_dir = self.dirs.as_ref().map(|d| d.round(restart, &globals));
@@ -693,26 +681,6 @@ impl JobIo {
         }
         if let Some(s) = self.round.as_ref().and_then(|r| r.sup.as_ref()) {
             s.signal_all(signal);
-        }
-    }
-
-    /// A store message: to this round's service when it comes from a roster member (the
-    /// store ignores messages of another round).
-    pub(crate) fn store(&mut self, from: NodeId, msg: StoreMsg) {
-        match self.round.as_ref().and_then(|r| r.svc.as_ref().map(|s| (s, &r.roster))) {
-            Some((s, roster)) if roster.node_rank(from).is_some() => s.remote_store(from, msg),
-            Some(_) => {}
-            // A faster node's ranks may already use the store: keep it for the service.
-            None => {
-                self.backlog.push(from, msg);
-            }
-        }
-    }
-
-    /// A roster member is finished with this round: the store stops waiting for it.
-    pub(crate) fn peer_finished(&mut self, id: NodeId) {
-        if let Some(s) = self.round.as_ref().and_then(|r| r.svc.as_ref()) {
-            s.member_gone(id);
         }
     }
 

@@ -124,6 +124,9 @@ pub enum MeshError {
     /// Rendezvous did not complete in time.
     #[error("{0}")]
     Timeout(String),
+    /// A store set did not complete.
+    #[error("store: {0}")]
+    Store(meshd_proto::node::StoreFailure),
     /// The transport stopped.
     #[error("the mesh transport stopped")]
     Closed,

@@ -107,6 +107,7 @@ pub(crate) fn core_config(
         },
         seed: stable_hash(&[&mesh.node().0]),
         timing: Timing::default(),
+        store: meshd_proto::store::StoreConfig::default(),
     }
 }
 
@@ -134,7 +135,8 @@ impl Node {
         let (cmd_tx, cmd_rx) = mpsc::channel(16);
         let (snap_tx, snap_rx) = watch::channel(Snapshot::default());
         let actor = Actor::new(mesh, core, nccl, cfg.preflight.connect_timeout);
-        let task = tokio::spawn(actor.run(Edges::Library(Box::new(Library::new(id, cmd_rx, snap_tx)))));
+        let store = actor.store_sender();
+        let task = tokio::spawn(actor.run(Edges::Library(Box::new(Library::new(cmd_rx, snap_tx)))));
         Ok(NodeHandle {
             cmds: cmd_tx,
             snap: snap_rx,
@@ -144,6 +146,7 @@ impl Node {
             choice,
             incoming: Arc::new(tokio::sync::Mutex::new(incoming)),
             ring: cfg.ring.clone(),
+            store,
             task,
         })
     }
@@ -160,6 +163,8 @@ pub struct NodeHandle {
     choice: Choice,
     incoming: Arc<tokio::sync::Mutex<mpsc::Receiver<DataStream>>>,
     ring: RingConfig,
+    /// The actor's store relay (the store is the node core's).
+    store: crate::collective::StoreSender,
     task: tokio::task::JoinHandle<Result<Outcome, MeshError>>,
 }
 
@@ -241,19 +246,29 @@ impl NodeHandle {
     /// roster member holds it (or a newer value of the key: concurrent sets converge to
     /// the same value everywhere). `Err` names why (no roster yet, a store limit, members
     /// that never acknowledged, the round ended).
-    pub async fn store_set(&self, key: impl Into<String>, value: impl Into<Vec<u8>>) -> Result<(), String> {
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        if self.cmds.send(Command::StoreSet(key.into(), value.into(), tx)).await.is_err() {
-            return Err("the node stopped".into());
+    pub async fn store_set(
+        &self,
+        key: impl Into<String>,
+        value: impl Into<Vec<u8>>,
+    ) -> Result<(), MeshError> {
+        let Some(round) = self.snap.borrow().roster.as_ref().map(|r| r.restart) else {
+            return Err(MeshError::Store(core::StoreFailure::NoRound(0)));
+        };
+        let call = core::StoreCall::Set { key: key.into(), value: value.into() };
+        match crate::collective::store::ask(&self.store, round, call).await {
+            Some(core::StoreAnswer::Set(r)) => r.map_err(MeshError::Store),
+            _ => Err(MeshError::Closed),
         }
-        rx.await.unwrap_or_else(|_| Err("the node stopped".into()))
     }
 
     /// The value of `key` in this round's store, waiting up to `timeout` for it to be set.
     pub async fn store_get(&self, key: impl Into<String>, timeout: Duration) -> Option<Vec<u8>> {
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        self.cmds.send(Command::StoreGet(key.into(), tx)).await.ok()?;
-        tokio::time::timeout(timeout, rx).await.ok()?.ok()
+        let round = self.snap.borrow().roster.as_ref().map(|r| r.restart)?;
+        let call = core::StoreCall::Get { key: key.into(), wait: timeout };
+        match crate::collective::store::ask(&self.store, round, call).await {
+            Some(core::StoreAnswer::Get(v)) => v,
+            _ => None,
+        }
     }
 
     /// Stops the job on every node (a restartable failure: a new round follows when

@@ -38,6 +38,8 @@ pub struct NodeConfig {
     pub seed: u64,
     /// Resend periods and grace times.
     pub timing: Timing,
+    /// The job-wide store's limits and timing (the same on every node of a job).
+    pub store: crate::store::StoreConfig,
 }
 
 /// The preflight facts of this node (compared across the roster).

@@ -241,8 +241,10 @@ impl Node {
                 self.fail(Failure::Job(reason, cause), now);
             }
             Message::Done { restart } if restart == self.restart && member => {
-                if r.done.insert(from) {
+                let first = r.done.insert(from);
+                if first {
                     self.events.push_back(Event::PeerFinished(from));
+                    self.store_member_gone(from, now);
                 }
                 self.running_check(now);
             }
@@ -262,12 +264,14 @@ impl Node {
     }
 
     pub(super) fn running_member(&mut self, ev: MemberEvent, now: Instant) {
-        let Phase::Running(r) = &mut self.phase else { return };
+        let Phase::Running(r) = &self.phase else { return };
         if let MemberEvent::Left(id) | MemberEvent::Down(id) = &ev {
             if r.everyone.contains(id) {
                 self.events.push_back(Event::PeerFinished(*id));
+                self.store_member_gone(*id, now);
             }
         }
+        let Phase::Running(r) = &mut self.phase else { return };
         match ev {
             MemberEvent::Left(id)
                 if r.everyone.contains(&id) && !r.done.contains(&id) && r.left.is_none() =>
@@ -341,6 +345,7 @@ impl Node {
 
     /// The round failed: stop the ranks (if any run), then restart or end.
     fn fail(&mut self, f: Failure, now: Instant) {
+        self.store_close();
         let spawned = matches!(&self.phase, Phase::Running(r) if r.spawned);
         self.phase = Phase::Stopping(f);
         if spawned {
@@ -423,11 +428,13 @@ impl Node {
     }
 
     pub(super) fn close(&mut self, c: Closing) {
+        self.store_close();
         self.phase = Phase::Closing(Box::new(c));
     }
 
     /// Ends the job on this node now.
     pub(super) fn finish(&mut self, outcome: Outcome) {
+        self.store_close();
         self.phase = Phase::Finished;
         self.events.push_back(Event::Finished(outcome));
     }

@@ -38,7 +38,7 @@ use crate::membership::{Delivery, MemberEvent, MemberView, Membership};
 use crate::meta::{NodeMeta, NodeState};
 use crate::preflight::{TcpProbe, Verdict};
 use crate::rendezvous::{Message, RankFailure, Roster};
-use crate::wire::{Frame, StoreMsg};
+use crate::wire::Frame;
 use lifecycle::{AbortOut, Closing, Running};
 use preflight::Preflight;
 use round::Round;
@@ -46,6 +46,9 @@ use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 use view::View;
+
+mod store;
+pub use store::{MAX_GETS, StoreAnswer, StoreCall, StoreFailure};
 
 /// Linux's SIGUSR1: the only signals a peer may ask this node to forward to its ranks.
 pub const SIGUSR1: i32 = 10;
@@ -95,6 +98,16 @@ pub enum Input {
         probes: Vec<TcpProbe>,
         /// The NCCL id's root address as decoded here ("" without an id).
         nccl_root: String,
+    },
+    /// A store request of the IO (a rank's `store_set` / `store_get`, the library's) for
+    /// restart round `round`: answered by [`Event::StoreReply`] with the same `req`.
+    Store {
+        /// The round it belongs to (a request of another round is answered at once).
+        round: u32,
+        /// The IO's id for the request.
+        req: u64,
+        /// What it asks.
+        call: StoreCall,
     },
     /// Answer to [`Event::Launch`]: the ranks run.
     RanksSpawned,
@@ -184,12 +197,12 @@ pub enum Event {
     /// A roster member is finished with this round: its ranks all exited (it said Done),
     /// or it left or died. The store stops waiting for its acknowledgements.
     PeerFinished(NodeId),
-    /// A store frame from a peer (the store runs in the IO's local service).
-    Store {
-        /// Sender.
-        from: NodeId,
-        /// The frame.
-        msg: StoreMsg,
+    /// The answer to [`Input::Store`] request `req`.
+    StoreReply {
+        /// The request.
+        req: u64,
+        /// Its answer.
+        answer: StoreAnswer,
     },
     /// A round ended in failure, ranks stopped (print the cause once).
     RoundFailed {
@@ -306,6 +319,9 @@ pub struct Node {
     member_fired: Option<Instant>,
     outbox: VecDeque<Transmit>,
     events: VecDeque<Event>,
+    /// The launched round's store, and frames for it that came during the preflight.
+    store: Option<store::RoundStore>,
+    store_backlog: crate::store::Backlog,
 }
 
 impl std::fmt::Debug for Node {
@@ -344,6 +360,8 @@ impl Node {
             member_fired: None,
             outbox: VecDeque::new(),
             events: VecDeque::new(),
+            store: None,
+            store_backlog: Default::default(),
             cfg,
         };
         let timeout = node.cfg.rdzv_timeout;
@@ -386,6 +404,12 @@ impl Node {
         &self.meta
     }
 
+    /// The value of `key` in this round's store (`None` before the launch, after the round,
+    /// or when it is not set).
+    pub fn store_value(&self, key: &str) -> Option<&[u8]> {
+        self.store.as_ref().and_then(|s| s.get(key))
+    }
+
     /// The membership core (read only: members, round-trip times).
     pub fn membership(&self) -> &Membership {
         &self.membership
@@ -407,7 +431,7 @@ impl Node {
             Input::Frame { from, node, frame } => match frame {
                 Frame::Gossip(m) => self.membership.handle_message(from, m, now),
                 Frame::Rdzv(m) => self.on_message(from, node, m, now),
-                Frame::Store(msg) => self.store_frame(from, node, msg),
+                Frame::Store(msg) => self.store_frame(from, node, msg, now),
             },
             Input::HeardFrom(id) => self.membership.heard_from(id, now),
             Input::Seeds(seeds) => {
@@ -421,6 +445,7 @@ impl Node {
                 }
             }
             Input::Leave => self.membership.leave(now),
+            Input::Store { round, req, call } => self.store_call(round, req, call, now),
             other => self.on_io(other, now),
         }
         self.after(now);
@@ -433,6 +458,7 @@ impl Node {
             self.membership.handle_timeout(now);
         }
         self.resend_aborts(now);
+        self.store_timeout(now);
         self.phase_timeout(now);
         self.after(now);
     }
@@ -458,7 +484,7 @@ impl Node {
             Phase::Closing(c) => c.poll_timeout(),
             Phase::Stopping(_) | Phase::Finished => None,
         };
-        [member, aborts, phase].into_iter().flatten().min()
+        [member, aborts, phase, self.store_poll_timeout()].into_iter().flatten().min()
     }
 
     // ---- internals shared by the phases ----
@@ -521,26 +547,6 @@ impl Node {
             Phase::Preflight(_) => self.preflight_message(node, msg, now),
             Phase::Running(_) => self.running_message(node, msg, now),
             Phase::Stopping(_) | Phase::Closing(_) | Phase::Finished => self.closing_message(node, msg),
-        }
-    }
-
-    /// A store frame goes to the IO's store only when it comes from a member of this
-    /// round's agreed roster, from that member's roster address, for this round: nothing
-    /// else may fill a store (or its backlog before the ranks start), and a token holder
-    /// claiming a member's id from elsewhere writes nothing.
-    fn store_frame(&mut self, from: SocketAddr, node: NodeId, msg: StoreMsg) {
-        let restart = match &msg {
-            StoreMsg::Set { restart, .. } | StoreMsg::Ack { restart, .. } => *restart,
-        };
-        let member = self.roster().and_then(|r| {
-            let m = r.members.iter().find(|m| m.id == node && m.id != self.cfg.id)?;
-            Some((r.restart, m.addr.ip().to_canonical()))
-        });
-        match member {
-            Some((round, ip)) if round == restart && ip == from.ip().to_canonical() => {
-                self.events.push_back(Event::Store { from: node, msg })
-            }
-            _ => {}
         }
     }
 

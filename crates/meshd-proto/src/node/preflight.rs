@@ -212,6 +212,7 @@ impl Node {
             let nccl_id = p.nccl_id.clone();
             self.events.push_back(Event::Preflight(verdict.clone()));
             if verdict.ok {
+                self.store_open(&roster, now);
                 self.events.push_back(Event::Launch { roster: roster.clone(), verdict, nccl_id });
                 self.phase = Phase::Running(Box::new(Running::new(roster)));
                 return;

@@ -21,6 +21,7 @@ fn config(max_restarts: u32) -> NodeConfig {
         report: LocalFacts { nproc: 2, iface: "lo".into(), ..LocalFacts::default() },
         seed: 1,
         timing: Timing::default(),
+        store: crate::store::StoreConfig::default(),
     }
 }
 
@@ -185,7 +186,7 @@ fn store_frames_from_outside_the_roster_are_dropped() {
     }
     for node in [&mut early, &mut n] {
         let stored: Vec<Event> =
-            events(node).into_iter().filter(|e| matches!(e, Event::Store { .. })).collect();
+            events(node).into_iter().filter(|e| matches!(e, Event::StoreReply { .. })).collect();
         assert!(stored.is_empty(), "{stored:?}");
     }
 }

@@ -8,9 +8,8 @@
 //! recorded ([`NodeSim::launches`], [`NodeSim::stops`], [`NodeSim::outcomes`]) for the
 //! properties the tests check on every seed.
 //!
-//! Each launched round also gets the job-wide store the way meshd's local service runs it:
-//! a [`Store`] core per node and round, fed the store frames of roster members and told
-//! when a member is finished ([`NodeSim::store_set`], [`NodeSim::store_get`]).
+//! Each launched round's job-wide store is the node core's own ([`NodeSim::store_set`],
+//! [`NodeSim::store_get`]).
 
 use super::node_addr;
 use crate::id::NodeId;
@@ -20,7 +19,6 @@ use crate::node::{Event, Input, LocalFacts, Node, NodeConfig, Outcome, Timing};
 use crate::preflight::TcpProbe;
 use crate::rendezvous::{RankFailure, RdzvConfig, Roster};
 use crate::rng::Rng;
-use crate::store::{SetId, Store, StoreConfig, StoreEvent};
 use crate::wire::{self, Frame};
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, BinaryHeap, HashMap};
@@ -169,11 +167,9 @@ struct SimNode {
     ranks_running: bool,
     ranks_ended: Option<Duration>,
     started: Option<Duration>,
-    /// The round's store (as meshd's service runs it), with the roster it serves.
-    store: Option<(Store, Roster)>,
-    /// Store frames that came before the round's store existed.
-    store_backlog: crate::store::Backlog,
-    store_events: Vec<StoreEvent>,
+    /// Answers to this node's store requests.
+    store_replies: Vec<(u64, crate::node::StoreAnswer)>,
+    next_store_req: u64,
 }
 
 /// A seeded simulation of whole nodes.
@@ -220,9 +216,8 @@ impl NodeSim {
                 ranks_running: false,
                 ranks_ended: None,
                 started: None,
-                store: None,
-                store_backlog: Default::default(),
-                store_events: Vec::new(),
+                store_replies: Vec::new(),
+                next_store_req: 0,
             })
             .collect();
         let by_addr = nodes.iter().enumerate().map(|(i, n)| (n.addr, i)).collect();
@@ -332,25 +327,28 @@ impl NodeSim {
         self.blocked_tcp.insert((b, a));
     }
 
-    /// Node `i` sets `key` in the store of its launched round (`None`: no round runs
-    /// there, or the store refused it).
-    pub fn store_set(&mut self, i: usize, key: &str, value: &[u8]) -> Option<SetId> {
+    /// Node `i` sets `key` in the store of its current round, as a rank's `store_set`
+    /// does; returns the request's id (its answer comes in [`NodeSim::store_replies`]), or
+    /// `None` when node `i` is not running.
+    pub fn store_set(&mut self, i: usize, key: &str, value: &[u8]) -> Option<u64> {
         let now = self.at(self.now);
-        let (store, roster) = self.nodes[i].store.as_mut()?;
-        let members: Vec<NodeId> = roster.members.iter().map(|m| m.id).collect();
-        let id = store.set(key.to_string(), value.to_vec(), members, now).ok();
+        let req = self.nodes[i].next_store_req;
+        let core = self.nodes[i].core.as_mut()?;
+        let call = crate::node::StoreCall::Set { key: key.to_string(), value: value.to_vec() };
+        core.handle(Input::Store { round: core.restart(), req, call }, now);
+        self.nodes[i].next_store_req += 1;
         self.after(i);
-        id
+        Some(req)
     }
 
     /// The value of `key` in node `i`'s store.
     pub fn store_get(&self, i: usize, key: &str) -> Option<Vec<u8>> {
-        self.nodes[i].store.as_ref().and_then(|(s, _)| s.get(key)).map(<[u8]>::to_vec)
+        self.nodes[i].core.as_ref().and_then(|c| c.store_value(key)).map(<[u8]>::to_vec)
     }
 
-    /// What node `i`'s store reported (completed and failed sets, changes).
-    pub fn store_events(&self, i: usize) -> &[StoreEvent] {
-        &self.nodes[i].store_events
+    /// The answers node `i`'s core gave to its store requests.
+    pub fn store_replies(&self, i: usize) -> &[(u64, crate::node::StoreAnswer)] {
+        &self.nodes[i].store_replies
     }
 
     /// Starts every node now.
@@ -393,6 +391,7 @@ impl NodeSim {
             master_port: 29500,
             seed: self.rng.next_u64(),
             timing: self.cfg.timing.clone(),
+            store: crate::store::StoreConfig::default(),
         };
         let n = &mut self.nodes[i];
         n.life += 1;
@@ -410,7 +409,6 @@ impl NodeSim {
         n.wake = None;
         n.ranks_running = false;
         n.ranks_gen += 1;
-        n.store = None;
     }
 
     /// Crashes node `i` and starts it again at the same address with a new id.
@@ -518,11 +516,6 @@ impl NodeSim {
                         continue;
                     }
                     n.wake = None;
-                    if let Some((st, _)) = n.store.as_mut() {
-                        if st.poll_timeout().is_some_and(|t| t <= now) {
-                            st.handle_timeout(now);
-                        }
-                    }
                     if let Some(c) = n.core.as_mut() {
                         if c.poll_timeout().is_some_and(|t| t <= now) {
                             c.handle_timeout(now);
@@ -592,22 +585,13 @@ impl NodeSim {
                 let n = &mut self.nodes[i];
                 n.wake = None;
                 n.ranks_gen += 1;
-                n.store = None;
                 return;
-            }
-            if self.drain_store(i, core.id()) {
-                any = true;
             }
             if !any {
                 break;
             }
         }
-        let store_wake = self.nodes[i].store.as_ref().and_then(|(s, _)| s.poll_timeout());
-        let wake = [core.poll_timeout(), store_wake]
-            .into_iter()
-            .flatten()
-            .min()
-            .map(|t| t.saturating_duration_since(self.base).max(self.now));
+        let wake = core.poll_timeout().map(|t| t.saturating_duration_since(self.base).max(self.now));
         let life = self.nodes[i].life;
         self.nodes[i].core = Some(core);
         if wake != self.nodes[i].wake {
@@ -616,23 +600,6 @@ impl NodeSim {
                 self.push(at, Kind::Wake { node: i, life });
             }
         }
-    }
-
-    /// Sends node `i`'s store frames and records its store events; true if there were any.
-    fn drain_store(&mut self, i: usize, id: NodeId) -> bool {
-        let Some((mut store, roster)) = self.nodes[i].store.take() else { return false };
-        let mut any = false;
-        while let Some((to, msg)) = store.poll_transmit() {
-            any = true;
-            if let Some(m) = roster.members.iter().find(|m| m.id == to) {
-                self.transmit(i, id, m.addr, &Frame::Store(msg), Delivery::Reliable);
-            }
-        }
-        while let Some(ev) = store.poll_event() {
-            self.nodes[i].store_events.push(ev);
-        }
-        self.nodes[i].store = Some((store, roster));
-        any
     }
 
     fn transmit(&mut self, i: usize, id: NodeId, to: SocketAddr, frame: &Frame, delivery: Delivery) {
@@ -699,14 +666,6 @@ impl NodeSim {
                 self.io(i, slowest, Input::Dialed { probes, nccl_root: String::new() });
             }
             Event::Launch { roster, .. } => {
-                let now = self.at(self.now);
-                let mut store = Store::new(core.id(), roster.restart, StoreConfig::default());
-                for (from, msg) in self.nodes[i].store_backlog.take() {
-                    if roster.node_rank(from).is_some() {
-                        store.handle_message(from, msg, now);
-                    }
-                }
-                self.nodes[i].store = Some((store, roster.clone()));
                 self.launches.push(Launch {
                     at: self.now + d,
                     node: i,
@@ -735,26 +694,9 @@ impl NodeSim {
                     Ranks::Hang => {}
                 }
             }
-            Event::Store { from, msg } => {
-                let now = self.at(self.now);
-                let n = &mut self.nodes[i];
-                match n.store.as_mut() {
-                    Some((st, roster)) if roster.node_rank(from).is_some() => {
-                        st.handle_message(from, msg, now)
-                    }
-                    Some(_) => {}
-                    None => {
-                        n.store_backlog.push(from, msg);
-                    }
-                }
-            }
-            Event::PeerFinished(id) => {
-                if let Some((st, _)) = self.nodes[i].store.as_mut() {
-                    st.member_gone(id);
-                }
-            }
+            Event::StoreReply { req, answer } => self.nodes[i].store_replies.push((req, answer)),
+            Event::PeerFinished(_) => {}
             Event::StopRanks => {
-                self.nodes[i].store = None;
                 self.stops.push(Stopped { at: self.now, node: i, restart: core.restart() });
                 let n = &mut self.nodes[i];
                 n.ranks_gen += 1;

@@ -1,7 +1,7 @@
 //! Collectives that need only meshd's one UDP port: the inter-node ring allreduce
 //! ([`ring`]) and the node-local service that ranks reach through `MESHD_SOCKET`
-//! ([`service`]), whose socket requests [`request`] parses; the job-wide key-value store's
-//! task ([`store`]) runs inside the service. [`buffer`] holds an operation's bytes and
+//! ([`service`]), whose socket requests [`request`] parses; the service relays the ranks' store requests to
+//! the node core, which owns the job-wide key-value store ([`store`]). [`buffer`] holds an operation's bytes and
 //! lends chunks of them to QUIC without copying; [`cma`] reads and writes a rank's buffer
 //! in place (cross-memory attach).
 
@@ -16,4 +16,4 @@ pub mod store;
 pub use buffer::CollectiveBuffer;
 pub use ring::{CollectiveError, RingConfig, RingNet};
 pub use service::{Service, ServiceConfig};
-pub use store::StorePeers;
+pub use store::{StoreRequest, StoreSender};

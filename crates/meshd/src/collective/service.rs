@@ -15,20 +15,17 @@ use super::buffer::CollectiveBuffer;
 use super::cma::{self, Remote};
 use super::request::{self, Kind, Request};
 use super::ring::RingNet;
-use super::store::{self, StorePeers, StoreReq};
-use crate::transport::Transport;
-use meshd_proto::NodeId;
+use super::store::{self, StoreSender};
+use meshd_proto::node::{StoreAnswer, StoreCall};
 use meshd_proto::reduce::{self, DType, ReduceOp};
-use meshd_proto::store::StoreConfig;
-use meshd_proto::wire::StoreMsg;
 use serde_json::{Value, json};
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tracing::{debug, info};
 
@@ -45,8 +42,8 @@ pub struct ServiceConfig {
     pub world: u32,
     /// Restart round (separates operation ids and store values across restarts).
     pub restart: u32,
-    /// This node and the other roster members (store replication).
-    pub peers: StorePeers,
+    /// Where the ranks' store requests go (the node core owns the store).
+    pub store: StoreSender,
     /// Marked at every request and answer (a rank calling the service is not stalled).
     pub activity: Option<std::sync::Arc<crate::supervisor::output::Activity>>,
 }
@@ -58,10 +55,6 @@ pub struct Service {
     /// The socket's directory, when [`Service::start`] created it.
     dir: Option<PathBuf>,
     tasks: Vec<JoinHandle<()>>,
-    store_tx: mpsc::Sender<StoreReq>,
-    /// Members the store no longer waits for (a set, not a queue: it cannot overflow and
-    /// lose one).
-    gone: watch::Sender<BTreeSet<NodeId>>,
 }
 
 struct Part {
@@ -227,7 +220,7 @@ fn private_dir(path: &Path) -> std::io::Result<Option<PathBuf>> {
 
 impl Service {
     /// Binds the socket (owner-only) and starts serving.
-    pub fn start(cfg: ServiceConfig, ring: RingNet, transport: Transport) -> std::io::Result<Service> {
+    pub fn start(cfg: ServiceConfig, ring: RingNet) -> std::io::Result<Service> {
         if let Some(base) = cfg.path.parent().and_then(Path::parent) {
             let n = sweep_stale(base);
             if n > 0 {
@@ -242,39 +235,16 @@ impl Service {
         let listener = UnixListener::bind(&cfg.path)?;
         std::fs::set_permissions(&cfg.path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
         let (coll_tx, coll_rx) = mpsc::channel(1024);
-        let (store_tx, store_rx) = mpsc::channel(1024);
-        let (gone, gone_rx) = watch::channel(BTreeSet::new());
         let tasks = vec![
-            tokio::spawn(accept(listener, cfg.clone(), coll_tx, store_tx.clone())),
+            tokio::spawn(accept(listener, cfg.clone(), coll_tx)),
             tokio::spawn(collectives(cfg.clone(), ring, coll_rx)),
-            tokio::spawn(store::run(
-                cfg.restart,
-                cfg.peers.clone(),
-                StoreConfig::default(),
-                transport,
-                store_rx,
-                gone_rx,
-            )),
         ];
-        Ok(Service { path: cfg.path, dir, tasks, store_tx, gone })
+        Ok(Service { path: cfg.path, dir, tasks })
     }
 
     /// The socket path.
     pub fn path(&self) -> &Path {
         &self.path
-    }
-
-    /// A store message (a copy or an acknowledgement) from another node of this round's
-    /// roster; the store core ignores messages of another restart round.
-    pub fn remote_store(&self, from: NodeId, msg: StoreMsg) {
-        // A full queue loses the message; the writer resends until acknowledged.
-        let _ = self.store_tx.try_send(StoreReq::Remote(from, msg));
-    }
-
-    /// A roster member left the mesh or finished (all its ranks exited): store sets stop
-    /// waiting for its acknowledgement (no rank there will read the store again).
-    pub fn member_gone(&self, id: NodeId) {
-        self.gone.send_if_modified(|g| g.insert(id));
     }
 }
 
@@ -290,12 +260,7 @@ impl Drop for Service {
     }
 }
 
-async fn accept(
-    listener: UnixListener,
-    cfg: ServiceConfig,
-    coll: mpsc::Sender<CollReq>,
-    store: mpsc::Sender<StoreReq>,
-) {
+async fn accept(listener: UnixListener, cfg: ServiceConfig, coll: mpsc::Sender<CollReq>) {
     let mut errors = crate::files::AcceptErrors::new("the local service's socket (MESHD_SOCKET)");
     loop {
         let stream = match listener.accept().await {
@@ -309,9 +274,9 @@ async fn accept(
                 continue;
             }
         };
-        let (cfg, coll, store) = (cfg.clone(), coll.clone(), store.clone());
+        let (cfg, coll) = (cfg.clone(), coll.clone());
         tokio::spawn(async move {
-            if let Err(e) = client(stream, &cfg, coll, store).await {
+            if let Err(e) = client(stream, &cfg, coll).await {
                 debug!("local client: {e}");
             }
         });
@@ -367,12 +332,7 @@ async fn write_msg<W: AsyncWrite + Unpin>(s: &mut W, head: Value, payload: &[u8]
     s.flush().await
 }
 
-async fn client(
-    s: UnixStream,
-    cfg: &ServiceConfig,
-    coll: mpsc::Sender<CollReq>,
-    store: mpsc::Sender<StoreReq>,
-) -> std::io::Result<()> {
+async fn client(s: UnixStream, cfg: &ServiceConfig, coll: mpsc::Sender<CollReq>) -> std::io::Result<()> {
     let mut seq = 0u64;
     let mut me: Option<(u32, u32)> = None; // (global, local)
     // The peer's pid from the kernel: the only process meshd reads or writes for it.
@@ -451,21 +411,17 @@ async fn client(
             }
             Request::StoreSet(Err(e)) => (fail(e), vec![]),
             Request::StoreSet(Ok(key)) => {
-                let (tx, rx) = oneshot::channel();
-                let _ = store.send(StoreReq::Set(key.clone(), payload, tx)).await;
-                match rx.await {
-                    Ok(Ok(())) => (json!({"ok": true}), vec![]),
-                    Ok(Err(e)) => (fail(format!("store_set of {key:?}: {e}")), vec![]),
-                    Err(_) => {
-                        (fail(format!("store_set of {key:?}: the store stopped (job stopping?)")), vec![])
-                    }
+                let call = StoreCall::Set { key: key.clone(), value: payload };
+                match store::ask(&cfg.store, cfg.restart, call).await {
+                    Some(StoreAnswer::Set(Ok(()))) => (json!({"ok": true}), vec![]),
+                    Some(StoreAnswer::Set(Err(e))) => (fail(format!("store_set of {key:?}: {e}")), vec![]),
+                    _ => (fail(format!("store_set of {key:?}: the store stopped (job stopping?)")), vec![]),
                 }
             }
             Request::StoreGet { key, timeout } => {
-                let (tx, rx) = oneshot::channel();
-                let _ = store.send(StoreReq::Get(key.clone(), Duration::from_secs_f64(timeout), tx)).await;
-                match rx.await {
-                    Ok(Some(v)) => (json!({"ok": true}), v),
+                let call = StoreCall::Get { key: key.clone(), wait: Duration::from_secs_f64(timeout) };
+                match store::ask(&cfg.store, cfg.restart, call).await {
+                    Some(StoreAnswer::Get(Some(v))) => (json!({"ok": true}), v),
                     _ => (fail(format!("store key {key:?} not set within {timeout} s")), vec![]),
                 }
             }

@@ -4,6 +4,7 @@
 //! out its requests.
 
 use super::library::{Command, Library};
+use crate::collective::{StoreRequest, StoreSender};
 use crate::job::JobIo;
 use crate::mesh::report::AuthRefusals;
 use crate::mesh::{Mesh, MeshError};
@@ -72,6 +73,12 @@ pub(crate) struct Actor {
     status_at: Instant,
     edge_tx: mpsc::UnboundedSender<EdgeDone>,
     edge_rx: mpsc::UnboundedReceiver<EdgeDone>,
+    /// Store requests of the edges (ranks through the local service, the library handle),
+    /// relayed to the core; answers go back on each request's channel.
+    store_tx: StoreSender,
+    store_rx: mpsc::Receiver<StoreRequest>,
+    store_pending: std::collections::HashMap<u64, tokio::sync::oneshot::Sender<core::StoreAnswer>>,
+    next_store_req: u64,
     listeners: Option<Listeners>,
     nccl_root: Option<Box<NcclRoot>>,
     nccl: NcclPolicy,
@@ -83,6 +90,7 @@ pub(crate) struct Actor {
 impl Actor {
     pub fn new(mesh: Mesh, core: Node, nccl: NcclPolicy, connect_timeout: Duration) -> Actor {
         let (edge_tx, edge_rx) = mpsc::unbounded_channel();
+        let (store_tx, store_rx) = mpsc::channel(crate::collective::store::MAX_IN_FLIGHT);
         let node_span = tracing::debug_span!("node", id = %mesh.node(), addr = %mesh.addr());
         let round_span = tracing::debug_span!(parent: &node_span, "round", restart = 0u32);
         Actor {
@@ -93,6 +101,10 @@ impl Actor {
             status_at: Instant::now(),
             edge_tx,
             edge_rx,
+            store_tx,
+            store_rx,
+            store_pending: Default::default(),
+            next_store_req: 0,
             listeners: None,
             nccl_root: None,
             nccl,
@@ -109,11 +121,7 @@ impl Actor {
             if let Some(end) = self.drain(&mut edges).await {
                 break end;
             }
-            let store_wake = match &edges {
-                Edges::Library(l) => l.store_timeout(),
-                Edges::Job(_) => None,
-            };
-            let wake = [self.core.poll_timeout(), store_wake].into_iter().flatten().min();
+            let wake = self.core.poll_timeout();
             let status_at = self.status_at + Duration::from_secs(1);
             let timer = async move {
                 match wake {
@@ -128,6 +136,7 @@ impl Actor {
                 },
                 Some(found) = self.mesh.resolved.recv() => self.add_resolved(found),
                 Some(done) = self.edge_rx.recv() => self.on_edge(done),
+                Some(r) = self.store_rx.recv() => self.on_store_request(r),
                 _ = timer => {
                     let now = Instant::now();
                     self.feed_liveness(now);
@@ -179,6 +188,21 @@ impl Actor {
         self.mesh.transport().shutdown().await;
     }
 
+    /// Where the edges send store requests.
+    pub fn store_sender(&self) -> StoreSender {
+        self.store_tx.clone()
+    }
+
+    /// A store request of an edge: to the core, with an id its answer will carry.
+    fn on_store_request(&mut self, r: StoreRequest) {
+        let req = self.next_store_req;
+        self.next_store_req += 1;
+        // A requester that gave up (its client hung up) needs no answer.
+        self.store_pending.retain(|_, reply| !reply.is_closed());
+        self.store_pending.insert(req, r.reply);
+        self.core.handle(Input::Store { round: r.round, req, call: r.call }, Instant::now());
+    }
+
     fn send_transmits(&mut self) {
         while let Some(t) = self.core.poll_transmit() {
             self.mesh.transport().send(t.to, &t.frame, t.delivery == Delivery::Reliable);
@@ -190,9 +214,6 @@ impl Actor {
     async fn drain(&mut self, edges: &mut Edges) -> Option<Result<Outcome, MeshError>> {
         loop {
             self.send_transmits();
-            if let Edges::Library(l) = edges {
-                l.drive_store(self.mesh.transport(), Instant::now());
-            }
             let ev = self.core.poll_event()?;
             let span = self.round_span.clone();
             if let Some(end) = self.on_event(ev, edges).instrument(span).await {
@@ -281,14 +302,13 @@ impl Actor {
                     j.forward(signal, from.as_deref());
                 }
             }
-            Event::Store { from, msg } => match edges {
-                Edges::Job(j) => j.store(from, msg),
-                Edges::Library(l) => l.store_msg(from, msg, Instant::now()),
-            },
-            Event::PeerFinished(id) => match edges {
-                Edges::Job(j) => j.peer_finished(id),
-                Edges::Library(l) => l.member_gone(id),
-            },
+            Event::StoreReply { req, answer } => {
+                if let Some(reply) = self.store_pending.remove(&req) {
+                    let _ = reply.send(answer);
+                }
+            }
+            // The core's store stops waiting for it by itself.
+            Event::PeerFinished(_) => {}
             Event::RoundFailed { reason, cause, restarting, .. } => {
                 self.nccl_root = None;
                 match edges {
@@ -409,11 +429,6 @@ impl Actor {
                     message: "shut down".into(),
                     kind: OutcomeKind::Stopped,
                 }));
-            }
-            c @ (Command::StoreSet(..) | Command::StoreGet(..)) => {
-                if let Edges::Library(l) = edges {
-                    l.store_command(c, now);
-                }
             }
         }
         None

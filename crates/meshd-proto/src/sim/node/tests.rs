@@ -268,7 +268,7 @@ fn no_second_roster_while_a_roster_of_the_run_runs() {
 /// off; every node ends with the same value, and both sets complete.
 #[test]
 fn concurrent_store_sets_converge_on_every_node() {
-    use crate::store::StoreEvent;
+    use crate::node::StoreAnswer;
     for seed in SEEDS {
         let mut s =
             NodeSim::new(NodeSimConfig { loss: 0.05, ranks: Ranks::Exit0(secs(5.0)), ..fixed(8, seed) });
@@ -293,8 +293,9 @@ fn concurrent_store_sets_converge_on_every_node() {
             "seed {seed}: {:?}",
             (0..8).map(|i| s.store_get(i, "k")).collect::<Vec<_>>()
         );
-        assert!(s.store_events(1).contains(&StoreEvent::SetDone(a)), "seed {seed}: {:?}", s.store_events(1));
-        assert!(s.store_events(5).contains(&StoreEvent::SetDone(b)), "seed {seed}: {:?}", s.store_events(5));
+        let done = |s: &NodeSim, i, req| s.store_replies(i).contains(&(req, StoreAnswer::Set(Ok(()))));
+        assert!(done(&s, 1, a), "seed {seed}: {:?}", s.store_replies(1));
+        assert!(done(&s, 5, b), "seed {seed}: {:?}", s.store_replies(5));
         run_to_end(&mut s, secs(20.0));
         assert!(s.outcomes().iter().all(|e| e.outcome.code == 0), "seed {seed}: {:?}", s.outcomes());
     }
