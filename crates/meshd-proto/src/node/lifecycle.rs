@@ -169,6 +169,9 @@ impl Node {
             Input::RanksSpawned if !r.spawned => {
                 r.spawned = true;
                 self.set_state(NodeState::Running, now);
+                if self.local_finish {
+                    self.running_io(Input::RanksExited, now);
+                }
             }
             Input::SpawnFailed(e) => {
                 let who = r.roster.members.iter().find(|m| m.id == self.cfg.id);

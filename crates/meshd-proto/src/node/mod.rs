@@ -115,6 +115,10 @@ pub enum Input {
     SpawnFailed(String),
     /// Every local rank exited 0.
     RanksExited,
+    /// A library program is done with the job on this node (it has no ranks of its own: it
+    /// is the ranks): the round counts as its ranks exited 0 as soon as it runs, this one
+    /// and any later one.
+    Finish,
     /// A local rank failed (or stalled): the job stops everywhere.
     RankFailed {
         /// Global rank, when one rank is to blame.
@@ -322,6 +326,8 @@ pub struct Node {
     /// The launched round's store, and frames for it that came during the preflight.
     store: Option<store::RoundStore>,
     store_backlog: crate::store::Backlog,
+    /// The program said it is done ([`Input::Finish`]).
+    local_finish: bool,
 }
 
 impl std::fmt::Debug for Node {
@@ -362,6 +368,7 @@ impl Node {
             events: VecDeque::new(),
             store: None,
             store_backlog: Default::default(),
+            local_finish: false,
             cfg,
         };
         let timeout = node.cfg.rdzv_timeout;
@@ -446,6 +453,12 @@ impl Node {
             }
             Input::Leave => self.membership.leave(now),
             Input::Store { round, req, call } => self.store_call(round, req, call, now),
+            Input::Finish => {
+                self.local_finish = true;
+                if matches!(self.phase, Phase::Running(_)) {
+                    self.running_io(Input::RanksExited, now);
+                }
+            }
             other => self.on_io(other, now),
         }
         self.after(now);

@@ -190,3 +190,22 @@ fn store_frames_from_outside_the_roster_are_dropped() {
         assert!(stored.is_empty(), "{stored:?}");
     }
 }
+
+/// Issue 31: a library program's finish is an input of its own, not a faked pair of
+/// rank events: said before the launch, the round counts as done as soon as it runs.
+#[test]
+fn a_finish_before_the_launch_ends_the_round_when_it_runs() {
+    let now = Instant::now();
+    let mut n = Node::new(config(0), now);
+    n.handle(Input::Finish, now);
+    let _ = events(&mut n);
+    n.handle(
+        Input::PreflightReady { tcp_port: 4000, nccl_id: None, nccl_note: String::new(), problems: vec![] },
+        now,
+    );
+    n.handle(Input::Dialed { probes: vec![], nccl_root: String::new() }, now);
+    assert!(events(&mut n).iter().any(|e| matches!(e, Event::Launch { .. })));
+    n.handle(Input::RanksSpawned, now);
+    let ev = events(&mut n);
+    assert!(matches!(&ev[..], [Event::Finished(o)] if o.code == 0), "{ev:?}");
+}

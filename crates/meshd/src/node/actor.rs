@@ -147,7 +147,7 @@ impl Actor {
                 w = edges.next() => match w {
                     Wake::Input(i) => self.core.handle(i, Instant::now()),
                     Wake::Command(c) => {
-                        if let Some(end) = self.on_command(c, &mut edges) {
+                        if let Some(end) = self.on_command(c) {
                             break end;
                         }
                     }
@@ -280,16 +280,15 @@ impl Actor {
                 }
             }
             Event::Launch { roster, verdict, nccl_id } => {
-                let (input, done) = match edges {
-                    Edges::Job(j) => {
-                        (j.launch(&self.mesh, &roster, &verdict, nccl_id.as_deref()).await, false)
+                let input = match edges {
+                    Edges::Job(j) => j.launch(&self.mesh, &roster, &verdict, nccl_id.as_deref()).await,
+                    // The library program is the round's "ranks": they run.
+                    Edges::Library(l) => {
+                        l.launched(roster);
+                        Input::RanksSpawned
                     }
-                    Edges::Library(l) => (Input::RanksSpawned, l.launched(roster)),
                 };
                 self.core.handle(input, Instant::now());
-                if done {
-                    self.core.handle(Input::RanksExited, Instant::now());
-                }
             }
             Event::StopRanks => {
                 if let Edges::Job(j) = edges {
@@ -410,19 +409,11 @@ impl Actor {
         }
     }
 
-    fn on_command(&mut self, c: Command, edges: &mut Edges) -> Option<Result<Outcome, MeshError>> {
+    fn on_command(&mut self, c: Command) -> Option<Result<Outcome, MeshError>> {
         let now = Instant::now();
         match c {
             Command::Abort(reason) => self.core.handle(Input::Abort(reason), now),
-            Command::Finish => {
-                let now_running = match edges {
-                    Edges::Library(l) => l.finish(),
-                    Edges::Job(_) => false,
-                };
-                if now_running {
-                    self.core.handle(Input::RanksExited, now)
-                }
-            }
+            Command::Finish => self.core.handle(Input::Finish, now),
             Command::Shutdown => {
                 return Some(Ok(Outcome {
                     code: 0,

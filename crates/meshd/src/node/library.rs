@@ -39,15 +39,11 @@ pub(crate) struct Library {
     snap: watch::Sender<Snapshot>,
     /// The handle is gone: nothing more comes from it.
     closed: bool,
-    /// This round launched (its "ranks" are the library program itself).
-    launched: bool,
-    /// The program finished before the launch: say so right after it.
-    finish_pending: bool,
 }
 
 impl Library {
     pub fn new(cmds: mpsc::Receiver<Command>, snap: watch::Sender<Snapshot>) -> Library {
-        Library { cmds, snap, closed: false, launched: false, finish_pending: false }
+        Library { cmds, snap, closed: false }
     }
 
     pub async fn next(&mut self) -> Wake {
@@ -68,27 +64,15 @@ impl Library {
         self.snap.send_modify(|s| s.verdict = roster.map(|r| (r, v)));
     }
 
-    /// The round launched; `true` when the program already finished.
-    pub fn launched(&mut self, roster: Roster) -> bool {
-        self.launched = true;
+    /// The round launched.
+    pub fn launched(&mut self, roster: Roster) {
         self.snap.send_modify(|s| {
             s.roster = Some(roster);
             s.failed = None;
         });
-        std::mem::take(&mut self.finish_pending)
-    }
-
-    /// The program is done: `true` when the round runs (tell the core now), else it is
-    /// told at the launch.
-    pub fn finish(&mut self) -> bool {
-        if !self.launched {
-            self.finish_pending = true;
-        }
-        self.launched
     }
 
     pub fn round_failed(&mut self, reason: String, restarting: bool) {
-        self.launched = false;
         self.snap.send_modify(|s| {
             s.roster = None;
             s.failed = Some((reason, restarting));
