@@ -35,7 +35,7 @@ pub async fn main(a: Args, env: &crate::env::EnvConfig) -> Result<ExitCode> {
         let checks: Vec<_> = verdict
             .checks
             .iter()
-            .map(|c| json!({"name": c.name, "ok": c.ok, "detail": c.detail, "fatal": c.fatal}))
+            .map(|c| json!({"name": c.kind.name(), "ok": c.ok, "detail": c.detail, "fatal": c.fatal}))
             .collect();
         println!(
             "{}",
@@ -62,7 +62,7 @@ pub async fn main(a: Args, env: &crate::env::EnvConfig) -> Result<ExitCode> {
             } else {
                 "warn"
             };
-            println!("  [{mark}] {:<20} {}", c.name, c.detail);
+            println!("  [{mark}] {:<20} {}", c.kind.name(), c.detail);
         }
         println!("collective: {}", verdict.collective_line());
         println!("{}", verdict.conclusion());

@@ -460,18 +460,18 @@ pub fn prepare(a: &JobArgs, cmd: &[String], env: &EnvConfig) -> Result<Prepared>
         || std::env::var_os("MESHD_NCCL_LIB").is_some_and(|v| !v.is_empty());
     let (nccl_version, nccl_note) = if !wants_nccl {
         tracing::debug!("no GPU visible: NCCL not looked for (MESHD_NCCL_UNIQUE_ID will not be set)");
-        (0, "no GPU visible on the master: NCCL not loaded".to_string())
+        (0, Some("no GPU visible on the master: NCCL not loaded".to_string()))
     } else {
         match meshd_nccl::NcclLib::load() {
             Ok(lib) => {
                 tracing::debug!("NCCL {} from {}", lib.version_string(), lib.path().display());
-                (lib.version(), String::new())
+                (lib.version(), None)
             }
             Err(e) => {
                 let (line, note) = nccl_missing(&e);
                 tracing::info!("{line}");
                 tracing::debug!("NCCL search: {e}");
-                (0, note)
+                (0, Some(note))
             }
         }
     };

@@ -115,11 +115,60 @@ pub struct NodeReport {
     pub nccl_note: String,
 }
 
+/// What a check of the report looks at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum CheckKind {
+    /// Every roster node answered on meshd's port.
+    Mesh,
+    /// TCP between the nodes and to MASTER_PORT (what NCCL and Gloo need).
+    Tcp,
+    /// The command line agrees.
+    Command,
+    /// Processes per node agree.
+    Processes,
+    /// GPU counts agree.
+    Gpus,
+    /// CUDA driver versions agree.
+    CudaDriver,
+    /// NCCL versions agree.
+    NcclVersion,
+    /// The NCCL id's root is on the chosen interface.
+    NcclId,
+    /// MTUs agree (a warning).
+    Mtu,
+    /// Whether the tunnel may be used (it needs a token).
+    Tunnel,
+}
+
+impl CheckKind {
+    /// The check's name in reports and JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            CheckKind::Mesh => "mesh",
+            CheckKind::Tcp => "tcp",
+            CheckKind::Command => "command",
+            CheckKind::Processes => "processes per node",
+            CheckKind::Gpus => "gpus",
+            CheckKind::CudaDriver => "cuda driver",
+            CheckKind::NcclVersion => "nccl version",
+            CheckKind::NcclId => "nccl id",
+            CheckKind::Mtu => "mtu",
+            CheckKind::Tunnel => "tunnel",
+        }
+    }
+}
+
+impl std::fmt::Display for CheckKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// One line of the report.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Check {
-    /// Short name.
-    pub name: String,
+    /// What it looks at.
+    pub kind: CheckKind,
     /// Passed.
     pub ok: bool,
     /// What was found, in words (and what to do when it failed).
@@ -240,7 +289,7 @@ fn label(roster: &Roster, id: NodeId) -> String {
 fn agree<T: PartialEq + std::fmt::Display>(
     roster: &Roster,
     reports: &BTreeMap<NodeId, NodeReport>,
-    name: &str,
+    kind: CheckKind,
     fatal: bool,
     get: impl Fn(&NodeReport) -> T,
 ) -> Check {
@@ -255,11 +304,11 @@ fn agree<T: PartialEq + std::fmt::Display>(
     }
     if groups.len() <= 1 {
         let v = groups.first().map(|(v, _)| v.to_string()).unwrap_or_default();
-        return Check { name: name.into(), ok: true, detail: format!("same on every node: {v}"), fatal };
+        return Check { kind, ok: true, detail: format!("same on every node: {v}"), fatal };
     }
     let detail =
         groups.iter().map(|(v, who)| format!("{} on {}", v, who.join(", "))).collect::<Vec<_>>().join("; ");
-    Check { name: name.into(), ok: false, detail: format!("differs: {detail}"), fatal }
+    Check { kind, ok: false, detail: format!("differs: {detail}"), fatal }
 }
 
 /// Failed (from, to) connections as pairs of addresses, in node-rank order, each pair once:
@@ -299,7 +348,7 @@ pub fn evaluate(
     let missing: Vec<String> =
         roster.members.iter().filter(|m| !reports.contains_key(&m.id)).map(|m| label(roster, m.id)).collect();
     checks.push(Check {
-        name: "mesh".into(),
+        kind: CheckKind::Mesh,
         ok: missing.is_empty(),
         detail: if missing.is_empty() {
             match roster.members.len() {
@@ -333,7 +382,7 @@ pub fn evaluate(
     let tcp_ok = failed.is_empty();
     let tcp_blocked = blocked_pairs(roster, &blocked);
     checks.push(Check {
-        name: "tcp".into(),
+        kind: CheckKind::Tcp,
         ok: tcp_ok,
         detail: if tcp_ok && tried == 0 {
             "no other node: no TCP between nodes to check".to_string()
@@ -354,11 +403,11 @@ pub fn evaluate(
         },
         fatal: false,
     });
-    checks.push(agree(roster, reports, "command", true, |r| format!("`{}`", r.cmd)));
-    checks.push(agree(roster, reports, "processes per node", true, |r| r.nproc));
-    checks.push(agree(roster, reports, "gpus", true, |r| r.gpus));
-    checks.push(agree(roster, reports, "cuda driver", true, |r| r.cuda_driver));
-    checks.push(agree(roster, reports, "nccl version", true, |r| r.nccl_version));
+    checks.push(agree(roster, reports, CheckKind::Command, true, |r| format!("`{}`", r.cmd)));
+    checks.push(agree(roster, reports, CheckKind::Processes, true, |r| r.nproc));
+    checks.push(agree(roster, reports, CheckKind::Gpus, true, |r| r.gpus));
+    checks.push(agree(roster, reports, CheckKind::CudaDriver, true, |r| r.cuda_driver));
+    checks.push(agree(roster, reports, CheckKind::NcclVersion, true, |r| r.nccl_version));
     if let Some(master) = roster.master() {
         if let Some(r) = reports.get(&master.id) {
             let ip = master.addr.ip().to_string();
@@ -387,10 +436,10 @@ pub fn evaluate(
                     format!("root {} is not the master's address {ip} on the chosen interface", r.nccl_root),
                 )
             };
-            checks.push(Check { name: "nccl id".into(), ok, detail, fatal: false });
+            checks.push(Check { kind: CheckKind::NcclId, ok, detail, fatal: false });
         }
     }
-    let mut mtu = agree(roster, reports, "mtu", false, |r| r.mtu);
+    let mut mtu = agree(roster, reports, CheckKind::Mtu, false, |r| r.mtu);
     if !mtu.ok {
         mtu.detail.push_str(" (warning: mismatched MTUs can stall large transfers)");
     }
@@ -402,7 +451,7 @@ pub fn evaluate(
         None if tunnel => Collective::Tunnel,
         None => {
             checks.push(Check {
-                name: "tunnel".into(),
+                kind: CheckKind::Tunnel,
                 ok: false,
                 detail:
                     "TCP between nodes is blocked and the mesh has no token: the tunnel, which would carry \
@@ -416,7 +465,7 @@ pub fn evaluate(
     };
     if forced == Some(Collective::Tunnel) && !tunnel && multi {
         checks.push(Check {
-            name: "tunnel".into(),
+            kind: CheckKind::Tunnel,
             ok: false,
             detail: "--collective tunnel needs a token (--token-file on every node): without one anyone who \
                      reaches meshd's UDP port could reach the ranks' ports"
@@ -497,14 +546,16 @@ mod tests {
         let v = evaluate(&roster(3), &reps, None, false);
         assert!(v.ok, "{v:?}");
         assert_eq!(v.collective, Collective::Quic);
-        let t = v.checks.iter().find(|c| c.name == "tunnel").expect("a tunnel check");
+        let t = v.checks.iter().find(|c| c.kind == CheckKind::Tunnel).expect("a tunnel check");
         assert!(!t.ok && !t.fatal && t.detail.contains("no token"), "{t:?}");
         let forced = evaluate(&roster(3), &all(3), Some(Collective::Tunnel), false);
         assert!(!forced.ok, "a forced tunnel without a token must not launch: {forced:?}");
         // TCP open, no token: nothing changes.
         let open = evaluate(&roster(3), &all(3), None, false);
         assert!(
-            open.ok && open.collective == Collective::Nccl && open.checks.iter().all(|c| c.name != "tunnel")
+            open.ok
+                && open.collective == Collective::Nccl
+                && open.checks.iter().all(|c| c.kind != CheckKind::Tunnel)
         );
     }
 
@@ -530,7 +581,7 @@ mod tests {
         let v = evaluate(&roster(3), &reps, None, true);
         assert!(v.ok, "blocked TCP is not fatal: {v:?}");
         assert_eq!(v.collective, Collective::Tunnel, "auto: the ranks' TCP goes through meshd");
-        let tcp = v.checks.iter().find(|c| c.name == "tcp").expect("tcp");
+        let tcp = v.checks.iter().find(|c| c.kind == CheckKind::Tcp).expect("tcp");
         assert!(
             tcp.detail.contains("198.19.0.2 -> 198.19.0.3:40000 (198.19.0.3, ephemeral port)"),
             "{}",
@@ -577,7 +628,7 @@ mod tests {
         reps.get_mut(&NodeId::from_u128(3)).expect("r").cmd = "python train.py --epochs 4".into();
         let v = evaluate(&roster(3), &reps, None, true);
         assert!(!v.ok);
-        let c = v.checks.iter().find(|c| c.name == "command").expect("cmd");
+        let c = v.checks.iter().find(|c| c.kind == CheckKind::Command).expect("cmd");
         assert!(c.detail.contains("`python train.py --epochs 4` on 198.19.0.3"), "{}", c.detail);
         assert!(c.detail.contains("198.19.0.1, 198.19.0.2"), "{}", c.detail);
         let mut reps = all(3);
@@ -588,12 +639,12 @@ mod tests {
     #[test]
     fn nccl_root_must_be_the_masters_address() {
         let v = evaluate(&roster(3), &all(3), None, true);
-        let c = v.checks.iter().find(|c| c.name == "nccl id").expect("nccl id");
+        let c = v.checks.iter().find(|c| c.kind == CheckKind::NcclId).expect("nccl id");
         assert!(c.ok, "{c:?}");
         let mut reps = all(3);
         reps.get_mut(&NodeId::from_u128(1)).expect("r").nccl_root = "198.18.0.4:5000".into();
         let v = evaluate(&roster(3), &reps, None, true);
-        let c = v.checks.iter().find(|c| c.name == "nccl id").expect("nccl id");
+        let c = v.checks.iter().find(|c| c.kind == CheckKind::NcclId).expect("nccl id");
         assert!(!c.ok && c.detail.contains("198.18.0.4:5000"), "{c:?}");
         let mut reps = all(3);
         let m = reps.get_mut(&NodeId::from_u128(1)).expect("r");
@@ -612,7 +663,9 @@ mod tests {
         assert!(
             evaluate(&roster(3), &all(3), None, true).collective_line().contains("MESHD_NCCL_UNIQUE_ID from")
         );
-        assert!(v.checks.iter().any(|c| c.name == "nccl id" && c.detail.contains("libnccl not found")));
+        assert!(
+            v.checks.iter().any(|c| c.kind == CheckKind::NcclId && c.detail.contains("libnccl not found"))
+        );
     }
 
     #[test]
@@ -621,7 +674,7 @@ mod tests {
         reps.get_mut(&NodeId::from_u128(1)).expect("r").mtu = 9000;
         let v = evaluate(&roster(3), &reps, None, true);
         assert!(v.ok);
-        assert!(v.checks.iter().any(|c| c.name == "mtu" && !c.ok));
+        assert!(v.checks.iter().any(|c| c.kind == CheckKind::Mtu && !c.ok));
         let mut reps = all(3);
         reps.remove(&NodeId::from_u128(2));
         let v = evaluate(&roster(3), &reps, None, true);

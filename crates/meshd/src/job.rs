@@ -391,7 +391,7 @@ pub async fn run(
         master_port,
     );
     let node = core::Node::new(core_cfg, Instant::now());
-    let nccl = NcclPolicy { make: true, note: cfg.preflight.nccl_note.clone() };
+    let nccl = NcclPolicy::make_unless(cfg.preflight.nccl_note.as_deref());
     let actor = Actor::new(mesh, node, nccl, cfg.preflight.connect_timeout);
     io.store = Some(actor.store_sender());
     let o = actor.run(Edges::Job(Box::new(io))).await?;
@@ -471,13 +471,13 @@ impl JobIo {
 
     pub(crate) fn verdict(&mut self, verdict: &Verdict) {
         for c in verdict.checks.iter().filter(|c| !c.ok) {
-            if c.name == "tcp" && verdict.ok {
+            if c.kind == meshd_proto::preflight::CheckKind::Tcp && verdict.ok {
                 // Said once, in words, by the warning at launch; the errors at debug.
-                tracing::debug!("preflight {}: {}", c.name, c.detail);
+                tracing::debug!("preflight {}: {}", c.kind, c.detail);
             } else if c.fatal {
-                error!("preflight {}: {}", c.name, c.detail);
+                error!("preflight {}: {}", c.kind, c.detail);
             } else {
-                warn!("preflight {}: {}", c.name, c.detail);
+                warn!("preflight {}: {}", c.kind, c.detail);
             }
         }
     }

@@ -120,9 +120,9 @@ impl Node {
     /// mesh and forms a roster on its own.
     pub async fn spawn(cfg: NodeConfig) -> Result<NodeHandle, MeshError> {
         let nccl = if cfg.make_nccl_id {
-            NcclPolicy { make: true, note: cfg.preflight.nccl_note.clone() }
+            NcclPolicy::make_unless(cfg.preflight.nccl_note.as_deref())
         } else {
-            NcclPolicy { make: false, note: "no NCCL id (a library node)".into() }
+            NcclPolicy::Without("no NCCL id (a library node)".into())
         };
         let mesh = Mesh::start(cfg.mesh.clone()).await?;
         let transport = mesh.transport().clone();

@@ -31,7 +31,7 @@ pub struct PreflightInput {
     /// The NCCL unique id this node created (the master only).
     pub nccl_id: Option<Vec<u8>>,
     /// Why there is no id, when the master has none.
-    pub nccl_note: String,
+    pub nccl_note: Option<String>,
 }
 
 /// MTU of `iface` (0 if unknown).

@@ -221,7 +221,7 @@ impl Node {
                 .checks
                 .iter()
                 .filter(|c| !c.ok && c.fatal)
-                .map(|c| format!("{} {}", c.name, c.detail))
+                .map(|c| format!("{} {}", c.kind, c.detail))
                 .collect();
             let why = if failed.is_empty() && self.cfg.report.forced == Some(Collective::Nccl) {
                 "--collective nccl was forced but TCP between the nodes fails".to_string()

@@ -57,12 +57,19 @@ enum EdgeDone {
 }
 
 /// Whether this node makes the round's NCCL id when it is master, and why not.
-#[derive(Clone, Debug)]
-pub(crate) struct NcclPolicy {
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum NcclPolicy {
     /// Make one (only a meshd binary can: the root process is `meshd __nccl-root`).
-    pub make: bool,
-    /// Why there is none (libnccl missing, a library node).
-    pub note: String,
+    Make,
+    /// None, and why (libnccl missing, a library node).
+    Without(String),
+}
+
+impl NcclPolicy {
+    /// `Make` unless `missing` says why there can be no id.
+    pub fn make_unless(missing: Option<&str>) -> NcclPolicy {
+        missing.map_or(NcclPolicy::Make, |why| NcclPolicy::Without(why.to_string()))
+    }
 }
 
 pub(crate) struct Actor {
@@ -347,8 +354,11 @@ impl Actor {
         let (tx, restart, me, ip) =
             (self.edge_tx.clone(), self.core.restart(), self.mesh.node(), self.mesh.addr().ip());
         let master_port = master.then_some(roster.master_port);
-        let make_id = master && self.nccl.make && self.nccl.note.is_empty();
-        let mut note = if master { self.nccl.note.clone() } else { String::new() };
+        let make_id = master && self.nccl == NcclPolicy::Make;
+        let mut note = match &self.nccl {
+            NcclPolicy::Without(why) if master => why.clone(),
+            _ => String::new(),
+        };
         let iface = self.mesh.choice().name.clone();
         tokio::spawn(async move {
             // The master first creates the round's NCCL id in a root process that must
