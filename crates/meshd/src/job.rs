@@ -18,7 +18,8 @@
 use crate::collective::RingNet;
 use crate::collective::service::{self, Service, ServiceConfig};
 use crate::mesh::{Mesh, MeshError};
-use crate::node::actor::{Actor, Edges, NcclPolicy, Wake};
+use crate::node::actor::{Actor, NcclPolicy};
+use crate::node::edge::{Edge, Wake};
 use crate::preflight::PreflightInput;
 use crate::signals::Signals;
 use crate::supervisor::{self, RankSpec, Supervisor};
@@ -27,7 +28,7 @@ use meshd_proto::NodeId;
 use meshd_proto::node::{self as core, Input};
 use meshd_proto::preflight::{Collective, Verdict};
 use meshd_proto::rendezvous::{RankFailure, RdzvConfig, Roster};
-use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -83,11 +84,6 @@ pub struct JobOutcome {
     pub code: u8,
     /// One line saying what happened.
     pub message: String,
-}
-
-/// A free TCP port on `ip` (bound then released: MASTER_PORT).
-pub fn free_tcp_port(ip: IpAddr) -> std::io::Result<u16> {
-    Ok(TcpListener::bind(SocketAddr::new(ip, 0))?.local_addr()?.port())
 }
 
 /// The environment of one rank: torchrun's variables plus meshd's.
@@ -394,7 +390,7 @@ pub async fn run(
     let nccl = NcclPolicy::make_unless(cfg.preflight.nccl_note.as_deref());
     let actor = Actor::new(mesh, node, nccl, cfg.preflight.connect_timeout);
     io.store = Some(actor.store_sender());
-    let o = actor.run(Edges::Job(Box::new(io))).await?;
+    let o = actor.run(io).await?;
     Ok(JobOutcome { code: o.code, message: o.message })
 }
 
@@ -439,18 +435,14 @@ pub(crate) struct JobIo {
     iface: String,
 }
 
-impl JobIo {
+impl Edge for JobIo {
     /// A round begins: MASTER_PORT to offer (`--master-port` when free on this node).
-    pub(crate) fn round_began(&mut self, ip: IpAddr) -> u16 {
+    fn round_began(&mut self, ip: IpAddr) -> u16 {
         self.round_began = Instant::now();
-        self.cfg
-            .master_port
-            .filter(|p| TcpListener::bind(SocketAddr::new(ip, *p)).is_ok())
-            .or_else(|| free_tcp_port(ip).ok())
-            .unwrap_or(29500)
+        crate::preflight::master_port(ip, self.cfg.master_port)
     }
 
-    pub(crate) fn roster_agreed(&mut self, roster: &Roster, me: NodeId) {
+    fn roster_agreed(&mut self, roster: &Roster, me: NodeId) {
         self.roster_at = Instant::now();
         self.preflight_began = Instant::now();
         let Some(node_rank) = roster.node_rank(me) else { return };
@@ -469,7 +461,7 @@ impl JobIo {
         }
     }
 
-    pub(crate) fn verdict(&mut self, verdict: &Verdict) {
+    fn verdict(&mut self, _roster: Option<&Roster>, verdict: &Verdict) {
         for c in verdict.checks.iter().filter(|c| !c.ok) {
             if c.kind == meshd_proto::preflight::CheckKind::Tcp && verdict.ok {
                 // Said once, in words, by the warning at launch; the errors at debug.
@@ -483,7 +475,7 @@ impl JobIo {
     }
 
     /// Starts the round's service, tunnel and ranks.
-    pub(crate) async fn launch(
+    async fn launch(
         &mut self,
         mesh: &Mesh,
         roster: &Roster,
@@ -656,7 +648,7 @@ impl JobIo {
     }
 
     /// Stops the round's ranks (SIGTERM, grace, SIGKILL) and what ran beside them.
-    pub(crate) async fn stop(&mut self) {
+    async fn stop(&mut self) {
         let Some(mut r) = self.round.take() else { return };
         if let Some(s) = r.sup.as_mut() {
             s.stop(self.cfg.grace).await;
@@ -673,7 +665,7 @@ impl JobIo {
         self.round = Some(Round { sup: None, ..r });
     }
 
-    pub(crate) fn forward(&mut self, signal: i32, from: Option<&str>) {
+    fn forward(&mut self, signal: i32, from: Option<&str>) {
         let name = crate::signals::signal_name(signal);
         match from {
             None => info!("{name} received: forwarding it to every rank on every node"),
@@ -685,7 +677,7 @@ impl JobIo {
     }
 
     /// Every node says why, once the ranks' last output is out.
-    pub(crate) async fn round_failed(&mut self, cause: Option<&RankFailure>) {
+    async fn round_failed(&mut self, _reason: &str, cause: Option<&RankFailure>, _restarting: bool) {
         self.round = None;
         let Some(c) = cause else { return };
         supervisor::output::flush().await;
@@ -702,7 +694,7 @@ impl JobIo {
     }
 
     /// The next rank exit, stall, forwarded signal or stop request.
-    pub(crate) async fn next(&mut self) -> Wake {
+    async fn next(&mut self) -> Wake {
         let stall_t = self.cfg.stall_timeout;
         let (sup, activity) = match self.round.as_mut() {
             Some(r) if !r.local_done => {
@@ -750,6 +742,21 @@ impl JobIo {
         }
     }
 
+    /// This node's ranks stalled for `t`: their stacks, then the failure.
+    async fn on_stall(&mut self, t: Duration) -> Option<Input> {
+        let r = self.round.as_mut()?;
+        let sup = r.sup.as_mut()?;
+        let c = stalled(self.addr, &r.roster, r.node_rank, sup, t).await;
+        r.local_done = true;
+        let reason = format!(
+            "{}: no rank on {} wrote output or called meshd for {t:?} (--stall-timeout)",
+            c.message, r.here
+        );
+        Some(Input::RankFailed { rank: Some(c.rank), reason, cause: Some(Box::new(c)) })
+    }
+}
+
+impl JobIo {
     fn on_exit(&mut self, e: Option<supervisor::RankExit>) -> Wake {
         let Some(r) = self.round.as_mut() else { return Wake::Nothing };
         let Some(sup) = r.sup.as_ref() else { return Wake::Nothing };
@@ -780,19 +787,6 @@ impl JobIo {
             }
             None => Wake::Nothing,
         }
-    }
-
-    /// This node's ranks stalled for `t`: their stacks, then the failure.
-    pub(crate) async fn on_stall(&mut self, t: Duration) -> Option<Input> {
-        let r = self.round.as_mut()?;
-        let sup = r.sup.as_mut()?;
-        let c = stalled(self.addr, &r.roster, r.node_rank, sup, t).await;
-        r.local_done = true;
-        let reason = format!(
-            "{}: no rank on {} wrote output or called meshd for {t:?} (--stall-timeout)",
-            c.message, r.here
-        );
-        Some(Input::RankFailed { rank: Some(c.rank), reason, cause: Some(Box::new(c)) })
     }
 }
 

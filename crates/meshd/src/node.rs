@@ -4,6 +4,7 @@
 //! finish. `meshd run` uses the same actor with its job's IO edges (`crate::job`).
 
 pub(crate) mod actor;
+pub(crate) mod edge;
 pub(crate) mod library;
 
 pub use library::Snapshot;
@@ -13,8 +14,9 @@ use crate::interfaces::Choice;
 use crate::mesh::{Mesh, MeshConfig, MeshError, stable_hash};
 use crate::preflight::PreflightInput;
 use crate::transport::{DataStream, Transport};
-use actor::{Actor, Edges, NcclPolicy};
-use library::{Command, Library};
+use actor::{Actor, NcclPolicy};
+use edge::Command;
+use library::Library;
 use meshd_proto::NodeId;
 use meshd_proto::membership::MemberView;
 use meshd_proto::node::{self as core, LocalFacts, Outcome, Timing};
@@ -127,7 +129,7 @@ impl Node {
         let mesh = Mesh::start(cfg.mesh.clone()).await?;
         let transport = mesh.transport().clone();
         let incoming = transport.take_data_streams().ok_or(MeshError::DataStreamsTaken)?;
-        let master_port = crate::job::free_tcp_port(mesh.addr().ip()).unwrap_or(29500);
+        let master_port = crate::preflight::master_port(mesh.addr().ip(), None);
         let core_cfg =
             core_config(&mesh, &cfg.rdzv, cfg.rdzv_timeout, cfg.max_restarts, &cfg.preflight, master_port);
         let core = core::Node::new(core_cfg, Instant::now());
@@ -136,7 +138,7 @@ impl Node {
         let (snap_tx, snap_rx) = watch::channel(Snapshot::default());
         let actor = Actor::new(mesh, core, nccl, cfg.preflight.connect_timeout);
         let store = actor.store_sender();
-        let task = tokio::spawn(actor.run(Edges::Library(Box::new(Library::new(cmd_rx, snap_tx)))));
+        let task = tokio::spawn(actor.run(Library::new(cmd_rx, snap_tx)));
         Ok(NodeHandle {
             cmds: cmd_tx,
             snap: snap_rx,

@@ -34,6 +34,14 @@ pub struct PreflightInput {
     pub nccl_note: Option<String>,
 }
 
+/// The MASTER_PORT a round offers on `ip`: `wanted` (`--master-port`) when it is free
+/// there, else a free port (bound and released), else torchrun's default 29500. The one
+/// place every round, job or library, gets it from.
+pub fn master_port(ip: IpAddr, wanted: Option<u16>) -> u16 {
+    let free = |p: u16| std::net::TcpListener::bind(SocketAddr::new(ip, p)).ok()?.local_addr().ok();
+    wanted.filter(|p| free(*p).is_some()).or_else(|| free(0).map(|a| a.port())).unwrap_or(29500)
+}
+
 /// MTU of `iface` (0 if unknown).
 pub fn mtu(iface: &str) -> u32 {
     std::fs::read_to_string(format!("/sys/class/net/{iface}/mtu"))

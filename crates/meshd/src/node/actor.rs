@@ -3,9 +3,8 @@
 //! `Node` core and the mesh's IO; after every input it sends the core's frames and carries
 //! out its requests.
 
-use super::library::{Command, Library};
+use super::edge::{Command, Edge, Wake};
 use crate::collective::{StoreRequest, StoreSender};
-use crate::job::JobIo;
 use crate::mesh::report::AuthRefusals;
 use crate::mesh::{Mesh, MeshError};
 use crate::nccl_root::NcclRoot;
@@ -23,22 +22,6 @@ use tracing::{Instrument, debug, error, info, warn};
 
 /// How long a node that leaves keeps its endpoint open for the leave to go out.
 const LEAVE_LINGER: Duration = Duration::from_millis(50);
-
-/// What the actor does besides the protocol: run a job's ranks (`meshd run`), or serve a
-/// library handle.
-pub(crate) enum Edges {
-    Job(Box<JobIo>),
-    Library(Box<Library>),
-}
-
-/// What an edge woke the actor with.
-pub(crate) enum Wake {
-    Input(Input),
-    Command(Command),
-    /// The job's ranks stalled this long (the actor collects their stacks).
-    Stalled(Duration),
-    Nothing,
-}
 
 /// Results of the preflight's IO tasks.
 enum EdgeDone {
@@ -122,10 +105,10 @@ impl Actor {
     }
 
     /// Runs until the job is over on this node; leaves the mesh and closes the endpoint.
-    pub async fn run(mut self, mut edges: Edges) -> Result<Outcome, MeshError> {
+    pub async fn run<E: Edge>(mut self, mut edge: E) -> Result<Outcome, MeshError> {
         self.publish_status();
         let end = loop {
-            if let Some(end) = self.drain(&mut edges).await {
+            if let Some(end) = self.drain(&mut edge).await {
                 break end;
             }
             let wake = self.core.poll_timeout();
@@ -151,7 +134,7 @@ impl Actor {
                         self.core.handle_timeout(now);
                     }
                 }
-                w = edges.next() => match w {
+                w = edge.next() => match w {
                     Wake::Input(i) => self.core.handle(i, Instant::now()),
                     Wake::Command(c) => {
                         if let Some(end) = self.on_command(c) {
@@ -159,28 +142,22 @@ impl Actor {
                         }
                     }
                     Wake::Stalled(t) => {
-                        if let Edges::Job(j) = &mut edges {
-                            if let Some(i) = j.on_stall(t).await {
-                                self.core.handle(i, Instant::now());
-                            }
+                        if let Some(i) = edge.on_stall(t).await {
+                            self.core.handle(i, Instant::now());
                         }
                     }
                     Wake::Nothing => {}
                 },
                 _ = tokio::time::sleep_until(status_at.into()) => {
                     self.publish_status();
-                    if let Edges::Library(l) = &mut edges {
-                        l.members(self.core.members());
-                    }
+                    edge.members(&self.core);
                 }
             }
         };
         self.leave().await;
-        if let (Edges::Library(l), Ok(o)) = (&mut edges, &end) {
-            l.finished(o.clone());
-        }
-        if let (Edges::Library(l), Err(e)) = (&mut edges, &end) {
-            l.finished(Outcome { code: 1, message: e.to_string(), kind: OutcomeKind::Failed });
+        match &end {
+            Ok(o) => edge.finished(o),
+            Err(e) => edge.finished(&Outcome { code: 1, message: e.to_string(), kind: OutcomeKind::Failed }),
         }
         end
     }
@@ -218,25 +195,23 @@ impl Actor {
 
     /// Sends the core's frames and carries out its events, one at a time (frames first, so
     /// that an Abort is out before the ranks' stop is awaited). `Some`: the job is over.
-    async fn drain(&mut self, edges: &mut Edges) -> Option<Result<Outcome, MeshError>> {
+    async fn drain<E: Edge>(&mut self, edge: &mut E) -> Option<Result<Outcome, MeshError>> {
         loop {
             self.send_transmits();
             let ev = self.core.poll_event()?;
             let span = self.round_span.clone();
-            if let Some(end) = self.on_event(ev, edges).instrument(span).await {
+            if let Some(end) = self.on_event(ev, edge).instrument(span).await {
                 self.send_transmits();
                 return Some(end);
             }
         }
     }
 
-    async fn on_event(&mut self, ev: Event, edges: &mut Edges) -> Option<Result<Outcome, MeshError>> {
+    async fn on_event<E: Edge>(&mut self, ev: Event, edge: &mut E) -> Option<Result<Outcome, MeshError>> {
         match ev {
             Event::Member(_) => {
                 self.publish_status();
-                if let Edges::Library(l) = edges {
-                    l.members(self.core.members());
-                }
+                edge.members(&self.core);
             }
             Event::Log(level, text) => match level {
                 Level::Debug => debug!("{text}"),
@@ -258,17 +233,12 @@ impl Actor {
                 self.round_span = tracing::debug_span!(parent: &self.node_span, "round", restart);
                 self.listeners = None;
                 self.nccl_root = None;
-                let port = match edges {
-                    Edges::Job(j) => j.round_began(self.mesh.addr().ip()),
-                    Edges::Library(_) => crate::job::free_tcp_port(self.mesh.addr().ip()).unwrap_or(29500),
-                };
+                let port = edge.round_began(self.mesh.addr().ip());
                 self.core.handle(Input::MasterPort(port), Instant::now());
             }
             Event::RosterAgreed(roster) => {
                 self.publish_status();
-                if let Edges::Job(j) = edges {
-                    j.roster_agreed(&roster, self.mesh.node());
-                }
+                edge.roster_agreed(&roster, self.mesh.node());
             }
             Event::StartPreflight { roster, master } => self.start_preflight(&roster, master),
             Event::Dial { targets, nccl_id } => {
@@ -281,32 +251,18 @@ impl Actor {
             }
             Event::Preflight(verdict) => {
                 self.listeners = None;
-                match edges {
-                    Edges::Job(j) => j.verdict(&verdict),
-                    Edges::Library(l) => l.verdict(self.core.roster().cloned(), verdict),
-                }
+                edge.verdict(self.core.roster(), &verdict);
             }
             Event::Launch { roster, verdict, nccl_id } => {
-                let input = match edges {
-                    Edges::Job(j) => j.launch(&self.mesh, &roster, &verdict, nccl_id.as_deref()).await,
-                    // The library program is the round's "ranks": they run.
-                    Edges::Library(l) => {
-                        l.launched(roster);
-                        Input::RanksSpawned
-                    }
-                };
+                let input = edge.launch(&self.mesh, &roster, &verdict, nccl_id.as_deref()).await;
                 self.core.handle(input, Instant::now());
             }
             Event::StopRanks => {
-                if let Edges::Job(j) = edges {
-                    j.stop().await;
-                }
+                edge.stop().await;
                 self.core.handle(Input::RanksStopped, Instant::now());
             }
             Event::ForwardSignal { signal, from } => {
-                if let Edges::Job(j) = edges {
-                    j.forward(signal, from.as_deref());
-                }
+                edge.forward(signal, from.as_deref());
             }
             Event::StoreReply { req, answer } => {
                 if let Some(reply) = self.store_pending.remove(&req) {
@@ -317,17 +273,12 @@ impl Actor {
             Event::PeerFinished(_) => {}
             Event::RoundFailed { reason, cause, restarting, .. } => {
                 self.nccl_root = None;
-                match edges {
-                    Edges::Job(j) => j.round_failed(cause.as_deref()).await,
-                    Edges::Library(l) => l.round_failed(reason, restarting),
-                }
+                edge.round_failed(&reason, cause.as_deref(), restarting).await;
             }
             Event::Finished(o) => {
                 // After a success the ranks are gone but what they started and the round's
                 // tunnel and service are not: the same stop as after a failure.
-                if let Edges::Job(j) = edges {
-                    j.stop().await;
-                }
+                edge.stop().await;
                 self.nccl_root = None;
                 // The outcome, with its code, is the end: a timed-out rendezvous gets its
                 // message completed with what only the IO knows (who never answered).
@@ -508,16 +459,5 @@ impl Actor {
     fn publish_status(&mut self) {
         self.status_at = Instant::now();
         self.mesh.transport().set_status(&self.status());
-    }
-}
-
-impl Edges {
-    /// The next thing an edge has for the actor (cancel-safe: the actor's select drops it
-    /// when another input comes first).
-    async fn next(&mut self) -> Wake {
-        match self {
-            Edges::Job(j) => j.next().await,
-            Edges::Library(l) => l.next().await,
-        }
     }
 }

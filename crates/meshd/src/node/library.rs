@@ -2,22 +2,12 @@
 //! state it reads (roster, verdict, members, how the job ended). The job-wide store is the
 //! node core's; the handle's store calls reach it through the actor's store relay.
 
-use super::actor::Wake;
-use meshd_proto::node::Outcome;
+use super::edge::{Command, Edge, Wake};
+use crate::mesh::Mesh;
+use meshd_proto::node::{Input, Node, Outcome};
 use meshd_proto::preflight::Verdict;
-use meshd_proto::rendezvous::Roster;
+use meshd_proto::rendezvous::{RankFailure, Roster};
 use tokio::sync::{mpsc, watch};
-
-/// What a handle asks the actor.
-#[derive(Debug)]
-pub(crate) enum Command {
-    /// Stop the job everywhere (restartable, like a rank failure).
-    Abort(String),
-    /// This node's work is done: say Done, wait for every member, then end.
-    Finish,
-    /// Leave now.
-    Shutdown,
-}
 
 /// What a handle can read.
 #[derive(Clone, Debug, Default)]
@@ -45,8 +35,10 @@ impl Library {
     pub fn new(cmds: mpsc::Receiver<Command>, snap: watch::Sender<Snapshot>) -> Library {
         Library { cmds, snap, closed: false }
     }
+}
 
-    pub async fn next(&mut self) -> Wake {
+impl Edge for Library {
+    async fn next(&mut self) -> Wake {
         if self.closed {
             return std::future::pending().await;
         }
@@ -60,33 +52,35 @@ impl Library {
         }
     }
 
-    pub fn verdict(&mut self, roster: Option<Roster>, v: Verdict) {
-        self.snap.send_modify(|s| s.verdict = roster.map(|r| (r, v)));
-    }
-
-    /// The round launched.
-    pub fn launched(&mut self, roster: Roster) {
-        self.snap.send_modify(|s| {
-            s.roster = Some(roster);
-            s.failed = None;
-        });
-    }
-
-    pub fn round_failed(&mut self, reason: String, restarting: bool) {
-        self.snap.send_modify(|s| {
-            s.roster = None;
-            s.failed = Some((reason, restarting));
-        });
-    }
-
-    pub fn members(&mut self, m: Vec<meshd_proto::membership::MemberView>) {
+    fn members(&mut self, core: &Node) {
+        let m = core.members();
         self.snap.send_modify(|s| s.members = m);
     }
 
-    pub fn finished(&mut self, o: Outcome) {
+    fn verdict(&mut self, roster: Option<&Roster>, v: &Verdict) {
+        self.snap.send_modify(|s| s.verdict = roster.map(|r| (r.clone(), v.clone())));
+    }
+
+    /// The library program is the round's "ranks": they run.
+    async fn launch(&mut self, _mesh: &Mesh, roster: &Roster, _v: &Verdict, _id: Option<&[u8]>) -> Input {
+        self.snap.send_modify(|s| {
+            s.roster = Some(roster.clone());
+            s.failed = None;
+        });
+        Input::RanksSpawned
+    }
+
+    async fn round_failed(&mut self, reason: &str, _cause: Option<&RankFailure>, restarting: bool) {
+        self.snap.send_modify(|s| {
+            s.roster = None;
+            s.failed = Some((reason.to_string(), restarting));
+        });
+    }
+
+    fn finished(&mut self, o: &Outcome) {
         self.snap.send_modify(|s| {
             if s.outcome.is_none() {
-                s.outcome = Some(o);
+                s.outcome = Some(o.clone());
             }
         });
     }
