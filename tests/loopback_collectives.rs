@@ -340,21 +340,33 @@ fn client_calls_to_a_silent_meshd_raise_after_the_timeout() {
     assert!(stdout.contains("TIMEOUT OK"), "{stdout}\n{stderr}");
 }
 
+/// `meshd run --nnodes 1` on `port` with `nproc` ranks of `script` (relative to the
+/// repository): its output, stdout and stderr.
+fn one_node(port: u16, nproc: u32, script: &str) -> (std::process::Output, String, String) {
+    let peer = format!("127.0.0.1:{port}");
+    let (port, nproc) = (port.to_string(), nproc.to_string());
+    let script = format!("{}/{script}", env!("CARGO_MANIFEST_DIR"));
+    let out = Command::new(env!("CARGO_BIN_EXE_meshd"))
+        .args(["run", "--nnodes", "1", "--peers", &peer, "--port", &port])
+        .args(["--nproc-per-node", &nproc, "--collective", "quic", "--rdzv-timeout", "60s", "--"])
+        .args(["/usr/bin/python3", &script])
+        .env("MESHD_TOKEN", "loopback")
+        .output()
+        .expect("run meshd");
+    let (o, e) = (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    );
+    (out, o, e)
+}
+
 /// Issue 29: a rank that gave up on a collective (its client timed out) gets nothing written
 /// into its buffer afterwards, when the late local rank arrives; the late rank gets an error
 /// naming the one that gave up (`tests/python/abandoned_buffer.py`). Before, meshd wrote
 /// the result into the abandoned address with process_vm_writev.
 #[test]
 fn nothing_is_written_into_a_buffer_its_rank_gave_up_on() {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/python/abandoned_buffer.py");
-    let out = Command::new(env!("CARGO_BIN_EXE_meshd"))
-        .args(["run", "--nnodes", "1", "--peers", "127.0.0.1:29791", "--port", "29791"])
-        .args(["--nproc-per-node", "2", "--collective", "quic", "--rdzv-timeout", "60s", "--"])
-        .args(["/usr/bin/python3", script])
-        .env("MESHD_TOKEN", "loopback")
-        .output()
-        .expect("run meshd");
-    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let (out, stdout, stderr) = one_node(29791, 2, "tests/python/abandoned_buffer.py");
     assert!(out.status.success(), "{stdout}\n{stderr}");
     assert_eq!(stdout.matches("ABANDONED OK").count(), 2, "{stdout}\n{stderr}");
 }
@@ -365,15 +377,7 @@ fn nothing_is_written_into_a_buffer_its_rank_gave_up_on() {
 /// in-place refused (`tests/python/peer_process.py`).
 #[test]
 fn in_place_buffers_are_only_the_connecting_process_memory() {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/python/peer_process.py");
-    let out = Command::new(env!("CARGO_BIN_EXE_meshd"))
-        .args(["run", "--nnodes", "1", "--peers", "127.0.0.1:29792", "--port", "29792"])
-        .args(["--nproc-per-node", "1", "--collective", "quic", "--rdzv-timeout", "60s", "--"])
-        .args(["/usr/bin/python3", script])
-        .env("MESHD_TOKEN", "loopback")
-        .output()
-        .expect("run meshd");
-    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let (out, stdout, stderr) = one_node(29792, 1, "tests/python/peer_process.py");
     assert!(out.status.success(), "{stdout}\n{stderr}");
     assert!(stdout.contains("PEER OK"), "{stdout}\n{stderr}");
 }
