@@ -342,7 +342,7 @@ fn client_calls_to_a_silent_meshd_raise_after_the_timeout() {
 
 /// `meshd run --nnodes 1` on `port` with `nproc` ranks of `script` (relative to the
 /// repository): its output, stdout and stderr.
-fn one_node(port: u16, nproc: u32, script: &str) -> (std::process::Output, String, String) {
+fn run_script_on_one_node(port: u16, nproc: u32, script: &str) -> (std::process::Output, String, String) {
     let peer = format!("127.0.0.1:{port}");
     let (port, nproc) = (port.to_string(), nproc.to_string());
     let script = format!("{}/{script}", env!("CARGO_MANIFEST_DIR"));
@@ -366,7 +366,7 @@ fn one_node(port: u16, nproc: u32, script: &str) -> (std::process::Output, Strin
 /// the result into the abandoned address with process_vm_writev.
 #[test]
 fn nothing_is_written_into_a_buffer_its_rank_gave_up_on() {
-    let (out, stdout, stderr) = one_node(29791, 2, "tests/python/abandoned_buffer.py");
+    let (out, stdout, stderr) = run_script_on_one_node(29791, 2, "tests/python/abandoned_buffer.py");
     assert!(out.status.success(), "{stdout}\n{stderr}");
     assert_eq!(stdout.matches("ABANDONED OK").count(), 2, "{stdout}\n{stderr}");
 }
@@ -377,7 +377,7 @@ fn nothing_is_written_into_a_buffer_its_rank_gave_up_on() {
 /// in-place refused (`tests/python/peer_process.py`).
 #[test]
 fn in_place_buffers_are_only_the_connecting_process_memory() {
-    let (out, stdout, stderr) = one_node(29792, 1, "tests/python/peer_process.py");
+    let (out, stdout, stderr) = run_script_on_one_node(29792, 1, "tests/python/peer_process.py");
     assert!(out.status.success(), "{stdout}\n{stderr}");
     assert!(stdout.contains("PEER OK"), "{stdout}\n{stderr}");
 }
