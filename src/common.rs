@@ -22,9 +22,24 @@ pub struct NetArgs {
     /// read the mesh, start or stop the job.
     #[arg(long)]
     pub insecure: bool,
+    /// `--port` was given on the command line (not the default): from clap's value source.
+    #[arg(skip)]
+    pub port_given: bool,
+    /// The token came from `--token` on the command line (visible in `ps`), not from
+    /// MESHD_TOKEN: from clap's value source.
+    #[arg(skip)]
+    pub token_on_command_line: bool,
 }
 
 impl NetArgs {
+    /// Notes where `--port` and `--token` came from, as clap parsed them into `m` (the
+    /// matches of the subcommand that holds these flags).
+    pub fn note_sources(&mut self, m: &clap::ArgMatches) {
+        use clap::parser::ValueSource::CommandLine;
+        self.port_given = m.value_source("port") == Some(CommandLine);
+        self.token_on_command_line = m.value_source("token") == Some(CommandLine);
+    }
+
     /// The token for a mesh of `max_nodes`: a multi-node mesh without one is refused unless
     /// `--insecure` says so.
     pub fn token_for(&self, max_nodes: u32) -> Result<Option<Token>> {
@@ -49,7 +64,7 @@ impl NetArgs {
             }
             return Ok(Some(Token::new(&s)));
         }
-        if self.token.is_some() && std::env::args().any(|a| a == "--token" || a.starts_with("--token=")) {
+        if self.token.is_some() && self.token_on_command_line {
             tracing::warn!(
                 "--token on the command line is visible to every user of this machine (ps, /proc); \
                  prefer --token-file F (mode 0600) or the MESHD_TOKEN variable"

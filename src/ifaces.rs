@@ -22,6 +22,13 @@ pub struct Args {
     net: NetArgs,
 }
 
+impl Args {
+    /// Its network flags.
+    pub fn net_mut(&mut self) -> &mut NetArgs {
+        &mut self.net
+    }
+}
+
 pub async fn main(a: Args, env: &crate::env::EnvConfig) -> Result<ExitCode> {
     let ifs = interfaces::list()?;
     let peers = common::peers_now(a.peers.as_deref(), a.net.port)?;

@@ -12,7 +12,7 @@ mod run;
 mod status;
 mod token;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use std::process::ExitCode;
 
 #[derive(Parser, Debug)]
@@ -73,6 +73,20 @@ fn tune_allocator(workers: usize) {
     let _ = workers;
 }
 
+impl Cmd {
+    /// The subcommand's network flags, when it has them.
+    fn net_mut(&mut self) -> Option<&mut common::NetArgs> {
+        match self {
+            Cmd::Run(a) => Some(&mut a.job.net),
+            Cmd::Doctor(a) => Some(&mut a.job.net),
+            Cmd::Bench(bench::Which::Allreduce(a)) => Some(&mut a.job.net),
+            Cmd::Status(a) => Some(a.net_mut()),
+            Cmd::Ifaces(a) => Some(a.net_mut()),
+            Cmd::Token(_) => None,
+        }
+    }
+}
+
 fn main() -> ExitCode {
     // What ran in this process before meshd (cargo run, ip netns exec) is not meshd's CPU.
     meshd::job::mark_cpu_start();
@@ -83,7 +97,17 @@ fn main() -> ExitCode {
     // Tunnel mode holds an open file per tunnelled connection at each end: the soft limit
     // (often 1024) goes up to the hard one, for meshd and the ranks it starts.
     let files = meshd::files::raise_limit();
-    let mut cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let mut cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    // Where flags came from (the command line or the environment): clap knows, the
+    // arguments are not scanned again.
+    let mut sub = &matches;
+    while let Some((_, m)) = sub.subcommand() {
+        sub = m;
+    }
+    if let Some(net) = cli.cmd.net_mut() {
+        net.note_sources(sub);
+    }
     if let Cmd::Run(a) = &mut cli.cmd {
         a.note_dashdash(&std::env::args().collect::<Vec<_>>());
     }

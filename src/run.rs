@@ -393,7 +393,7 @@ pub fn prepare(a: &JobArgs, cmd: &[String], env: &EnvConfig) -> Result<Prepared>
         }
         // As torchrun's standalone rendezvous: any free port, so several such jobs can share a
         // machine, unless --port says which.
-        if !std::env::args().any(|x| x == "--port" || x.starts_with("--port=")) {
+        if !a.net.port_given {
             port = 0;
         }
         ("1".to_string(), None)

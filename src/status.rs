@@ -20,6 +20,13 @@ pub struct Args {
     net: NetArgs,
 }
 
+impl Args {
+    /// Its network flags.
+    pub fn net_mut(&mut self) -> &mut NetArgs {
+        &mut self.net
+    }
+}
+
 pub async fn main(a: Args, env: &crate::env::EnvConfig) -> Result<ExitCode> {
     let mut targets: Vec<(String, SocketAddr)> = common::peers_now(a.peers.as_deref(), a.net.port)?;
     if targets.is_empty() {
