@@ -37,7 +37,6 @@
 //! [`Store::poll_event`] and [`Store::poll_timeout`].
 
 use crate::id::NodeId;
-use crate::wire::{MAX_STORE_KEY, MAX_STORE_VALUE, StoreMsg};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
@@ -216,6 +215,38 @@ impl Pending {
         self.key.len() + self.value.len()
     }
 }
+
+/// Store replication between nodes (see [`crate::store`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum StoreMsg {
+    /// Writer -> each member: `key` holds `value` from `version` on (the highest version
+    /// wins); answered with [`StoreMsg::Ack`], resent until then.
+    Set {
+        /// Restart round the value belongs to.
+        restart: u32,
+        /// Key (at most [`MAX_STORE_KEY`] bytes).
+        key: String,
+        /// Value (at most [`MAX_STORE_VALUE`] bytes).
+        value: Vec<u8>,
+        /// The set's version (Lamport counter, writer).
+        version: Version,
+    },
+    /// Member -> writer: the [`StoreMsg::Set`] of `version` arrived (applied, or already
+    /// superseded by a newer version), or was refused because of a store limit.
+    Ack {
+        /// Restart round of the set.
+        restart: u32,
+        /// Version of the set acknowledged.
+        version: Version,
+        /// The limit the value would have broken on the member; `None` when accepted.
+        refused: Option<StoreError>,
+    },
+}
+
+/// Longest store key accepted.
+pub const MAX_STORE_KEY: usize = 1024;
+/// Largest store value accepted.
+pub const MAX_STORE_VALUE: usize = 1 << 20;
 
 /// One node's copy of the store (see the module docs).
 #[derive(Debug)]

@@ -8,8 +8,11 @@
 //! old ones unchanged and refuse the new ones with a clear error.
 
 use crate::id::NodeId;
-use crate::store::{StoreError, Version};
 use crate::{membership, rendezvous};
+
+pub mod codec;
+pub use crate::store::{MAX_STORE_KEY, MAX_STORE_VALUE, StoreMsg};
+pub use codec::{MAX_FRAME, WireError, check_len, decode, encode, frame_with_len};
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
 
@@ -17,8 +20,6 @@ use std::net::SocketAddr;
 pub const PROTOCOL_VERSION: u16 = 5;
 /// ALPN protocol id; a peer speaking another version fails the TLS handshake.
 pub const ALPN: &[u8] = b"meshd/5";
-/// Largest frame accepted on a stream. Bigger length prefixes are refused before reading.
-pub const MAX_FRAME: usize = 4 << 20;
 
 /// First message each side sends on a new connection.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -84,38 +85,6 @@ pub enum Frame {
     /// The job-wide key-value store: a value set on one node, copied to every node.
     Store(StoreMsg),
 }
-
-/// Store replication between nodes (see [`crate::store`]).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum StoreMsg {
-    /// Writer -> each member: `key` holds `value` from `version` on (the highest version
-    /// wins); answered with [`StoreMsg::Ack`], resent until then.
-    Set {
-        /// Restart round the value belongs to.
-        restart: u32,
-        /// Key (at most [`MAX_STORE_KEY`] bytes).
-        key: String,
-        /// Value (at most [`MAX_STORE_VALUE`] bytes).
-        value: Vec<u8>,
-        /// The set's version (Lamport counter, writer).
-        version: Version,
-    },
-    /// Member -> writer: the [`StoreMsg::Set`] of `version` arrived (applied, or already
-    /// superseded by a newer version), or was refused because of a store limit.
-    Ack {
-        /// Restart round of the set.
-        restart: u32,
-        /// Version of the set acknowledged.
-        version: Version,
-        /// The limit the value would have broken on the member; `None` when accepted.
-        refused: Option<StoreError>,
-    },
-}
-
-/// Longest store key accepted.
-pub const MAX_STORE_KEY: usize = 1024;
-/// Largest store value accepted.
-pub const MAX_STORE_VALUE: usize = 1 << 20;
 
 /// A question asked on a probe connection (`meshd status`), on its own bidirectional stream.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -212,57 +181,6 @@ pub struct StatusReply {
     pub node: NodeId,
     /// Everyone it knows, itself included.
     pub members: Vec<StatusMember>,
-}
-
-/// Why a frame could not be decoded.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub enum WireError {
-    /// Longer than [`MAX_FRAME`].
-    #[error("frame of {0} bytes exceeds the {MAX_FRAME}-byte limit")]
-    TooLarge(usize),
-    /// Not a valid encoding (truncated, unknown variant, bad varint...).
-    #[error("malformed frame: {0}")]
-    Malformed(String),
-    /// Valid prefix followed by garbage.
-    #[error("{0} trailing bytes after frame")]
-    Trailing(usize),
-}
-
-/// Encodes any wire value with postcard.
-pub fn encode<T: Serialize>(v: &T) -> Vec<u8> {
-    // postcard only fails on serializers that cannot represent a value (never for our
-    // derive-generated types into a Vec), so an empty frame here is unreachable in practice
-    // and would be rejected by the peer's decoder rather than crash us.
-    postcard::to_allocvec(v).unwrap_or_default()
-}
-
-/// Decodes a complete wire value, refusing oversized input and trailing bytes.
-pub fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, WireError> {
-    if bytes.len() > MAX_FRAME {
-        return Err(WireError::TooLarge(bytes.len()));
-    }
-    let (v, rest) = postcard::take_from_bytes(bytes).map_err(|e| WireError::Malformed(e.to_string()))?;
-    if !rest.is_empty() {
-        return Err(WireError::Trailing(rest.len()));
-    }
-    Ok(v)
-}
-
-/// Prefixes an encoded frame with its length (u32 big-endian) for a stream.
-pub fn frame_with_len(body: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(4 + body.len());
-    out.extend_from_slice(&(body.len() as u32).to_be_bytes());
-    out.extend_from_slice(body);
-    out
-}
-
-/// Reads a length prefix, refusing lengths over [`MAX_FRAME`] before any allocation.
-pub fn check_len(prefix: [u8; 4]) -> Result<usize, WireError> {
-    let n = u32::from_be_bytes(prefix) as usize;
-    if n > MAX_FRAME {
-        return Err(WireError::TooLarge(n));
-    }
-    Ok(n)
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@
 
 use super::Update;
 use crate::id::NodeId;
-use crate::wire;
+use crate::wire::codec as wire;
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet};
 

@@ -4,7 +4,7 @@
 use super::config::{DATAGRAM_SLACK, MAX_CORRECTIONS, RETRANSMIT_MULT};
 use super::{Delivery, MemberStatus, Membership, Message, Update, UpdateKind};
 use crate::id::NodeId;
-use crate::wire;
+use crate::wire::codec as wire;
 use std::net::SocketAddr;
 use std::time::Instant;
 

@@ -60,7 +60,7 @@ pub use messages::{
 use crate::id::NodeId;
 use crate::meta::NodeMeta;
 use crate::rng::Rng;
-use crate::wire;
+use crate::wire::codec as wire;
 use broadcast::BroadcastQueue;
 use config::{JOIN_RESYNC, MAX_EVENTS, MAX_RELAYS, MAX_SEEDS, MAX_TRANSMITS, REAP_EVERY};
 use probe::{Probe, Relay};

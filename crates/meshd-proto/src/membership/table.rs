@@ -5,7 +5,7 @@ use super::config::{MAX_MEMBERS, MAX_META};
 use super::{Member, MemberEvent, MemberStatus, Membership, Update, UpdateKind, view};
 use crate::id::NodeId;
 use crate::meta::NodeMeta;
-use crate::wire;
+use crate::wire::codec as wire;
 use std::net::SocketAddr;
 use std::time::Instant;
 

@@ -1,5 +1,6 @@
 use super::*;
 use crate::rendezvous::{Message as Rm, Roster, RosterMember};
+use crate::store::{StoreError, Version};
 
 fn roster() -> Roster {
     Roster {
