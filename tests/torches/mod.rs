@@ -98,7 +98,9 @@ impl Torch {
 
 /// Asks the interpreter once per (path, numpy) what it runs; Err says why it is unusable.
 fn checked(variant: &'static str, python: &str, numpy: bool) -> Result<Torch, String> {
-    static SEEN: OnceLock<Mutex<BTreeMap<(String, bool), Result<String, String>>>> = OnceLock::new();
+    // (interpreter, numpy visible) -> its torch version, or why it is unusable.
+    type Answers = BTreeMap<(String, bool), Result<String, String>>;
+    static SEEN: OnceLock<Mutex<Answers>> = OnceLock::new();
     let seen = SEEN.get_or_init(|| Mutex::new(BTreeMap::new()));
     let key = (python.to_string(), numpy);
     let mut cache = seen.lock().unwrap_or_else(|e| e.into_inner());
