@@ -183,7 +183,7 @@ fn main() {
 
     // `meshd run` of one of the examples' Python benchmarks on every host.
     let py_job = |nproc: usize, collective: &str, script: &str| -> Vec<String> {
-        lab::python_job(&peers, hosts, nproc, collective, script, &["--size", &sz])
+        lab::python_job("/usr/bin/python3", &peers, hosts, nproc, collective, script, &["--size", &sz])
     };
     // 3. Gloo (PyTorch), one process per host, launched by meshd run.
     let gloo = py_job(1, "auto", "gloo_allreduce_bench.py");

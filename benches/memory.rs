@@ -23,8 +23,15 @@ fn main() {
     let peers = lab.peers();
     println!("memory soak: 3 lab hosts x 1 rank, eth1 MTU {mtu}, {ops} allreduces of {size} bytes");
     let (ops_s, size_s) = (ops.to_string(), size.to_string());
-    let job =
-        lab::python_job(&peers, 3, 1, "quic", "client_memory_soak.py", &["--ops", &ops_s, "--size", &size_s]);
+    let job = lab::python_job(
+        "/usr/bin/python3",
+        &peers,
+        3,
+        1,
+        "quic",
+        "client_memory_soak.py",
+        &["--ops", &ops_s, "--size", &size_s],
+    );
     let args: Vec<&str> = job.iter().map(String::as_str).collect();
     // 6-11 allreduces of 16 MiB a second on the 2-core lab (MTU 1500 / 9000): allow 40 MiB/s.
     let limit = Duration::from_secs(120 + ops * size as u64 / (40 << 20));

@@ -27,6 +27,7 @@ b = array.array("q", [rank + 10] * 3)
 c.allreduce(b, op="min")
 assert list(b) == [10] * 3, list(b)
 
+used = []  # what the run exercised besides the standard library: said in the OK line
 try:
     import numpy as np
 
@@ -46,6 +47,7 @@ try:
     y = np.arange(5, dtype=np.int32) * (rank + 1)
     c.allreduce(y)
     assert (y == np.arange(5, dtype=np.int32) * (world * (world + 1) // 2)).all(), y
+    used.append("numpy")
 except ImportError:
     pass
 
@@ -68,6 +70,13 @@ try:
     s1.copy_(g.reshape(-1))
     c.allreduce(s1, op="sum")
     assert (s1.view(g.shape) == g * world).all(), s1
+    # A view at an offset into a larger tensor: only its own elements change.
+    whole = torch.zeros(10, dtype=torch.int64)
+    part = whole[3:7]
+    part.fill_(rank + 1)
+    c.allreduce(part, op="sum")
+    assert whole.tolist() == [0, 0, 0] + [world * (world + 1) // 2] * 4 + [0, 0, 0], whole
+    used.append("torch-" + torch.__version__.split("+")[0])
 except ImportError:
     pass
 
@@ -90,4 +99,4 @@ except meshd.MeshdError as e:
     assert "not set" in str(e), e
 
 c.barrier()
-print(f"COLLECTIVES OK rank={rank} world={world} in_place={c.in_place}", flush=True)
+print(f"COLLECTIVES OK rank={rank} world={world} in_place={c.in_place} used={','.join(used) or 'stdlib'}", flush=True)

@@ -6,6 +6,7 @@ bit-identical parameters. Prints one line per rank with a SHA-256 of the paramet
     meshd run --nnodes 3 --peers ... --nproc-per-node 2 -- python3 examples/ddp_gloo.py --steps 20
 """
 import argparse
+import ctypes
 import hashlib
 import os
 import time
@@ -38,7 +39,7 @@ def main():
         opt.step()
         first = first if first is not None else loss.item()
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
-    digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+    digest = hashlib.sha256(ctypes.string_at(flat.data_ptr(), flat.numel() * flat.element_size())).hexdigest()
     print(
         f"DDP rank={rank} world={world} first_loss={first:.4f} last_loss={loss.item():.4f} "
         f"params_sha256={digest} secs={time.time() - t0:.1f} "

@@ -8,6 +8,7 @@ barrier, unless `--no-barrier`: then each rank exits as soon as its last step is
 README's DDP snippet does.
 """
 import argparse
+import ctypes
 import hashlib
 import os
 import sys
@@ -60,7 +61,7 @@ def main():
         opt.step()
         first = first if first is not None else loss.item()
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
-    digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+    digest = hashlib.sha256(ctypes.string_at(flat.data_ptr(), flat.numel() * flat.element_size())).hexdigest()
     print(
         f"QUIC-TRAIN rank={rank} world={world} ddp={args.ddp} first_loss={first:.4f} "
         f"last_loss={loss.item():.4f} params_sha256={digest} collective={os.environ.get('MESHD_COLLECTIVE')}",

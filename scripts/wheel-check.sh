@@ -15,7 +15,7 @@
 #
 # aarch64 (not run here: no arm machine): rustup target add aarch64-unknown-linux-gnu, then
 #   maturin build --release --target aarch64-unknown-linux-gnu --zig --compatibility manylinux2014
-# builds meshd-*-manylinux2014_aarch64 wheel (README's first command ran under qemu-aarch64).
+# builds meshd_launcher-*-manylinux2014_aarch64 wheel (README's first command ran under qemu-aarch64).
 #
 # Needs root for the lab step (like scripts/test.sh). Maturin (and ziglang) come from PyPI
 # into a tools venv under ~/.cache/meshd; the wheel and the test venv go to a temporary
@@ -60,7 +60,7 @@ fi
 t0=$(date +%s)
 "${build[@]}"
 echo "wheel built in $(( $(date +%s) - t0 )) s"
-wheel=$(ls "$work"/dist/meshd-*.whl)
+wheel=$(ls "$work"/dist/meshd_launcher-*.whl)
 ls -l "$wheel"
 # Both halves in the one wheel: the binary as a script, the client as a package.
 "$python" - "$wheel" <<'EOF'

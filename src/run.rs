@@ -530,6 +530,7 @@ pub fn prepare(a: &JobArgs, cmd: &[String], env: &EnvConfig) -> Result<Prepared>
         preload_lib: env.preload_lib.clone(),
         runtime_dir: env.runtime_dir.clone(),
         collective_timeout: a.collective_timeout,
+        signals_to_handle: a.signals_to_handle.clone(),
     };
     Ok(Prepared { mesh, job, run_id })
 }

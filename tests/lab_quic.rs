@@ -3,10 +3,10 @@
 //! meshd's client stay available beside the tunnel.
 
 mod lab;
+mod torches;
 use lab::{Lab, meshd};
 use std::time::Duration;
-
-const PY: &str = "/usr/bin/python3";
+use torches::Torch;
 
 fn firewalled_lab() -> Lab {
     let lab = Lab::new(3);
@@ -16,12 +16,15 @@ fn firewalled_lab() -> Lab {
     lab
 }
 
-fn run3(lab: &mut Lab, collective: &str, cmd: &[&str]) -> Vec<(Option<i32>, String, String)> {
+fn run3(lab: &mut Lab, t: &Torch, collective: &str, cmd: &[&str]) -> Vec<(Option<i32>, String, String)> {
     let peers = lab.peers();
     let mut args = vec![meshd(), "run", "--nnodes", "3", "--peers", &peers, "--nproc-per-node", "2"];
-    args.extend_from_slice(&["--collective", collective, "--"]);
+    args.extend_from_slice(&["--collective", collective, "--", &t.python]);
     args.extend_from_slice(cmd);
-    lab.run_on_all(&args, &[("MESHD_TOKEN", "quic")], Duration::from_secs(180))
+    let mut env = vec![("MESHD_TOKEN", "quic".to_string())];
+    env.extend(t.env());
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    lab.run_on_all(&args, &env, Duration::from_secs(180))
 }
 
 /// `mode`: the collective the ranks must get (`quic` forced, or `tunnel` chosen by the
@@ -51,36 +54,33 @@ fn check_training(res: &[(Option<i32>, String, String)], ddp: bool, mode: &str) 
     assert!(digests.iter().all(|d| *d == digests[0]), "parameters differ: {digests:?}");
 }
 
-fn needs_torch() {
-    let ok = std::process::Command::new(PY).args(["-c", "import torch"]).status().is_ok_and(|s| s.success());
-    assert!(ok, "Debian's python3-torch is required (apt-get install python3-torch; .ci/run installs it)");
-}
-
-#[test]
-fn training_loop_averages_gradients_over_quic_behind_a_one_port_firewall() {
+on_torches!([torch1_13, torch2]
+fn training_loop_averages_gradients_over_quic_behind_a_one_port_firewall(t) {
     if !lab::available() {
         return;
     }
-    needs_torch();
     let mut lab = firewalled_lab();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/train_quic.py");
     // auto: the preflight picks the tunnel; meshd's client works beside it.
-    check_training(&run3(&mut lab, "auto", &[PY, script, "--steps", "10"]), false, "tunnel");
+    check_training(&run3(&mut lab, t, "auto", &[script, "--steps", "10"]), false, "tunnel");
 }
+);
 
-#[test]
-fn ddp_hook_averages_gradients_over_quic_behind_a_one_port_firewall() {
+on_torches!([torch1_13, torch2]
+fn ddp_hook_averages_gradients_over_quic_behind_a_one_port_firewall(t) {
     if !lab::available() {
         return;
     }
-    needs_torch();
     let mut lab = firewalled_lab();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/train_quic.py");
-    check_training(&run3(&mut lab, "quic", &[PY, script, "--steps", "10", "--ddp"]), true, "quic");
+    check_training(&run3(&mut lab, t, "quic", &[script, "--steps", "10", "--ddp"]), true, "quic");
 }
+);
 
-#[test]
-fn collectives_store_and_barrier_across_firewalled_hosts() {
+on_torches!([torch1_13, torch2]
+/// meshd's client from every rank (examples/collectives_check.py: stdlib buffers, numpy
+/// arrays where numpy is importable, torch tensors), in place and through the socket.
+fn collectives_store_and_barrier_across_firewalled_hosts(t) {
     if !lab::available() {
         return;
     }
@@ -92,19 +92,26 @@ fn collectives_store_and_barrier_across_firewalled_hosts() {
     for (in_place, want, lanes, chunk) in
         [("1", "in_place=True", "1", "1048576"), ("0", "in_place=False", "3", "65536")]
     {
+        let py = t.python.as_str();
         let args =
-            [meshd(), "run", "--nnodes", "3", "--peers", &peers, "--nproc-per-node", "2", "--", PY, script];
-        let env = [
-            ("MESHD_TOKEN", "quic"),
-            ("MESHD_IN_PLACE", in_place),
-            ("MESHD_LANES", lanes),
-            ("MESHD_RING_CHUNK", chunk),
+            [meshd(), "run", "--nnodes", "3", "--peers", &peers, "--nproc-per-node", "2", "--", py, script];
+        let mut env = vec![
+            ("MESHD_TOKEN", "quic".to_string()),
+            ("MESHD_IN_PLACE", in_place.to_string()),
+            ("MESHD_LANES", lanes.to_string()),
+            ("MESHD_RING_CHUNK", chunk.to_string()),
         ];
+        env.extend(t.env());
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
         for (i, (code, out, err)) in lab.run_on_all(&args, &env, Duration::from_secs(180)).iter().enumerate()
         {
             assert_eq!(*code, Some(0), "host {i}, MESHD_IN_PLACE={in_place}:\n{out}\n{err}");
             assert_eq!(out.matches("COLLECTIVES OK").count(), 2, "host {i}:\n{out}\n{err}");
             assert_eq!(out.matches(want).count(), 2, "host {i}:\n{out}\n{err}");
+            // What the ranks' buffers were: numpy arrays only where numpy is importable.
+            let used = format!("used={}torch-{}", if t.numpy { "numpy," } else { "" }, t.version);
+            let mut oks = out.lines().filter(|l| l.contains("COLLECTIVES OK"));
+            assert!(oks.all(|l| l.ends_with(&used)), "host {i}: every rank {used} ({}):\n{out}", t.label());
             let over = if lanes == "1" {
                 "ring over 1 lane to".to_string()
             } else {
@@ -114,6 +121,7 @@ fn collectives_store_and_barrier_across_firewalled_hosts() {
         }
     }
 }
+);
 
 #[test]
 fn bench_allreduce_checks_results_and_interleaves_the_bare_ring_over_lanes() {

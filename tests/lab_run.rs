@@ -1,6 +1,7 @@
 //! Lab: `meshd run` — the identical command on several hosts.
 
 mod lab;
+mod torches;
 use lab::{Lab, meshd};
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -257,26 +258,20 @@ fn max_restarts_restarts_every_rank_and_succeeds() {
     }
 }
 
-#[test]
-fn pytorch_ddp_over_gloo_ends_with_identical_parameters() {
+on_torches!([torch1_13, torch2]
+fn pytorch_ddp_over_gloo_ends_with_identical_parameters(t) {
     if !lab::available() {
         return;
     }
-    let python = "/usr/bin/python3";
-    let has_torch =
-        std::process::Command::new(python).args(["-c", "import torch"]).status().is_ok_and(|s| s.success());
-    assert!(
-        has_torch,
-        "Debian's python3-torch is required for this test (apt-get install python3-torch; .ci/run installs it)"
-    );
     let mut lab = Lab::new(3);
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/ddp_gloo.py");
-    let res = run_everywhere(
-        &mut lab,
-        &["--nproc-per-node", "2"],
-        &[python, script, "--steps", "15"],
-        Duration::from_secs(180),
-    );
+    let peers = lab.peers();
+    let args = [meshd(), "run", "--nnodes", "3", "--peers", &peers, "--rdzv-timeout", "60s"];
+    let args = [&args[..], &["--nproc-per-node", "2", "--", &t.python, script, "--steps", "15"]].concat();
+    let mut env = vec![("MESHD_TOKEN", "lab-secret".to_string())];
+    env.extend(t.env());
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let res = lab.run_on_all(&args, &env, Duration::from_secs(180));
     let mut digests = Vec::new();
     for (i, (code, out, err)) in res.iter().enumerate() {
         assert_eq!(*code, Some(0), "host {i}:\n{out}\n{err}");
@@ -290,6 +285,7 @@ fn pytorch_ddp_over_gloo_ends_with_identical_parameters() {
     assert_eq!(digests.len(), 6, "every rank reports");
     assert!(digests.iter().all(|d| *d == digests[0]), "parameters differ across ranks: {digests:?}");
 }
+);
 
 #[test]
 fn a_dead_node_replaced_by_a_new_one_restarts_the_job_with_max_restarts() {
@@ -402,16 +398,16 @@ fn a_torchrun_launch_line_runs_on_three_hosts() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+on_torches!([torch1_13, torch2]
 /// A rank's Python exception, recorded by torch's `@record` in its TORCHELASTIC_ERROR_FILE,
 /// is the root cause every node prints; every meshd exits with the rank's status, and
 /// `--log-dir` gets error.json.
-#[test]
-fn a_rank_exception_is_the_root_cause_on_every_node() {
+fn a_rank_exception_is_the_root_cause_on_every_node(t) {
     if !lab::available() {
         return;
     }
     let mut lab = Lab::new(3);
-    let dir = std::env::temp_dir().join(format!("meshd-root-cause-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("meshd-root-cause-{}-{}", std::process::id(), t.variant));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("dir");
     let script = dir.join("fail.py");
@@ -445,11 +441,10 @@ fn a_rank_exception_is_the_root_cause_on_every_node() {
         &logs_s,
         &script_s,
     ];
-    let res = lab.run_on_all(
-        &args,
-        &[("MESHD_TOKEN", "lab-secret"), ("MESHD_PYTHON", "/usr/bin/python3")],
-        Duration::from_secs(120),
-    );
+    let mut env = vec![("MESHD_TOKEN", "lab-secret".to_string()), ("MESHD_PYTHON", t.python.clone())];
+    env.extend(t.env());
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let res = lab.run_on_all(&args, &env, Duration::from_secs(120));
     for (i, (code, _, err)) in res.iter().enumerate() {
         assert_eq!(*code, Some(1), "host {i} must exit with the rank's status 1:\n{err}");
         let block = err
@@ -472,6 +467,7 @@ fn a_rank_exception_is_the_root_cause_on_every_node() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+);
 
 /// A rank killed by a signal: every meshd exits 128 + N, naming the signal and the rank's last
 /// stderr lines.

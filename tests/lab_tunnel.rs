@@ -4,15 +4,12 @@
 //! connections (LD_PRELOAD interposer, docs/PROTOCOL.md "The TCP tunnel").
 
 mod lab;
+mod torches;
 use lab::{Lab, python_job};
 use std::time::Duration;
+use torches::Torch;
 
-const PY: &str = "/usr/bin/python3";
-
-fn needs_torch() {
-    let ok = std::process::Command::new(PY).args(["-c", "import torch"]).status().is_ok_and(|s| s.success());
-    assert!(ok, "Debian's python3-torch is required (apt-get install python3-torch; .ci/run installs it)");
-}
+const PY: &str = torches::DEBIAN_PYTHON;
 
 fn firewalled_lab(n: usize) -> Lab {
     let lab = Lab::new(n);
@@ -22,9 +19,12 @@ fn firewalled_lab(n: usize) -> Lab {
     lab
 }
 
-fn run(lab: &mut Lab, args: &[String]) -> Vec<(Option<i32>, String, String)> {
+fn run(lab: &mut Lab, t: &Torch, args: &[String]) -> Vec<(Option<i32>, String, String)> {
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    lab.run_on_all(&args, &[("MESHD_TOKEN", "tunnel")], Duration::from_secs(240))
+    let mut env = vec![("MESHD_TOKEN", "tunnel".to_string())];
+    env.extend(t.env());
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    lab.run_on_all(&args, &env, Duration::from_secs(240))
 }
 
 /// The preflight chose the tunnel by itself, said so, and the tunnel carried connections.
@@ -52,16 +52,15 @@ fn check_counters(i: usize, err: &str) {
     assert!(opened + served > 0, "host {i}: no connection went through the tunnel: {line}");
 }
 
-#[test]
-fn unmodified_ddp_over_gloo_trains_to_identical_parameters_behind_a_one_port_firewall() {
+on_torches!([torch1_13, torch2]
+fn unmodified_ddp_over_gloo_trains_to_identical_parameters_behind_a_one_port_firewall(t) {
     if !lab::available() {
         return;
     }
-    needs_torch();
     let mut lab = firewalled_lab(3);
-    let args = python_job(&lab.peers(), 3, 2, "auto", "ddp_gloo.py", &["--steps", "15"]);
+    let args = python_job(&t.python, &lab.peers(), 3, 2, "auto", "ddp_gloo.py", &["--steps", "15"]);
     let mut digests = Vec::new();
-    for (i, (code, out, err)) in run(&mut lab, &args).iter().enumerate() {
+    for (i, (code, out, err)) in run(&mut lab, t, &args).iter().enumerate() {
         assert_eq!(*code, Some(0), "host {i}:\n{out}\n{err}");
         check_tunnel_lines(i, err);
         for l in out.lines().filter(|l| l.contains("DDP rank=")) {
@@ -71,9 +70,10 @@ fn unmodified_ddp_over_gloo_trains_to_identical_parameters_behind_a_one_port_fir
             digests.push(d.to_string());
         }
     }
-    assert_eq!(digests.len(), 6, "every rank reports");
+    assert_eq!(digests.len(), 6, "every rank reports ({})", t.label());
     assert!(digests.iter().all(|d| *d == digests[0]), "parameters differ across ranks: {digests:?}");
 }
+);
 
 /// Listens on `ip:port` outside any job (as sshd would) for `secs`, printing one line per
 /// connection it gets.
@@ -86,15 +86,15 @@ fn outside_listener(ip: &str, port: u16, secs: u32) -> String {
     )
 }
 
-/// Also issue 29: an sshd-like listener started outside meshd on every node's address is
-/// out of reach through the tunnel (ECONNREFUSED, and it never sees a connection), while
-/// the job's own TCPStore, Gloo and user listeners work.
-#[test]
-fn store_objects_user_sockets_and_refusals_go_through_the_tunnel() {
+// torch 2's all_gather_object needs numpy (it reads the gathered bytes with .numpy()).
+// Also issue 29: an sshd-like listener started outside meshd on every node's address is
+// out of reach through the tunnel (ECONNREFUSED, and it never sees a connection), while
+// the job's own TCPStore, Gloo and user listeners work.
+on_torches!([torch1_13, torch2_numpy]
+fn store_objects_user_sockets_and_refusals_go_through_the_tunnel(t) {
     if !lab::available() {
         return;
     }
-    needs_torch();
     let mut lab = firewalled_lab(3);
     const OUTSIDE: u16 = 2222;
     let outside: Vec<usize> = (0..3)
@@ -103,14 +103,12 @@ fn store_objects_user_sockets_and_refusals_go_through_the_tunnel() {
             lab.spawn(i, &[PY, "-c", &script], &[])
         })
         .collect();
-    let args = python_job(&lab.peers(), 3, 2, "auto", "tunnel_check.py", &[]);
+    let args = python_job(&t.python, &lab.peers(), 3, 2, "auto", "tunnel_check.py", &[]);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let port = OUTSIDE.to_string();
-    let results = lab.run_on_all(
-        &args,
-        &[("MESHD_TOKEN", "tunnel"), ("MESHD_TEST_OUTSIDE_PORT", &port)],
-        Duration::from_secs(240),
-    );
+    let mut env = vec![("MESHD_TOKEN", "tunnel".to_string()), ("MESHD_TEST_OUTSIDE_PORT", OUTSIDE.to_string())];
+    env.extend(t.env());
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let results = lab.run_on_all(&args, &env, Duration::from_secs(240));
     for k in outside {
         lab.signal(k, libc::SIGKILL);
         let (_, out, err) = lab.wait(k, Duration::from_secs(5));
@@ -131,6 +129,7 @@ fn store_objects_user_sockets_and_refusals_go_through_the_tunnel() {
         }
     }
 }
+);
 
 /// A node that dies while ranks stream through the tunnel to it: the others' tunnelled
 /// sockets fail (the QUIC connection is lost) and the job is torn down as it is without
@@ -140,9 +139,9 @@ fn a_node_killed_mid_transfer_tears_the_job_down() {
     if !lab::available() {
         return;
     }
-    needs_torch();
+    let t = Torch::debian();
     let mut lab = firewalled_lab(3);
-    let args = python_job(&lab.peers(), 3, 2, "auto", "ddp_gloo.py", &["--steps", "1000000"]);
+    let args = python_job(&t.python, &lab.peers(), 3, 2, "auto", "ddp_gloo.py", &["--steps", "1000000"]);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let ks: Vec<usize> = (0..3).map(|i| lab.spawn(i, &args, &[("MESHD_TOKEN", "tunnel")])).collect();
     // `meshd status` counts the tunnelled connections and bytes of the running job. The
@@ -197,7 +196,7 @@ fn a_node_killed_mid_transfer_resets_the_ranks_tunnelled_sockets() {
     }
     let mut lab = firewalled_lab(2);
     let ready = format!("/tmp/meshd-lab-reset-{}-", std::process::id());
-    let args = python_job(&lab.peers(), 2, 1, "auto", "tunnel_reset.py", &[&ready]);
+    let args = python_job(PY, &lab.peers(), 2, 1, "auto", "tunnel_reset.py", &[&ready]);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let ks: Vec<usize> = (0..2).map(|i| lab.spawn(i, &args, &[("MESHD_TOKEN", "tunnel")])).collect();
     let files: Vec<String> = lab.peers().split(',').map(|a| format!("{ready}{a}")).collect();
@@ -304,6 +303,7 @@ fn figure_gloo_allreduce_through_the_tunnel() {
         lab.set_mtu(mtu);
     }
     let args = python_job(
+        PY,
         &lab.peers(),
         3,
         1,
@@ -311,7 +311,7 @@ fn figure_gloo_allreduce_through_the_tunnel() {
         "gloo_allreduce_bench.py",
         &["--size", &size, "--iters", &iters],
     );
-    for (i, (code, out, err)) in run(&mut lab, &args).iter().enumerate() {
+    for (i, (code, out, err)) in run(&mut lab, &Torch::debian(), &args).iter().enumerate() {
         assert_eq!(*code, Some(0), "host {i}:\n{out}\n{err}");
         for l in out.lines().filter(|l| l.contains("GLOO ")) {
             eprintln!("FIGURE tunnel mtu {mtu} host {i}: {l}");
@@ -329,10 +329,10 @@ fn collective_tunnel_can_be_forced_on_an_open_network() {
     if !lab::available() {
         return;
     }
-    needs_torch();
+    let t = Torch::debian();
     let mut lab = Lab::new(3);
-    let args = python_job(&lab.peers(), 3, 2, "tunnel", "tunnel_check.py", &[]);
-    for (i, (code, out, err)) in run(&mut lab, &args).iter().enumerate() {
+    let args = python_job(&t.python, &lab.peers(), 3, 2, "tunnel", "tunnel_check.py", &[]);
+    for (i, (code, out, err)) in run(&mut lab, &t, &args).iter().enumerate() {
         assert_eq!(*code, Some(0), "host {i}:\n{out}\n{err}");
         assert!(err.contains("collective: tunnel (forced by --collective"), "host {i}:\n{err}");
         assert!(!err.contains("TCP between nodes is blocked"), "host {i}:\n{err}");

@@ -1,5 +1,5 @@
-//! Lab: the `meshd` that `pip install meshd` puts on a venv's PATH runs a 2-host job (issue
-//! 18.1). scripts/wheel-check.sh builds the wheel, installs it into a fresh venv and runs
+//! Lab: the `meshd` that `pip install meshd-launcher` (or `pip install .`) puts on a venv's
+//! PATH runs a 2-host job (issue 18.1). scripts/wheel-check.sh builds the wheel, installs it into a fresh venv and runs
 //! this test with `MESHD_WHEEL_BIN` set to the venv's `bin/meshd`; without it the test is
 //! skipped, loudly (a plain `cargo test` has no wheel to test).
 //!

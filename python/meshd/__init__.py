@@ -3,7 +3,7 @@
 Inside a job started by ``meshd run``, every rank reaches its node's meshd through the
 Unix socket in ``MESHD_SOCKET``; meshd reduces the node's ranks locally and runs a ring
 allreduce over QUIC between the nodes. Standard library only; numpy arrays and CPU torch
-tensors are used in place when those packages are present.
+tensors are used in place when those packages are present (tensors without numpy too).
 
     import meshd
     c = meshd.connect()                 # reads MESHD_SOCKET, RANK, WORLD_SIZE
@@ -94,13 +94,11 @@ def _as_bytes_view(buf, dtype=None):
                 buf.copy_(host.view(buf.shape))
 
             return view, name, finish
+        if buf.layout != torch.strided:
+            raise TypeError(f"unsupported tensor layout {buf.layout}; pass a dense (strided) tensor")
         if not buf.is_contiguous():
             raise ValueError("tensor must be contiguous (call .contiguous() and copy back)")
-        t = buf.detach()
-        if t.dtype == torch.bfloat16:
-            t = t.view(torch.int16)  # numpy has no bfloat16: move the same bytes
-        arr = t.numpy()
-        return memoryview(arr).cast("B"), name, lambda: None
+        return _tensor_bytes(buf), name, lambda: None
     if mod.startswith("numpy"):
         name = _NUMPY.get(str(buf.dtype))
         if name is None:
@@ -124,6 +122,19 @@ def _as_bytes_view(buf, dtype=None):
     if dtype is None:
         dtype = "float32"  # raw bytes (bytearray): float32 unless told otherwise
     return view.cast("B"), dtype, lambda: None
+
+
+def _tensor_bytes(t):
+    """A writable byte memoryview over a contiguous CPU tensor's own memory, without numpy
+    (torch 2.x no longer needs it, and ``Tensor.numpy()`` raises "Numpy is not available"
+    without it): ctypes over ``data_ptr()``, which accounts for the storage offset. The view
+    keeps the tensor alive; it is used while the caller's call holds ``t`` anyway."""
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(bytearray())
+    raw = (ctypes.c_char * n).from_address(t.data_ptr())
+    raw._meshd_tensor = t  # the tensor outlives any view of its memory
+    return memoryview(raw).cast("B")
 
 
 # Host buffers that device tensors are staged through, by (dtype, element count); at most

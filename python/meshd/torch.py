@@ -6,7 +6,9 @@
 
 The hook sends each gradient bucket to the node's meshd (CUDA buckets are staged through a
 pinned host buffer, reused from step to step), which averages it across every rank of the
-job over meshd's one UDP port.
+job over meshd's one UDP port. Gradient bucketing, ``no_sync``, ``static_graph=True`` and
+``find_unused_parameters=True`` work as over a process group of every rank: a parameter
+that some ranks left unused in a step gets the job-wide average on every rank.
 It works where NCCL's and Gloo's TCP sockets cannot: DDP then only needs a process group
 for its own bookkeeping, which can be a local one (``init_local_process_group``).
 """
@@ -154,13 +156,35 @@ def allreduce_hook(state, bucket):
     and DDP waits for every bucket's future before ``backward()`` returns."""
     client = state if isinstance(state, meshd.Client) else meshd.connect()
     tensor = bucket.buffer()
+    grads, params = bucket.gradients(), bucket.parameters()
 
     def run():
+        # Slots holding zeros: parameters this rank left unused in this step (DDP with
+        # find_unused_parameters or static_graph fills their slots with zeros) or a zero
+        # gradient. Over a local process group DDP takes "unused here" for "unused by every
+        # rank" and leaves those gradients untouched; other ranks may have used them.
+        nonzero = torch.stack([g.ne(0).any() for g in grads]).tolist() if grads else []
         client.allreduce(tensor, op="avg")
+        for p, g, local in zip(params, grads, nonzero):
+            if not local:  # else DDP copies the average into the gradient itself
+                _adopt_average(p, g)
         return tensor
 
     devices = [tensor.device] if tensor.device.type == "cuda" else None
     return _get_worker().submit(client, run, devices)
+
+
+def _adopt_average(p, avg):
+    """Gives a parameter this rank left unused (or whose gradient here is zero) the job-wide
+    average, as DDP over a process group of every rank does: a defined gradient gets it
+    copied in (for a used parameter DDP then copies the same values); a missing one gets a
+    copy unless the average is zero, i.e. (but for exact zero gradients elsewhere) no rank
+    used it, where DDP leaves it None too, so the optimizer skips the parameter."""
+    if p.grad is not None:
+        if p.grad.data_ptr() != avg.data_ptr():
+            p.grad.copy_(avg.view_as(p.grad))
+    elif bool(avg.ne(0).any()):
+        p.grad = avg.detach().clone().view_as(p)
 
 
 def init_local_process_group(backend="gloo"):

@@ -443,9 +443,11 @@ pub fn meshd() -> &'static str {
     env!("CARGO_BIN_EXE_meshd")
 }
 
-/// `meshd run` of one of the examples' Python scripts on every host of a lab of `nnodes`:
-/// `nproc` ranks per host, the given `--collective`, then the script's own arguments.
+/// `meshd run` of one of the examples' Python scripts with `python` on every host of a lab
+/// of `nnodes`: `nproc` ranks per host, the given `--collective`, then the script's own
+/// arguments.
 pub fn python_job(
+    python: &str,
     peers: &str,
     nnodes: usize,
     nproc: usize,
@@ -457,7 +459,7 @@ pub fn python_job(
     let (nn, np) = (nnodes.to_string(), nproc.to_string());
     let mut v: Vec<String> = [meshd(), "run", "--nnodes", &nn, "--peers", peers, "--nproc-per-node", &np]
         .into_iter()
-        .chain(["--collective", collective, "--", "/usr/bin/python3", &script])
+        .chain(["--collective", collective, "--", python, &script])
         .map(String::from)
         .collect();
     v.extend(args.iter().map(|a| a.to_string()));

@@ -241,7 +241,7 @@ pub(crate) fn python_site_dirs(env: &SiteEnv) -> Vec<(String, Vec<PathBuf>)> {
                 .push((format!("${var}={}", Path::new(prefix).display()), site_packages(Path::new(prefix)))),
         }
     }
-    // The environment meshd was installed in (`pip install meshd`: PREFIX/bin/meshd).
+    // The environment meshd was installed in (`pip install meshd-launcher`: PREFIX/bin/meshd).
     if let Some(prefix) = env.exe.as_deref().and_then(Path::parent).and_then(Path::parent) {
         out.push((format!("meshd's own environment {}", prefix.display()), site_packages(prefix)));
     }

@@ -75,6 +75,9 @@ pub struct JobConfig {
     /// A collective of the QUIC ring fails when no byte moved to or from a neighbour for
     /// this long (`--collective-timeout`; [`RingNet::progress_timeout`]).
     pub collective_timeout: Duration,
+    /// `--signals-to-handle` as given: the ranks' TORCHELASTIC_SIGNALS_TO_HANDLE, as torchrun
+    /// sets it (read by torch.distributed.elastic when a rank starts processes itself).
+    pub signals_to_handle: String,
 }
 
 /// How a job ended on this node.
@@ -119,6 +122,9 @@ pub fn rank_env(
         ("TORCHELASTIC_RUN_ID".into(), run_id.to_string()),
         ("TORCHELASTIC_RESTART_COUNT".into(), roster.restart.to_string()),
         ("TORCHELASTIC_MAX_RESTARTS".into(), max_restarts.to_string()),
+        // torchrun's agent hosts the TCPStore at MASTER_ADDR:MASTER_PORT ("True"); meshd does
+        // not, so rank 0 must create it: torch reads only "True" as the agent's store.
+        ("TORCHELASTIC_USE_AGENT_STORE".into(), "False".into()),
         ("MESHD_IFACE".into(), iface.to_string()),
         ("MESHD_NODE_ADDR".into(), node_addr.to_string()),
         ("MESHD_COLLECTIVE".into(), collective.to_string()),
@@ -568,6 +574,7 @@ impl Edge for JobIo {
                 if self.cfg.role != "default" {
                     set_env(&mut env, "ROLE_NAME", self.cfg.role.clone());
                 }
+                set_env(&mut env, "TORCHELASTIC_SIGNALS_TO_HANDLE", self.cfg.signals_to_handle.clone());
                 // As torchrun: each rank's own error file, for torch's @record.
                 if let Some(d) = &round_dir {
                     set_env(

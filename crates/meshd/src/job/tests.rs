@@ -41,6 +41,7 @@ fn torchrun_environment_of_a_middle_rank() {
         ("TORCHELASTIC_RUN_ID", "run-x"),
         ("TORCHELASTIC_RESTART_COUNT", "2"),
         ("TORCHELASTIC_MAX_RESTARTS", "3"),
+        ("TORCHELASTIC_USE_AGENT_STORE", "False"),
         ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         ("OMP_NUM_THREADS", "1"),
         ("NCCL_SOCKET_IFNAME", "=eth1"),
