@@ -149,7 +149,11 @@ pub fn try_settle(fd: c_int, slot: Option<&Slot>) -> Outcome {
                     Ok(Some(st)) => Phase::Failed { errno: wire::status_errno(st), told: false },
                     Err(e) => Phase::Failed { errno: e, told: false },
                 };
-                slot.transition(now, to);
+                // Only this thread changes the phase now; others may set flags meanwhile.
+                let mut cur = now;
+                while !slot.transition(cur, to) {
+                    cur = slot.state();
+                }
                 return outcome_of(to);
             }
             p => return outcome_of(p),
@@ -193,19 +197,30 @@ fn wait_for(fd: c_int, until_ms: u64, mut attempt: impl FnMut() -> Outcome) -> O
 /// Marks a failed connect as told; true for the one caller that does it.
 pub fn tell(slot: Option<&Slot>) -> bool {
     let Some(slot) = slot else { return true };
-    let s = slot.state();
-    match table::phase(s) {
-        Phase::Failed { errno, told: false } => slot.transition(s, Phase::Failed { errno, told: true }),
-        _ => false,
+    loop {
+        let s = slot.state();
+        match table::phase(s) {
+            Phase::Failed { errno, told: false } => {
+                if slot.transition(s, Phase::Failed { errno, told: true }) {
+                    return true;
+                }
+                // A flag changed meanwhile (or another caller told): look again.
+            }
+            _ => return false,
+        }
     }
 }
 
 /// Gives up on a pending connect: failed with `errno` (told), meshd's end let go.
 fn give_up(fd: c_int, slot: Option<&Slot>, errno: c_int) {
     if let Some(slot) = slot {
-        let s = slot.state();
-        if matches!(table::phase(s), Phase::Pending) {
-            slot.transition(s, Phase::Failed { errno, told: true });
+        loop {
+            let s = slot.state();
+            if !matches!(table::phase(s), Phase::Pending)
+                || slot.transition(s, Phase::Failed { errno, told: true })
+            {
+                break;
+            }
         }
     }
     if let Some(f) = real::shutdown() {

@@ -64,9 +64,13 @@ fn before_io(fd: c_int, dontwait: bool, write: bool) -> Result<(), isize> {
         Outcome::Failed { errno, told: false } if conn::tell(Some(slot)) => failed(errno),
         Outcome::Failed { .. } => failed(if write { EPIPE } else { ENOTCONN }),
         Outcome::Pending if blocking && own.is_none_or(|t| t >= cfg.timeout) => {
-            let s = slot.state();
-            if matches!(table::phase(s), Phase::Pending) {
-                slot.transition(s, Phase::Failed { errno: ETIMEDOUT, told: true });
+            loop {
+                let s = slot.state();
+                if !matches!(table::phase(s), Phase::Pending)
+                    || slot.transition(s, Phase::Failed { errno: ETIMEDOUT, told: true })
+                {
+                    break;
+                }
             }
             failed(ETIMEDOUT)
         }
