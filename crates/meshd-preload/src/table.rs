@@ -352,7 +352,12 @@ mod tests {
 
     #[test]
     fn a_sweep_frees_old_entries_of_closed_sockets_only() {
-        let (live, dead, young) = (BASE + 0x200, BASE + 0x201, BASE + 0x202);
+        // `live` is an open socket's: a sweep another test's calls make meanwhile (the
+        // interposer's, by this process's real fds) keeps it too.
+        // SAFETY: plain socket creation; closed below.
+        let fd = unsafe { crate::sys::socket(crate::sys::AF_INET, crate::sys::SOCK_STREAM, 0) };
+        let live = socket_cookie(fd).expect("a socket's cookie");
+        let (dead, young) = (BASE + 0x201, BASE + 0x202);
         for c in [live, dead, young] {
             insert(c, Phase::Pending, &[], 0).expect("room");
         }
@@ -367,5 +372,7 @@ mod tests {
         for c in [live, young] {
             remove(find(c).expect("entry"), c);
         }
+        // SAFETY: our own socket.
+        unsafe { crate::sys::close(fd) };
     }
 }
