@@ -603,7 +603,10 @@ pub fn start_for_round(
         Ok(t) => {
             transport.set_tunnel_stats(Some(stats.clone()));
             info!(
-                "tunnel: the ranks' TCP connections to {} go through meshd (LD_PRELOAD {})",
+                "tunnel: the ranks' TCP connections to {} go through meshd (LD_PRELOAD {}); the \
+                 tunnelled fds behave as TCP sockets except to epoll registrations made before \
+                 connect, io_uring, raw syscalls, sendfile/splice and SO_PEERCRED \
+                 (docs/PROTOCOL.md, \"What cannot be made invisible\")",
                 t.peers,
                 t.lib.display()
             );
