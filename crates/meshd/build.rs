@@ -1,4 +1,5 @@
-//! Compiles `crates/meshd-preload/src/lib.rs` (no dependencies) with rustc alone into
+//! Compiles `crates/meshd-preload/src/lib.rs` (no dependencies; its modules are the
+//! files beside it) with rustc alone into
 //! `$OUT_DIR/libmeshd_preload.so`, which `meshd::tunnel` embeds (`include_bytes!`) and
 //! writes next to the job's sockets at run time: one meshd binary (cargo, the wheel) is
 //! the whole install, whatever `cargo build` selected.
@@ -9,7 +10,8 @@ use std::process::Command;
 fn main() {
     let manifest = PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
     let src = manifest.join("../meshd-preload/src/lib.rs");
-    println!("cargo:rerun-if-changed={}", src.display());
+    // The directory: any of the crate's files (its modules) changing rebuilds it.
+    println!("cargo:rerun-if-changed={}", manifest.join("../meshd-preload/src").display());
     println!("cargo:rerun-if-changed=build.rs");
     let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("OUT_DIR")).join("libmeshd_preload.so");
     let rustc = std::env::var_os("RUSTC").unwrap_or_else(|| "rustc".into());

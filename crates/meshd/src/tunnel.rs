@@ -48,6 +48,11 @@ pub const PRELOAD: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/libmeshd_pr
 mod wire {
     pub const MAGIC: [u8; 2] = *b"MT";
     pub const VERSION: u8 = 1;
+    /// On the tunnel socket only: the request is followed by [`PAD`] bytes, read after the
+    /// status is written (until then the rank's socket polls not writable, as a TCP socket
+    /// whose connect is in progress). Forwarded to the far end as [`VERSION`].
+    pub const VERSION_PADDED: u8 = 2;
+    pub const PAD: usize = 2048;
     pub const OK: u8 = 0;
     pub const REFUSED: u8 = 1;
     pub const UNREACHABLE: u8 = 2;
@@ -444,6 +449,10 @@ impl Near {
         if !matches!(tokio::time::timeout(REQUEST_TIMEOUT, s.read_exact(&mut request)).await, Ok(Ok(_))) {
             return;
         }
+        let padded = request[..2] == wire::MAGIC && request[2] == wire::VERSION_PADDED;
+        if padded {
+            request[2] = wire::VERSION;
+        }
         let fail = |status: u8, why: String| {
             stats.failed.fetch_add(1, Ordering::Relaxed);
             debug!("tunnel: {why}");
@@ -497,6 +506,13 @@ impl Near {
         };
         if s.write_all(&[wire::OK]).await.is_err() {
             return; // the rank gave up (its deadline): dropping the streams resets them
+        }
+        // The status first, then the padding: when the rank's socket polls writable, its
+        // status byte is there to read.
+        let mut pad = [0u8; wire::PAD];
+        if padded && !matches!(tokio::time::timeout(REQUEST_TIMEOUT, s.read_exact(&mut pad)).await, Ok(Ok(_)))
+        {
+            return;
         }
         stats.opened.fetch_add(1, Ordering::Relaxed);
         set_sndbuf(&s, UNIX_SNDBUF);
@@ -688,7 +704,10 @@ pub fn start_for_round(
             transport.set_tunnel_stats(Some(stats.clone()));
             info!(
                 "tunnel: the ranks' TCP connections to {} go through meshd (LD_PRELOAD {}); peers reach only \
-                 ports this job's ranks listen on here; up to {} tunnelled connections (open files)",
+                 ports this job's ranks listen on here; up to {} tunnelled connections (open files); \
+                 the tunnelled fds behave as TCP sockets except to epoll registrations made before \
+                 connect, io_uring, raw syscalls, sendfile/splice and SO_PEERCRED (docs/PROTOCOL.md, \
+                 \"What cannot be made invisible\")",
                 t.peers,
                 t.lib.display(),
                 t.capacity()
