@@ -28,7 +28,7 @@ fn junk(stop: Arc<std::sync::atomic::AtomicBool>) -> std::thread::JoinHandle<u64
                 *b = x as u8;
             }
             // Half of them look like plane datagrams of lane 0 exactly.
-            d[0] = if sent % 2 == 0 { 0x20 } else { d[0] & 0x3F };
+            d[0] = if sent % 2 == 0 { 0x22 } else { d[0] & 0x3F };
             d[1] = 0;
             for p in PORTS {
                 let _ = sock.send_to(&d, ("127.0.0.1", p));
