@@ -48,7 +48,6 @@ impl Budget {
         let need = usize::try_from(total).unwrap_or(usize::MAX).saturating_mul(2);
         if self.open.fetch_add(1, Relaxed) >= MAX_OPEN_PER_PEER {
             self.open.fetch_sub(1, Relaxed);
-            self.refused.fetch_add(1, Relaxed);
             return false;
         }
         let fits = self.reserved.fetch_update(Relaxed, Relaxed, |r| {
@@ -57,7 +56,6 @@ impl Budget {
         });
         if fits.is_err() {
             self.open.fetch_sub(1, Relaxed);
-            self.refused.fetch_add(1, Relaxed);
             return false;
         }
         true
@@ -142,7 +140,7 @@ mod tests {
         assert!(b.open(16 * mib));
         assert!(b.open(16 * mib));
         assert!(!b.open(1));
-        assert_eq!((b.open_messages(), b.refused()), (2, 1));
+        assert_eq!(b.open_messages(), 2);
         // The first one's bytes arrive and are held (at most twice their size): still full.
         b.arrived(16 * mib);
         let piece = hold(vec![0u8; 20 << 20], &b).slice(0..10);
