@@ -619,3 +619,63 @@ pub fn spoof_flood(
     unsafe { libc::close(fd) };
     (sent, start.elapsed().as_secs_f64())
 }
+
+/// Like [`spoof_flood`], but as trains of `segment`-byte UDP datagrams sent with UDP GSO
+/// from a socket bound (IP_TRANSPARENT) to the address `src` this host does not have: up
+/// to 64 datagrams per send call, each its own datagram on the wire, so a flood of
+/// 100,000 a second costs the sender little and every datagram reaches the victims' socket
+/// (and meshd's demultiplexer) on its own. `fill` writes each datagram's payload (all
+/// `segment` bytes). Returns the datagrams sent and the seconds it sent for.
+pub fn spoof_flood_gso(
+    src: std::net::SocketAddrV4,
+    dsts: &[std::net::SocketAddrV4],
+    segment: usize,
+    rate: u64,
+    limit: Duration,
+    stop: &std::sync::atomic::AtomicBool,
+    mut fill: impl FnMut(u64, &mut [u8]),
+) -> (u64, f64) {
+    use std::os::fd::FromRawFd;
+    const TRAIN: usize = 64;
+    // SAFETY: plain socket(2), setsockopt(2) and bind(2) on our own fd, which `from_raw_fd`
+    // then owns.
+    let sock = unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM, 0);
+        assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+        let one: libc::c_int = 1;
+        let on = (&one as *const libc::c_int).cast();
+        let len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        assert_eq!(libc::setsockopt(fd, libc::SOL_IP, libc::IP_TRANSPARENT, on, len), 0, "IP_TRANSPARENT");
+        let seg = segment as libc::c_int;
+        let segp = (&seg as *const libc::c_int).cast();
+        assert_eq!(libc::setsockopt(fd, libc::SOL_UDP, libc::UDP_SEGMENT, segp, len), 0, "UDP_SEGMENT");
+        let mut sa: libc::sockaddr_in = std::mem::zeroed();
+        sa.sin_family = libc::AF_INET as libc::sa_family_t;
+        sa.sin_port = src.port().to_be();
+        sa.sin_addr.s_addr = u32::from_ne_bytes(src.ip().octets());
+        let rc = libc::bind(fd, (&sa as *const libc::sockaddr_in).cast(), std::mem::size_of_val(&sa) as u32);
+        assert_eq!(rc, 0, "bind {src}: {}", std::io::Error::last_os_error());
+        UdpSocket::from_raw_fd(fd)
+    };
+    let mut train = vec![0u8; TRAIN * segment];
+    let start = Instant::now();
+    let mut sent = 0u64;
+    let mut k = 0u64;
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) && start.elapsed() < limit {
+        let due = (start.elapsed().as_secs_f64() * rate as f64) as u64;
+        if sent + TRAIN as u64 > due {
+            std::thread::sleep(Duration::from_micros(200));
+            continue;
+        }
+        for seg in train.chunks_mut(segment) {
+            fill(sent, seg);
+        }
+        let dst = dsts[(k % dsts.len() as u64) as usize];
+        k += 1;
+        match sock.send_to(&train, dst) {
+            Ok(_) => sent += TRAIN as u64,
+            Err(_) => std::thread::sleep(Duration::from_micros(200)),
+        }
+    }
+    (sent, start.elapsed().as_secs_f64())
+}
