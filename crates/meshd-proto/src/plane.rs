@@ -31,7 +31,7 @@ pub mod sender;
 mod tests;
 
 pub use keys::LinkKeys;
-pub use link::{Link, LinkConfig, LinkStats, Received, Transmit};
+pub use link::{Link, LinkConfig, LinkStats, Offer, Received, Transmit};
 pub use packet::is_plane_datagram;
 pub use sender::Event;
 
@@ -44,6 +44,9 @@ pub enum PlaneError {
     /// The first byte names no plane version this end speaks.
     #[error("unknown plane datagram type/version byte {0:#04x}")]
     UnknownVersion(u8),
+    /// A datagram whose link id is not this link's (another link's, or a stranger's).
+    #[error("plane datagram of link {0:#018x}, not this link's")]
+    UnknownLink(u64),
     /// A datagram for another lane reached this link.
     #[error("plane datagram for lane {got} reached lane {want}")]
     WrongLane {
@@ -78,6 +81,10 @@ pub enum PlaneError {
     /// The peer has too many messages partly delivered.
     #[error("the peer has more than {0} plane messages partly delivered")]
     TooManyMessages(usize),
+    /// The application refused the datagram's new fragment (its memory budget for the
+    /// peer is spent): dropped unacknowledged, as if lost.
+    #[error("plane fragment refused: the receiver's budget for the peer is spent")]
+    OverBudget,
     /// A message tag too large for the wire's varints.
     #[error("plane message tag {0:#x} does not fit in 62 bits")]
     TagTooLarge(u64),

@@ -14,6 +14,10 @@ fn write_seeds() -> std::io::Result<()> {
         ("handshake", meshd_fuzz::seeds::handshake_inputs()),
         ("ring", meshd_fuzz::seeds::ring_inputs()),
         ("service", meshd_fuzz::seeds::service_inputs()),
+        ("plane_header", meshd_fuzz::seeds::plane_header_inputs()),
+        ("plane_frame", meshd_fuzz::seeds::plane_frame_inputs()),
+        ("plane_ack", meshd_fuzz::seeds::plane_ack_inputs()),
+        ("plane_link", meshd_fuzz::seeds::plane_link_inputs()),
     ];
     for (target, inputs) in sets {
         let d = dir.join(target);

@@ -3,12 +3,23 @@
 //!
 //! The receiver keeps no payload: each fragment goes to the application straight from the
 //! datagram it arrived in. What it keeps per open message is a few ranges, and the set of
-//! finished message numbers (one range while messages finish in order).
+//! finished message numbers. Both are bounded whatever the peer sends: at most `max_open`
+//! messages partly received, a new message's number less than [`SEQ_WINDOW`] above the
+//! lowest unfinished one (so the finished set holds at most that many ranges), and every
+//! fragment but a message's last at least [`MIN_FRAGMENT`] bytes (so a message's pieces
+//! cannot be made small and many).
 
 use super::PlaneError;
 use super::frame::DataHeader;
 use super::ranges::RangeSet;
 use std::collections::HashMap;
+
+/// How far above the lowest unfinished message number a new message may start.
+pub const SEQ_WINDOW: u64 = 4096;
+/// Fewest bytes a fragment that does not end its message carries. The plane's own sender
+/// cuts fragments of a datagram's size less the headers: at least 1136 bytes, since a link's
+/// datagrams are at least [`MIN_DATAGRAM`](super::link::MIN_DATAGRAM) bytes.
+pub const MIN_FRAGMENT: u64 = 1024;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct InMsg {
@@ -21,8 +32,10 @@ struct InMsg {
 /// What a DATA fragment is to the receiver, decided before anything changes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verdict {
-    /// Bytes the application has not seen.
-    New,
+    /// The first bytes of a message this end has not seen before.
+    Opens,
+    /// New bytes of a message already partly received.
+    Continues,
     /// A copy of bytes already delivered.
     Duplicate,
 }
@@ -47,6 +60,14 @@ impl Incoming {
         self.open.len()
     }
 
+    /// The lowest message number not finished yet.
+    fn lowest_unfinished(&self) -> u64 {
+        match self.done.first() {
+            Some(r) if r.start == 0 => r.end,
+            _ => 0,
+        }
+    }
+
     /// Classifies the fragment `h` of `len` bytes, or says why the peer sent nonsense.
     pub fn check(&self, h: &DataHeader, len: u64) -> Result<Verdict, PlaneError> {
         if self.done.contains(h.seq) {
@@ -55,10 +76,16 @@ impl Incoming {
         if h.total_len > self.max_len {
             return Err(PlaneError::MessageTooLong { len: h.total_len, max: self.max_len });
         }
+        if len < MIN_FRAGMENT && h.offset + len < h.total_len {
+            return Err(PlaneError::Malformed("a fragment short of its message's end is under 1024 bytes"));
+        }
         let range = h.offset..h.offset + len;
         match self.open.get(&h.seq) {
             None if self.open.len() >= self.max_open => Err(PlaneError::TooManyMessages(self.max_open)),
-            None => Ok(Verdict::New),
+            None if h.seq >= self.lowest_unfinished().saturating_add(SEQ_WINDOW) => {
+                Err(PlaneError::Malformed("message number too far ahead of the unfinished ones"))
+            }
+            None => Ok(Verdict::Opens),
             Some(m) if m.tag != h.tag || m.total_len != h.total_len => {
                 Err(PlaneError::Malformed("fragment disagrees with its message's tag or length"))
             }
@@ -66,7 +93,7 @@ impl Incoming {
             Some(m) if m.got.overlaps(range) => {
                 Err(PlaneError::Malformed("fragment overlaps another's bytes"))
             }
-            Some(_) => Ok(Verdict::New),
+            Some(_) => Ok(Verdict::Continues),
         }
     }
 
@@ -100,19 +127,39 @@ mod tests {
 
     #[test]
     fn each_fragment_counts_once() {
-        let mut inc = Incoming::new(2, 100);
-        assert_eq!(inc.check(&h(0, 10), 10).expect("ok"), Verdict::New);
-        assert!(!inc.commit(&h(0, 10), 10));
-        assert_eq!(inc.check(&h(0, 10), 10).expect("ok"), Verdict::Duplicate);
-        assert!(inc.check(&h(0, 15), 10).is_err(), "overlap");
-        inc.commit(&h(0, 0), 10);
-        assert!(inc.commit(&h(0, 20), 10));
-        assert_eq!(inc.check(&h(0, 0), 10).expect("ok"), Verdict::Duplicate);
+        let mut inc = Incoming::new(2, 1 << 20);
+        let big = |seq, offset| DataHeader { seq, tag: 9, total_len: 3072, offset };
+        assert_eq!(inc.check(&big(0, 1024), 1024).expect("ok"), Verdict::Opens);
+        assert!(!inc.commit(&big(0, 1024), 1024));
+        assert_eq!(inc.check(&big(0, 1024), 1024).expect("ok"), Verdict::Duplicate);
+        assert!(inc.check(&big(0, 1500), 1024).is_err(), "overlap");
+        assert_eq!(inc.check(&big(0, 0), 1024).expect("ok"), Verdict::Continues);
+        inc.commit(&big(0, 0), 1024);
+        assert!(inc.commit(&big(0, 2048), 1024));
+        assert_eq!(inc.check(&big(0, 0), 1024).expect("ok"), Verdict::Duplicate);
         assert_eq!(inc.open_messages(), 0);
         inc.commit(&h(1, 0), 10);
         inc.commit(&h(2, 0), 10);
-        assert!(matches!(inc.check(&h(3, 0), 10), Err(PlaneError::TooManyMessages(2))));
-        let long = DataHeader { seq: 4, tag: 9, total_len: 101, offset: 0 };
+        assert!(matches!(inc.check(&h(3, 20), 10), Err(PlaneError::TooManyMessages(2))));
+        let long = DataHeader { seq: 4, tag: 9, total_len: (1 << 20) + 1, offset: 0 };
         assert!(matches!(inc.check(&long, 1), Err(PlaneError::MessageTooLong { .. })));
+    }
+
+    #[test]
+    fn small_middle_fragments_and_far_message_numbers_are_refused() {
+        let mut inc = Incoming::new(8, 1 << 20);
+        // Only a message's last fragment may be short.
+        assert!(inc.check(&h(0, 0), 10).is_err(), "10 of 30 bytes, not the end");
+        assert_eq!(inc.check(&h(0, 20), 10).expect("the end"), Verdict::Opens);
+        assert_eq!(inc.check(&h(0, 0), 30).expect("the whole"), Verdict::Opens);
+        // Message numbers stay within the window above the lowest unfinished one.
+        let one = |seq| DataHeader { seq, tag: 9, total_len: 8, offset: 0 };
+        assert!(inc.check(&one(SEQ_WINDOW), 8).is_err());
+        assert_eq!(inc.check(&one(SEQ_WINDOW - 1), 8).expect("in the window"), Verdict::Opens);
+        for seq in 0..10 {
+            assert!(inc.commit(&one(seq), 8));
+        }
+        assert_eq!(inc.check(&one(SEQ_WINDOW + 9), 8).expect("the window moved"), Verdict::Opens);
+        assert!(inc.check(&one(SEQ_WINDOW + 10), 8).is_err());
     }
 }

@@ -81,6 +81,28 @@ fn expand_label(secret: &[u8; 32], label: &[u8], out: &mut [u8]) {
     }
 }
 
+/// The link id of the datagrams sealed from `secret` (a direction's initial secret): 8
+/// bytes of HKDF-Expand-Label(secret, "meshd plane cid", "", 8), so both ends of the
+/// direction compute it and nobody else can. It is sent in clear in every datagram's
+/// header and stays the same across key updates.
+pub fn link_id(secret: &[u8; 32]) -> u64 {
+    let mut id = [0u8; 8];
+    expand_label(secret, b"meshd plane cid", &mut id);
+    u64::from_be_bytes(id)
+}
+
+impl LinkKeys {
+    /// The link id this end writes into the datagrams it seals.
+    pub fn send_id(&self) -> u64 {
+        link_id(&self.send)
+    }
+
+    /// The link id of the datagrams this end opens: any other id is not this link's.
+    pub fn recv_id(&self) -> u64 {
+        link_id(&self.recv)
+    }
+}
+
 /// The secret after a key update.
 pub fn next_secret(secret: &[u8; 32]) -> [u8; 32] {
     let mut next = [0u8; 32];
@@ -328,6 +350,8 @@ mod tests {
         let client = LinkKeys::for_side(c2s, s2c, true);
         let server = LinkKeys::for_side(c2s, s2c, false);
         assert_eq!((client.send, client.recv), (server.recv, server.send));
+        assert_eq!((client.send_id(), client.recv_id()), (server.recv_id(), server.send_id()));
+        assert_ne!(client.send_id(), client.recv_id(), "each direction has its own id");
         assert_ne!(exporter_context(0, true), exporter_context(0, false));
         assert_ne!(exporter_context(0, true), exporter_context(1, true));
     }

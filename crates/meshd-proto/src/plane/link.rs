@@ -68,7 +68,7 @@ impl LinkConfig {
             max_ack_delay: Duration::from_millis(1),
             rekey_after: DEFAULT_REKEY_AFTER,
             max_message_len: 1 << 32,
-            max_incoming_messages: 4096,
+            max_incoming_messages: 256,
             tolerate_random_loss: true,
         }
     }
@@ -128,10 +128,30 @@ pub struct LinkStats {
     pub recv_key_updates: u64,
 }
 
+/// A new DATA fragment, offered to the application before the link takes the datagram in
+/// ([`Link::handle_datagram_admit`]): what it would have to hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Offer {
+    /// The application's name for the message.
+    pub tag: u64,
+    /// The link's number for the message.
+    pub seq: u64,
+    /// Where the fragment's bytes go in the message.
+    pub offset: u64,
+    /// The fragment's bytes.
+    pub len: u64,
+    /// The message's length.
+    pub total_len: u64,
+    /// Whether this is the first fragment of the message to arrive (the message opens).
+    pub opens: bool,
+}
+
 /// One end of a plane link.
 #[derive(Debug)]
 pub struct Link {
     lane: u8,
+    send_id: u64,
+    recv_id: u64,
     max_datagram: usize,
     max_ack_delay: Duration,
     rekey_after: u64,
@@ -166,6 +186,8 @@ impl Link {
         }
         Ok(Link {
             lane: config.lane,
+            send_id: config.keys.send_id(),
+            recv_id: config.keys.recv_id(),
             max_datagram: config.max_datagram,
             max_ack_delay: config.max_ack_delay,
             rekey_after: config.rekey_after,
@@ -289,7 +311,7 @@ impl Link {
             }
         }
         let pn = self.sender.next_pn();
-        Header::write(self.send_keys.phase(), self.lane, pn, out);
+        Header::write(self.send_keys.phase(), self.lane, self.send_id, pn, out);
         let (header, body) = out.split_at_mut(HEADER_LEN);
         let plain_len = pos - HEADER_LEN;
         let tag = self.send_keys.seal(pn, header, &mut body[..plain_len]);
@@ -299,16 +321,41 @@ impl Link {
         Some(size)
     }
 
+    /// The link id of the datagrams this end opens ([`packet::link_id_of`](super::packet::link_id_of)).
+    pub fn recv_id(&self) -> u64 {
+        self.recv_id
+    }
+
     /// Opens a plane datagram in place and takes in what it carries. A datagram that does
-    /// not open (wrong keys, altered, replayed, too old, wrong lane) changes nothing here
-    /// and costs at most one failed AEAD open. On success, returns the DATA fragment it
-    /// carried, unless this end had it already.
+    /// not open (another link's id, wrong keys, altered, replayed, too old, wrong lane)
+    /// changes nothing here and costs at most one failed AEAD open (none for another
+    /// link's id). On success, returns the DATA fragment it carried, unless this end had it
+    /// already.
     pub fn handle_datagram<'a>(
         &mut self,
         datagram: &'a mut [u8],
         now: Instant,
     ) -> Result<Option<Received<'a>>, PlaneError> {
+        self.handle_datagram_admit(datagram, now, |_| true)
+    }
+
+    /// [`handle_datagram`](Self::handle_datagram), asking `admit` first whether a new DATA
+    /// fragment may be taken in (the application's memory budget): a datagram whose
+    /// fragment it refuses is dropped as if lost, unacknowledged and not recorded, so the
+    /// sender resends it later (and its loss recovery slows down); only the ACK frame it
+    /// carries is taken in, since the peer's acknowledgements of this end's packets hold
+    /// whatever this end holds. Refused: [`PlaneError::OverBudget`]. `admit` is called at
+    /// most once, after every check that could refuse the datagram otherwise.
+    pub fn handle_datagram_admit<'a>(
+        &mut self,
+        datagram: &'a mut [u8],
+        now: Instant,
+        admit: impl FnOnce(&Offer) -> bool,
+    ) -> Result<Option<Received<'a>>, PlaneError> {
         let header = Header::parse(datagram)?;
+        if header.link_id != self.recv_id {
+            return Err(PlaneError::UnknownLink(header.link_id));
+        }
         if header.lane != self.lane {
             return Err(PlaneError::WrongLane { got: header.lane, want: self.lane });
         }
@@ -326,16 +373,29 @@ impl Link {
             Some((h, start)) => Some(self.incoming.check(h, (plain.len() - start) as u64)?),
             None => None,
         };
+        if let (Some((h, start)), Some(v @ (Verdict::Opens | Verdict::Continues))) = (&frames.data, verdict) {
+            let offer = Offer {
+                tag: h.tag,
+                seq: h.seq,
+                offset: h.offset,
+                len: (plain.len() - start) as u64,
+                total_len: h.total_len,
+                opens: v == Verdict::Opens,
+            };
+            if !admit(&offer) {
+                if let Some(ack) = &frames.ack {
+                    self.take_ack(ack, now);
+                }
+                return Err(PlaneError::OverBudget);
+            }
+        }
         // Everything below changes state; everything above could refuse the datagram.
         self.replay.insert(pn);
         self.recv_keys.commit(choice, pn);
         self.packets_received += 1;
         self.acks.on_packet(pn, frames.ping || frames.data.is_some(), now, self.max_ack_delay);
         if let Some(ack) = &frames.ack {
-            self.sender.on_ack(ack, now);
-            if let Some(l) = self.sender.largest_acked() {
-                self.send_keys.on_acked(l);
-            }
+            self.take_ack(ack, now);
         }
         let (Some((h, start)), Some(verdict)) = (frames.data, verdict) else { return Ok(None) };
         if verdict == Verdict::Duplicate {
@@ -352,6 +412,14 @@ impl Link {
             data,
             complete,
         }))
+    }
+
+    /// Takes in the peer's acknowledgements (checked by `check_ack`).
+    fn take_ack(&mut self, ack: &super::ack::AckFrame<'_>, now: Instant) {
+        self.sender.on_ack(ack, now);
+        if let Some(l) = self.sender.largest_acked() {
+            self.send_keys.on_acked(l);
+        }
     }
 
     /// When [`handle_timeout`](Self::handle_timeout) should next run (or `poll_transmit`

@@ -1,24 +1,30 @@
 //! The datagram header, QUIC-style variable-length integers and packet-number expansion.
 //!
 //! ```text
-//! byte 0      0b0010_000K   K = key phase; the top two bits are 0, which no QUIC v1 packet has
+//! byte 0      0b0010_001K   type/version 2; K = key phase; the top two bits are 0, which no
+//!                           QUIC v1 packet has
 //! byte 1      lane
-//! bytes 2..6  the packet number's low 32 bits, big-endian
-//! bytes 6..   AEAD ciphertext of the frames, then the 16-byte GCM tag
+//! bytes 2..10 link id: 8 bytes both ends derive from the direction's secret (`keys::link_id`)
+//! bytes 10..14 the packet number's low 32 bits, big-endian
+//! bytes 14..  AEAD ciphertext of the frames, then the 16-byte GCM tag
 //! ```
 //!
-//! The whole 6-byte header is the AEAD's associated data, so none of it can be altered.
+//! The whole 14-byte header is the AEAD's associated data, so none of it can be altered.
+//! The link id lets a receiver pick the one link whose keys may open a datagram, and drop
+//! a datagram no link of its own expects before any cryptography: an off-path spoofer,
+//! who never sees the id, cannot make a node spend an AES-GCM open (docs/PROTOCOL.md).
 
 use super::PlaneError;
 
 /// Bytes in the plane header.
-pub const HEADER_LEN: usize = 6;
+pub const HEADER_LEN: usize = 14;
 /// Bytes in the AES-128-GCM tag that ends every datagram.
 pub const TAG_LEN: usize = 16;
 /// Header plus tag: what every datagram spends before its first frame byte.
 pub const OVERHEAD: usize = HEADER_LEN + TAG_LEN;
-/// First byte of a version-1 plane datagram, key phase 0 (phase 1 sets the low bit).
-pub const FIRST_BYTE_V1: u8 = 0x20;
+/// First byte of a plane datagram of the version this end speaks (2), key phase 0 (phase 1
+/// sets the low bit). Version 1 (0x20, no link id) is not spoken any more.
+pub const FIRST_BYTE: u8 = 0x22;
 /// Low bits of the packet number carried on the wire.
 const PN_BITS: u32 = 32;
 
@@ -29,6 +35,18 @@ pub fn is_plane_datagram(first: u8) -> bool {
     first & 0xC0 == 0
 }
 
+/// The link id of a plane datagram of this version, read without any other check: what a
+/// socket looks up to tell a datagram some link expects from one none does. `None` when
+/// `datagram` is too short to be one or of another version.
+pub fn link_id_of(datagram: &[u8]) -> Option<u64> {
+    if datagram.len() < OVERHEAD || datagram[0] & !1 != FIRST_BYTE {
+        return None;
+    }
+    let mut id = [0u8; 8];
+    id.copy_from_slice(&datagram[2..10]);
+    Some(u64::from_be_bytes(id))
+}
+
 /// A parsed plane header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Header {
@@ -36,6 +54,8 @@ pub struct Header {
     pub phase: bool,
     /// The lane this datagram belongs to.
     pub lane: u8,
+    /// The id of the link (and direction) it belongs to.
+    pub link_id: u64,
     /// The packet number's low 32 bits as sent.
     pub truncated_pn: u32,
 }
@@ -47,21 +67,25 @@ impl Header {
             return Err(PlaneError::Short(datagram.len()));
         }
         let first = datagram[0];
-        if first & !1 != FIRST_BYTE_V1 {
+        if first & !1 != FIRST_BYTE {
             return Err(PlaneError::UnknownVersion(first));
         }
+        let mut id = [0u8; 8];
+        id.copy_from_slice(&datagram[2..10]);
         Ok(Header {
             phase: first & 1 == 1,
             lane: datagram[1],
-            truncated_pn: u32::from_be_bytes([datagram[2], datagram[3], datagram[4], datagram[5]]),
+            link_id: u64::from_be_bytes(id),
+            truncated_pn: u32::from_be_bytes([datagram[10], datagram[11], datagram[12], datagram[13]]),
         })
     }
 
     /// Writes the header into the first [`HEADER_LEN`] bytes of `out`.
-    pub fn write(phase: bool, lane: u8, pn: u64, out: &mut [u8]) {
-        out[0] = FIRST_BYTE_V1 | phase as u8;
+    pub fn write(phase: bool, lane: u8, link_id: u64, pn: u64, out: &mut [u8]) {
+        out[0] = FIRST_BYTE | phase as u8;
         out[1] = lane;
-        out[2..6].copy_from_slice(&(pn as u32).to_be_bytes());
+        out[2..10].copy_from_slice(&link_id.to_be_bytes());
+        out[10..14].copy_from_slice(&(pn as u32).to_be_bytes());
     }
 }
 
@@ -158,18 +182,24 @@ mod tests {
 
     #[test]
     fn first_byte_separates_plane_from_quic() {
-        assert!(is_plane_datagram(FIRST_BYTE_V1));
-        assert!(is_plane_datagram(FIRST_BYTE_V1 | 1));
+        assert!(is_plane_datagram(FIRST_BYTE));
+        assert!(is_plane_datagram(FIRST_BYTE | 1));
         // QUIC short header, long header, and Version Negotiation with a random fixed bit.
         assert!(!is_plane_datagram(0x40));
         assert!(!is_plane_datagram(0xC0));
         assert!(!is_plane_datagram(0x80));
         let mut d = [0u8; OVERHEAD];
-        Header::write(true, 3, (7u64 << 32) + 9, &mut d);
+        Header::write(true, 3, 0x0102_0304_0506_0708, (7u64 << 32) + 9, &mut d);
         let h = Header::parse(&d).expect("parses");
-        assert_eq!(h, Header { phase: true, lane: 3, truncated_pn: 9 });
-        d[0] = 0x30;
-        assert!(matches!(Header::parse(&d), Err(PlaneError::UnknownVersion(0x30))));
+        assert_eq!(h, Header { phase: true, lane: 3, link_id: 0x0102_0304_0506_0708, truncated_pn: 9 });
+        assert_eq!(link_id_of(&d), Some(0x0102_0304_0506_0708));
+        assert_eq!(link_id_of(&d[..OVERHEAD - 1]), None);
+        // Version 1 (no link id) and other type bytes are refused.
+        for first in [0x20, 0x21, 0x30] {
+            d[0] = first;
+            assert!(matches!(Header::parse(&d), Err(PlaneError::UnknownVersion(f)) if f == first));
+            assert_eq!(link_id_of(&d), None);
+        }
         assert!(matches!(Header::parse(&d[..5]), Err(PlaneError::Short(5))));
     }
 }

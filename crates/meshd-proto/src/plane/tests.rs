@@ -1,7 +1,7 @@
 //! Two links over a simulated network: seeded loss, duplication, reordering, a bottleneck
 //! with a drop-tail queue, virtual time. No sockets.
 
-use super::packet::{Header, expand_pn};
+use super::packet::{HEADER_LEN, Header, OVERHEAD, expand_pn};
 use super::*;
 use crate::rng::Rng;
 use std::collections::{BTreeMap, HashMap};
@@ -397,12 +397,16 @@ fn forged_garbled_and_foreign_datagrams_change_nothing() {
     let mut rng = Rng::new(77);
     for _ in 0..200 {
         let mut g = d.clone();
-        for x in &mut g[6..] {
+        for x in &mut g[HEADER_LEN..] {
             *x = rng.next_u64() as u8;
         }
         assert_eq!(b.handle_datagram(&mut g, now), Err(PlaneError::Auth));
     }
+    // Another link's datagram is refused by its id, before any AEAD work; with this link's
+    // id written in, its tag does not verify.
     let (_x, _y, mut foreign, _) = one_datagram(99);
+    assert!(matches!(b.handle_datagram(&mut foreign.clone(), now), Err(PlaneError::UnknownLink(_))));
+    foreign[2..10].copy_from_slice(&b.recv_id().to_be_bytes());
     assert_eq!(b.handle_datagram(&mut foreign, now), Err(PlaneError::Auth));
     assert_eq!(b.handle_datagram(&mut d[..10].to_vec(), now), Err(PlaneError::Short(10)));
     let mut other_lane = d.clone();
@@ -412,6 +416,49 @@ fn forged_garbled_and_foreign_datagrams_change_nothing() {
     // And the genuine datagram still opens afterwards.
     let mut good = d.clone();
     assert!(b.handle_datagram(&mut good, now).expect("opens").is_some());
+}
+
+#[test]
+fn a_refused_fragment_is_not_acknowledged_and_arrives_once_when_resent() {
+    let mut now = Instant::now();
+    let (ka, kb) = keys(8);
+    let mut a = Link::new(LinkConfig::new(ka, 0), now).expect("config");
+    let mut b = Link::new(LinkConfig::new(kb, 0), now).expect("config");
+    // b has a packet in flight to a, which a acknowledges on its (one-fragment) message.
+    b.send(2, vec![1; 64]).expect("queued");
+    let mut buf = Vec::new();
+    let t = b.poll_transmit(now, &mut buf, 1).expect("b's datagram");
+    a.handle_datagram(&mut buf[..t.len], now).expect("opens");
+    assert!(b.stats().in_flight > 0);
+    a.send(5, vec![3; 100]).expect("queued");
+    let t = a.poll_transmit(now, &mut buf, 1).expect("a's datagram");
+    let mut offered = Vec::new();
+    let r = b.handle_datagram_admit(&mut buf[..t.len], now, |o| {
+        offered.push(*o);
+        false
+    });
+    assert_eq!(r, Err(PlaneError::OverBudget));
+    assert_eq!(offered, [Offer { tag: 5, seq: 0, offset: 0, len: 100, total_len: 100, opens: true }]);
+    assert_eq!(b.stats().in_flight, 0, "the ACK the refused datagram carried was taken in");
+    assert_eq!(b.stats().packets_received, 0, "the refused datagram was not recorded");
+    now += Duration::from_millis(20);
+    assert_eq!(b.poll_transmit(now, &mut buf, 1), None, "nothing to acknowledge");
+    // a resends (its probe timeout), and now b takes it: exactly once.
+    let mut got = Vec::new();
+    for _ in 0..100 {
+        now += Duration::from_millis(5);
+        a.handle_timeout(now);
+        while let Some(t) = a.poll_transmit(now, &mut buf, 1) {
+            if let Some(r) = b.handle_datagram(&mut buf[..t.len], now).expect("opens") {
+                got.push((r.tag, r.data.len(), r.complete));
+            }
+        }
+        while let Some(t) = b.poll_transmit(now, &mut buf, 1) {
+            let _ = a.handle_datagram(&mut buf[..t.len], now);
+        }
+    }
+    assert_eq!(got, [(5, 100, true)]);
+    assert_eq!(a.stats().in_flight, 0, "acknowledged once taken");
 }
 
 #[test]
@@ -459,16 +506,16 @@ fn gso_batches_are_full_segments_then_at_most_one_short_one() {
     let (ka, kb) = keys(5);
     let mut a = Link::new(LinkConfig::new(ka, 0), now).expect("config");
     let mut b = Link::new(LinkConfig::new(kb, 0), now).expect("config");
-    // 1452 - 22 (header, tag) - 7 (DATA: type, seq, tag, 2-byte total and offset) = 1423,
+    // 1452 - 30 (header, tag) - 7 (DATA: type, seq, tag, 2-byte total and offset) = 1415,
     // down to a multiple of 8.
-    let frag = 1416;
+    let frag = 1408;
     let msg: Vec<u8> = (0..5 * frag + 17).map(|i| (i % 251) as u8).collect();
     a.send(1, msg.clone()).expect("queued");
     let mut buf = Vec::new();
     let t = a.poll_transmit(now, &mut buf, 64).expect("a batch");
-    assert_eq!(t.segment_size, 22 + 7 + frag);
+    assert_eq!(t.segment_size, OVERHEAD + 7 + frag);
     assert_eq!(t.segments(), 6);
-    assert_eq!(t.len, 5 * t.segment_size + 22 + 7 + 17, "the tail fragment ends the batch");
+    assert_eq!(t.len, 5 * t.segment_size + OVERHEAD + 7 + 17, "the tail fragment ends the batch");
     let mut got = vec![0u8; msg.len()];
     for seg in buf[..t.len].chunks_mut(t.segment_size) {
         assert!(is_plane_datagram(seg[0]));
@@ -486,18 +533,21 @@ fn fragments_with_smaller_headers_are_padded_into_the_batch() {
     let mut a = Link::new(LinkConfig::new(ka, 0), now).expect("config");
     let mut b = Link::new(LinkConfig::new(kb, 0), now).expect("config");
     // A 4-byte tag makes message 0's DATA header 3 bytes longer than message 1's.
-    a.send(1 << 20, vec![7; 3 * 1416]).expect("queued");
-    a.send(1, vec![9; 2 * 1416]).expect("queued");
+    // Both cut into 1408-byte fragments: 1452 - 30 - 10 = 1412 and 1452 - 30 - 7 = 1415,
+    // down to multiples of 8.
+    let frag = 1408;
+    a.send(1 << 20, vec![7; 3 * frag]).expect("queued");
+    a.send(1, vec![9; 2 * frag]).expect("queued");
     let mut buf = Vec::new();
     let t = a.poll_transmit(now, &mut buf, 64).expect("a batch");
-    assert_eq!((t.segment_size, t.len), (22 + 10 + 1416, 5 * (22 + 10 + 1416)));
+    assert_eq!((t.segment_size, t.len), (OVERHEAD + 10 + frag, 5 * (OVERHEAD + 10 + frag)));
     let mut bytes = [0usize; 2];
     for seg in buf[..t.len].chunks_mut(t.segment_size) {
         let r = b.handle_datagram(seg, now).expect("opens").expect("data");
         assert!(r.data.iter().all(|x| *x == if r.tag == 1 { 9 } else { 7 }));
         bytes[(r.tag == 1) as usize] += r.data.len();
     }
-    assert_eq!(bytes, [3 * 1416, 2 * 1416]);
+    assert_eq!(bytes, [3 * frag, 2 * frag]);
 }
 
 #[test]

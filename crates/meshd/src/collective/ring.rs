@@ -564,7 +564,9 @@ impl RingNet {
         let prev = self.addrs[(self.rank + n - 1) % n];
         // More lanes than chunks per segment would carry nothing.
         let mut lanes = self.lanes.get().min(MAX_LANES).min(state.plan().chunk_count(0).max(1));
-        let plane_out = self.plane_to(next).await;
+        // Chunks larger than the plane carries go over QUIC streams.
+        let plane_out =
+            if max_chunk <= crate::transport::plane::MAX_CHUNK { self.plane_to(next).await } else { None };
         let sends = match &plane_out {
             Some(plane) => {
                 // The plane's own lanes (each a driver task), those both ends run.

@@ -1,4 +1,4 @@
-//! The data plane's driver: one task per node that owns the plane [`Link`]s to the peers,
+//! The data plane's driver: one task per lane that owns the plane [`Link`]s to the peers,
 //! seals and sends with GSO through the shared [`DemuxSocket`], opens what the socket
 //! queued (GRO batches), runs the links' timers, and hands complete messages to whoever
 //! subscribed to them (the ring, `collective::plane_ring`).
@@ -7,20 +7,27 @@
 //! exporter (label [`EXPORTER_LABEL`], context = lane and direction), so only the two ends
 //! of that connection hold its keys. Both ends of a link may hold two connections for a
 //! while (both connected at once, or one reconnected): each keeps a link per connection,
-//! opens a datagram with the one whose keys fit, and sends on the one whose probe the peer
-//! acknowledged and that last heard from it.
+//! opens a datagram with the one its link id names, and sends on the one whose probe the
+//! peer acknowledged and whose name is lowest.
 //!
 //! A message on the plane is `[op u64 LE][id u64 LE][payload]`; the plane link's tag says
 //! whether it is data ([`TAG_DATA`]) or the probe each link sends first ([`TAG_PROBE`]),
-//! whose acknowledgement proves that datagrams get through both ways.
+//! whose acknowledgement proves that datagrams get through both ways. What the plane holds
+//! for a peer (messages being reassembled, complete ones not taken yet) is bounded by its
+//! [`budget`]: past it, datagrams are dropped unacknowledged.
+
+mod budget;
 
 use super::socket::{DemuxSocket, PlaneBatch};
+use budget::Budget;
+pub use budget::{MAX_OPEN_PER_PEER, PEER_BUDGET};
 use bytes::Bytes;
 use meshd_proto::plane::link::{MAX_DATAGRAM, MIN_DATAGRAM};
-use meshd_proto::plane::{Event, Link, LinkConfig, LinkKeys, LinkStats, PlaneError, Received};
+use meshd_proto::plane::packet::link_id_of;
+use meshd_proto::plane::{Event, Link, LinkConfig, LinkKeys, LinkStats, Offer, PlaneError};
 use std::collections::{HashMap, HashSet};
 use std::io;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
@@ -35,16 +42,15 @@ pub const MESSAGE_HEADER: usize = 16;
 /// Operations whose messages are kept per peer before anyone asked for them: a neighbour
 /// is at most one operation ahead; older ones belong to operations this node gave up on.
 const UNCLAIMED_OPS_PER_PEER: usize = 4;
-/// Largest plane message this end accepts: a ring chunk and its header, with room.
-const MAX_MESSAGE: u64 = 1 << 30;
+/// Largest ring chunk the plane carries: a node sends larger chunks over QUIC streams. A
+/// message of it reserves twice its size of the peer's [`PEER_BUDGET`], so two fit.
+pub const MAX_CHUNK: usize = 16 << 20;
+/// Largest plane message this end accepts: a ring chunk and its header.
+const MAX_MESSAGE: u64 = (MAX_CHUNK + MESSAGE_HEADER) as u64;
 /// How long a ready link may have packets in flight with nothing acknowledged before it
 /// counts as no longer getting through: it is no longer ready, and ring operations to the
 /// peer use QUIC streams from the next one (the running one fails, naming the cause).
 pub const SILENCE: Duration = Duration::from_secs(5);
-
-/// Datagrams in a row a peer's link must open, tried first, before it opens the next ones
-/// in place rather than in a copy (see `open_with`).
-const CONFIDENT: u32 = 64;
 
 /// A received data message: the transfer id and its payload, in order, as the pieces of
 /// the receive batches it was opened in (never copied after the kernel's copy out).
@@ -60,11 +66,20 @@ enum Cmd {
 pub struct PlaneCounters {
     /// Datagrams that opened under some link's keys.
     pub opened: u64,
-    /// Datagrams from a routed address that no link of it could open.
+    /// Datagrams of a peer's link id that did not open (altered, replayed, too old), or
+    /// whose link had just gone.
     pub refused: u64,
+    /// Datagrams that opened but were dropped unacknowledged: a message could not open
+    /// within the peer's budget ([`PEER_BUDGET`], [`MAX_OPEN_PER_PEER`]).
+    pub over_budget: u64,
+    /// The most bytes of receive buffers held for one peer at once.
+    pub held_peak: u64,
+    /// Bytes of fragments copied out of receive buffers they filled less than half of.
+    pub copied: u64,
     /// Data messages delivered complete.
     pub messages: u64,
-    /// Plane datagrams the socket dropped: from an address without a plane link.
+    /// Plane datagrams the socket dropped before any cryptography: no link of this node
+    /// expects their link id from their address (strangers, spoofers).
     pub unknown_source: u64,
     /// Plane datagrams the socket dropped: the plane's queue was full.
     pub overflow: u64,
@@ -104,6 +119,8 @@ pub struct Plane {
     /// Each peer's sending links' counters per lane, as of the drivers' last look (every
     /// 500 ms).
     stats: Arc<Mutex<HashMap<(SocketAddr, u8), LinkStats>>>,
+    /// What the plane holds for each peer host, all lanes together.
+    budgets: Arc<Mutex<HashMap<IpAddr, Arc<Budget>>>>,
 }
 
 impl std::fmt::Debug for Plane {
@@ -140,6 +157,7 @@ impl Plane {
             counters: Arc::default(),
             socket: socket.clone(),
             stats: Arc::default(),
+            budgets: Arc::default(),
         };
         for (lane, (cmd_rx, batches)) in rxs.into_iter().zip(batches).enumerate() {
             let driver = Driver {
@@ -149,6 +167,7 @@ impl Plane {
                 links: HashMap::new(),
                 plane: plane.clone(),
                 buf: Vec::new(),
+                fragments: Vec::new(),
             };
             tokio::spawn(driver.run(cmd_rx, batches));
         }
@@ -241,11 +260,27 @@ impl Plane {
     /// The counters so far, the socket's included.
     pub fn counters(&self) -> PlaneCounters {
         let mut c = lock(&self.counters).clone();
+        for b in lock(&self.budgets).values() {
+            c.over_budget += b.refused();
+            c.held_peak = c.held_peak.max(b.peak() as u64);
+        }
         let s = &self.socket.counters;
         c.unknown_source = s.plane_unknown.load(std::sync::atomic::Ordering::Relaxed);
         c.overflow = s.plane_overflow.load(std::sync::atomic::Ordering::Relaxed);
         c.batches = s.plane_batches.load(std::sync::atomic::Ordering::Relaxed);
         c
+    }
+
+    /// The budget of `peer`'s host, made on first use.
+    fn budget(&self, peer: SocketAddr) -> Arc<Budget> {
+        lock(&self.budgets).entry(peer.ip()).or_default().clone()
+    }
+
+    /// Bytes of receive buffers the plane holds for `peer`'s host now, and its messages
+    /// partly received (for tests and diagnostics).
+    pub fn held(&self, peer: SocketAddr) -> (usize, usize) {
+        let peer = super::canonical(peer);
+        lock(&self.budgets).get(&peer.ip()).map_or((0, 0), |b| (b.held(), b.open_messages()))
     }
 
     fn deliver(&self, from: SocketAddr, op: u64, d: Delivery) {
@@ -279,17 +314,33 @@ struct Entry {
     /// The name both ends derive alike from the connection (see [`best`]).
     name: u64,
     link: Link,
-    /// Message number -> its pieces so far: (offset in the message, bytes).
-    partial: HashMap<u64, Vec<(u64, Bytes)>>,
+    /// What the plane holds for the peer's host (shared by its links and lanes).
+    budget: Arc<Budget>,
+    /// Data messages being reassembled, by message number.
+    partial: HashMap<u64, Partial>,
     last_heard: Option<Instant>,
-    /// Datagrams in a row this link opened as the first one tried.
-    streak: u32,
     /// Whether the peer acknowledged the probe.
     probed: bool,
     /// Stopped getting through after it was ready: never ready again.
     silenced: bool,
     /// Used up its keys: removed at the next prune.
     dead: bool,
+}
+
+/// A data message being reassembled: its pieces so far (offset in the message, bytes) and
+/// the bytes still missing (reserved in the peer's budget until they arrive).
+struct Partial {
+    pieces: Vec<(u64, Bytes)>,
+    missing: u64,
+}
+
+impl Drop for Entry {
+    fn drop(&mut self) {
+        // Messages that will never finish give their reservations back.
+        for p in self.partial.values() {
+            self.budget.close(p.missing);
+        }
+    }
 }
 
 struct Driver {
@@ -299,6 +350,8 @@ struct Driver {
     links: HashMap<SocketAddr, Vec<Entry>>,
     plane: Plane,
     buf: Vec<u8>,
+    /// The DATA fragments of the receive batch being opened (kept for its allocation).
+    fragments: Vec<Fragment>,
 }
 
 /// The two directions' secrets of `conn`'s plane link on `lane`, seen from this end
@@ -363,6 +416,7 @@ impl Driver {
         let mut config = LinkConfig::new(keys, self.lane);
         config.max_datagram = self.max_datagram;
         config.max_message_len = MAX_MESSAGE;
+        config.max_incoming_messages = MAX_OPEN_PER_PEER;
         let mut link = match Link::new(config, Instant::now()) {
             Ok(l) => l,
             Err(e) => {
@@ -379,14 +433,15 @@ impl Driver {
         // back, shows that datagrams of this size get through both ways (a path that
         // drops them leaves the link silent, and the ring on QUIC streams).
         let _ = link.send(TAG_PROBE, vec![0; self.max_datagram]);
-        self.socket.add_route(peer);
+        self.socket.add_route(link.recv_id(), peer, self.lane);
+        let budget = self.plane.budget(peer);
         self.links.entry(peer).or_default().push(Entry {
             conn,
             name: u64::from_le_bytes(name),
             link,
+            budget,
             partial: HashMap::new(),
             last_heard: None,
-            streak: 0,
             probed: false,
             silenced: false,
             dead: false,
@@ -403,23 +458,52 @@ impl Driver {
         }
     }
 
-    /// Opens a receive batch in place, then hands its fragments on as pieces of the one
-    /// buffer (the plaintext is not copied again: the ring reduces straight from it).
+    /// Opens a receive batch in place, each datagram with the link its link id names, then
+    /// hands its data fragments on as pieces of that one buffer (the plaintext is not
+    /// copied again: the ring reduces straight from it). A buffer is kept only for the
+    /// message that fills at least half of it; every other message's fragments are copied
+    /// out into a buffer of their own size, so that no message keeps more than twice its
+    /// bytes alive (see [`budget`]).
     fn receive(&mut self, batch: PlaneBatch) {
         let Some(entries) = self.links.get_mut(&batch.from) else { return };
         let now = Instant::now();
         let mut data = batch.data;
         let stride = batch.stride.max(1);
         let (mut opened, mut refused) = (0, 0);
-        let mut fragments = Vec::new();
+        let fragments = &mut self.fragments;
+        fragments.clear();
         for (i, datagram) in data.chunks_mut(stride).enumerate() {
-            match open_with(entries, datagram, now) {
-                Ok(Some(mut f)) => {
+            let Some(k) =
+                link_id_of(datagram).and_then(|id| entries.iter().position(|e| e.link.recv_id() == id))
+            else {
+                // The socket let it through for a link that has gone since.
+                refused += 1;
+                continue;
+            };
+            let e = &mut entries[k];
+            let budget = &e.budget;
+            let base = datagram.as_ptr() as usize;
+            let admit = |o: &Offer| admit(budget, o);
+            match e.link.handle_datagram_admit(datagram, now, admit) {
+                Ok(r) => {
                     opened += 1;
-                    f.start += i * stride;
-                    fragments.push(f);
+                    e.last_heard = Some(now);
+                    let Some(r) = r.filter(|r| r.tag == TAG_DATA) else { continue };
+                    fragments.push(Fragment {
+                        entry: k,
+                        seq: r.seq,
+                        offset: r.offset,
+                        total_len: r.total_len,
+                        start: i * stride + (r.data.as_ptr() as usize - base),
+                        len: r.data.len(),
+                        complete: r.complete,
+                    });
                 }
-                Ok(None) => opened += 1,
+                // Authentic, from the peer: it is heard, its datagram resent later.
+                Err(PlaneError::OverBudget) => {
+                    e.budget.refuse();
+                    e.last_heard = Some(now);
+                }
                 Err(_) => refused += 1,
             }
         }
@@ -430,16 +514,56 @@ impl Driver {
         if fragments.is_empty() {
             return;
         }
-        let data = Bytes::from(data);
-        for f in fragments {
-            let piece = data.slice(f.start..f.start + f.len);
-            let Some(e) = entries.get_mut(f.entry) else { continue };
-            e.partial.entry(f.seq).or_default().push((f.offset, piece));
-            if f.complete {
-                if let Some(pieces) = e.partial.remove(&f.seq) {
-                    take_message(&self.plane, batch.from, pieces);
+        // The message with the most bytes here keeps the buffer if it fills half of it.
+        let mut groups: Vec<((usize, u64), usize)> = Vec::new();
+        for f in fragments.iter() {
+            match groups.iter_mut().find(|(g, _)| *g == (f.entry, f.seq)) {
+                Some((_, n)) => *n += f.len,
+                None => groups.push(((f.entry, f.seq), f.len)),
+            }
+        }
+        let keeper =
+            groups.iter().max_by_key(|(_, n)| *n).filter(|(_, n)| 2 * n >= data.capacity()).map(|(g, _)| *g);
+        let budget = entries[fragments[0].entry].budget.clone();
+        let mut copied = 0;
+        // Each message's bytes: its own copy (`true`), or the buffer itself (the keeper's).
+        let mut sources: Vec<((usize, u64), Bytes, bool)> = Vec::with_capacity(groups.len());
+        for &(g, n) in groups.iter().filter(|(g, _)| keeper != Some(*g)) {
+            // A message with a small part of this buffer: its bytes, copied out.
+            let mut own = Vec::with_capacity(n);
+            for f in fragments.iter().filter(|f| (f.entry, f.seq) == g) {
+                own.extend_from_slice(&data[f.start..f.start + f.len]);
+            }
+            copied += n as u64;
+            sources.push((g, budget::hold(own, &budget), true));
+        }
+        if let Some(g) = keeper {
+            sources.push((g, budget::hold(data, &budget), false));
+        }
+        for (g, source, own) in sources {
+            let Some(e) = entries.get_mut(g.0) else { continue };
+            let mut at = 0;
+            for f in fragments.iter().filter(|f| (f.entry, f.seq) == g) {
+                let piece =
+                    if own { source.slice(at..at + f.len) } else { source.slice(f.start..f.start + f.len) };
+                at += f.len;
+                e.budget.arrived(f.len as u64);
+                let p = e
+                    .partial
+                    .entry(f.seq)
+                    .or_insert_with(|| Partial { pieces: Vec::new(), missing: f.total_len });
+                p.missing = p.missing.saturating_sub(f.len as u64);
+                p.pieces.push((f.offset, piece));
+                if f.complete {
+                    if let Some(mut p) = e.partial.remove(&f.seq) {
+                        e.budget.close(p.missing);
+                        take_message(&self.plane, batch.from, std::mem::take(&mut p.pieces));
+                    }
                 }
             }
+        }
+        if copied > 0 {
+            lock(&self.plane.counters).copied += copied;
         }
     }
 
@@ -468,16 +592,22 @@ impl Driver {
             }
         }
         let socket = self.socket.clone();
-        self.links.retain(|peer, entries| {
+        self.links.retain(|_, entries| {
             entries.retain(|e| {
                 let alive = e.conn.close_reason().is_none() && !e.dead;
                 if !alive {
-                    socket.remove_route(*peer);
+                    socket.remove_route(e.link.recv_id());
                 }
                 alive
             });
             !entries.is_empty()
         });
+        // Messages no operation asked for, from a peer this lane has no link to any more,
+        // are never asked for (a peer that comes back is a new process with new operations).
+        if self.lane == 0 {
+            let links = &self.links;
+            lock(&self.plane.subs).unclaimed.retain(|((peer, _), _)| links.contains_key(peer));
+        }
         let lane = self.lane;
         let mut ready = lock(&self.plane.ready);
         ready.retain(|(peer, l)| {
@@ -557,82 +687,18 @@ struct Fragment {
     entry: usize,
     seq: u64,
     offset: u64,
+    total_len: u64,
     start: usize,
     len: usize,
     complete: bool,
 }
 
-/// Opens `datagram` in place with whichever of the peer's links holds its keys and takes
-/// in what it carries; returns the ring data fragment it carried, if any (`start` relative
-/// to the datagram).
-fn open_with(
-    entries: &mut [Entry],
-    datagram: &mut [u8],
-    now: Instant,
-) -> Result<Option<Fragment>, PlaneError> {
-    let n = entries.len();
-    // The link that last opened one is tried first: with both ends sending on the same link
-    // (`best`), the first try opens it, and a failed AEAD open (a whole decryption) is rare.
-    let first = (0..n).max_by_key(|&k| (entries[k].last_heard, std::cmp::Reverse(k))).unwrap_or(0);
-    let order = std::iter::once(first).chain((0..n).filter(|&k| k != first));
-    // Once the first link opened [`CONFIDENT`] in a row, it opens in place, without a copy:
-    // a datagram of another link is then lost (and resent by its sender, opened by a copy).
-    let confident = entries[first].streak >= CONFIDENT;
-    let mut last = PlaneError::Auth;
-    for (tried, k) in order.enumerate() {
-        let e = &mut entries[k];
-        if tried + 1 == n || (tried == 0 && confident) {
-            return open_one(e, k, tried, datagram, now);
-        }
-        // A failed open leaves the buffer zeroed: every other try opens a copy (two links to
-        // one peer exist while a connection is being replaced, or both nodes dialled at
-        // once), which goes back into the batch once it opened.
-        let mut copy = datagram.to_vec();
-        match open_one(e, k, tried, &mut copy, now) {
-            Ok(f) => {
-                datagram.copy_from_slice(&copy);
-                return Ok(f);
-            }
-            Err(err) => last = err,
-        }
-    }
-    Err(last)
-}
-
-/// Opens `buf` in place with link `k` of the peer (the `tried`-th one tried) and keeps its
-/// record: when it last heard, how many it opened in a row as the first one tried.
-/// Returns the ring data fragment it carried, located within `buf`.
-fn open_one(
-    e: &mut Entry,
-    k: usize,
-    tried: usize,
-    buf: &mut [u8],
-    now: Instant,
-) -> Result<Option<Fragment>, PlaneError> {
-    let base = buf.as_ptr() as usize;
-    match e.link.handle_datagram(buf, now) {
-        Ok(r) => {
-            e.last_heard = Some(now);
-            e.streak = if tried == 0 { e.streak.saturating_add(1) } else { 1 };
-            Ok(r.and_then(|r| fragment_at(k, base, &r)))
-        }
-        Err(err) => {
-            e.streak = 0;
-            Err(err)
-        }
-    }
-}
-
-/// The ring data fragment `r`, located within the datagram that starts at address `base`.
-fn fragment_at(entry: usize, base: usize, r: &Received<'_>) -> Option<Fragment> {
-    (r.tag == TAG_DATA).then(|| Fragment {
-        entry,
-        seq: r.seq,
-        offset: r.offset,
-        start: r.data.as_ptr() as usize - base,
-        len: r.data.len(),
-        complete: r.complete,
-    })
+/// Whether the peer's budget lets this end take a new fragment in: one of a data message
+/// already open always (its first fragment opened it within the budget, which reserved
+/// its bytes), the first of a data message if it can open within the budget; messages of
+/// other tags are not kept (the probe).
+fn admit(budget: &Budget, o: &Offer) -> bool {
+    o.tag != TAG_DATA || !o.opens || budget.open(o.total_len)
 }
 
 /// Hands a complete message on: its pieces in order, its header taken off.

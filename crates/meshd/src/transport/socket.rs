@@ -4,9 +4,14 @@
 //! quinn's endpoint runs over [`DemuxSocket`] as its [`quinn::AsyncUdpSocket`]. Every
 //! receive batch (GRO included) is split by the first byte of each datagram: QUIC packets
 //! (fixed bit set; greasing is off on meshd's endpoints) stay in quinn's buffers, plane
-//! datagrams go to the plane driver's bounded queue. A plane datagram from an address with
-//! no authenticated plane link is dropped after one table lookup: no allocation, no reply.
+//! datagrams go to the plane driver's bounded queue. A plane datagram goes there only if
+//! its link id is one a link of this node expects, from the address that link's peer has:
+//! any other (a stranger's, or a spoofer's with a member's address but not the id, which
+//! it never sees) is dropped after one table lookup, before it is copied or queued: no
+//! allocation, no cryptography, no reply, and no room taken from the member's real
+//! datagrams in the queue.
 
+use meshd_proto::plane::packet::link_id_of;
 use quinn::udp::{RecvMeta, Transmit, UdpSocketState};
 use std::collections::HashMap;
 use std::io::{self, IoSliceMut};
@@ -38,6 +43,17 @@ pub struct PlaneBatch {
     pub data: Vec<u8>,
 }
 
+/// Where the plane datagrams of one link id go.
+#[derive(Debug, Clone, Copy)]
+struct Route {
+    /// The only address they may come from.
+    addr: SocketAddr,
+    /// The lane whose queue takes them.
+    lane: u8,
+    /// Links with this id (two only if two ids ever collided).
+    links: usize,
+}
+
 /// Counters of what the socket did with plane datagrams.
 #[derive(Debug, Default)]
 pub struct SocketCounters {
@@ -45,7 +61,7 @@ pub struct SocketCounters {
     pub plane_queued: AtomicU64,
     /// Batches (receive calls' buffers, GRO included) those came in.
     pub plane_batches: AtomicU64,
-    /// Plane datagrams from an address without an authenticated link: dropped.
+    /// Plane datagrams whose link id no link expects from their address: dropped.
     pub plane_unknown: AtomicU64,
     /// Plane datagrams dropped because the plane queue was full (or no plane runs).
     pub plane_overflow: AtomicU64,
@@ -56,8 +72,9 @@ pub struct SocketCounters {
 pub struct DemuxSocket {
     io: tokio::net::UdpSocket,
     state: UdpSocketState,
-    /// Addresses with an authenticated plane link, and how many links each has.
-    routes: RwLock<HashMap<SocketAddr, usize>>,
+    /// The link id of every authenticated plane link this node receives on: the peer's
+    /// address, the lane (queue) its datagrams go to, and how many links have that id.
+    routes: RwLock<HashMap<u64, Route>>,
     /// One queue per plane lane (datagrams of lane `l` go to queue `l % len`).
     plane_tx: Vec<mpsc::Sender<PlaneBatch>>,
     /// What happened to plane datagrams.
@@ -80,28 +97,22 @@ impl DemuxSocket {
         })
     }
 
-    /// Lets plane datagrams from `addr` through (one more link there).
-    pub fn add_route(&self, addr: SocketAddr) {
+    /// Lets plane datagrams of link id `id` from `addr` through, to the queue of `lane`.
+    pub fn add_route(&self, id: u64, addr: SocketAddr, lane: u8) {
         let mut r = self.routes.write().unwrap_or_else(|p| p.into_inner());
-        *r.entry(super::canonical(addr)).or_insert(0) += 1;
+        let route = r.entry(id).or_insert(Route { addr: super::canonical(addr), lane, links: 0 });
+        route.links += 1;
     }
 
-    /// One link to `addr` fewer; its datagrams are dropped again once none is left.
-    pub fn remove_route(&self, addr: SocketAddr) {
-        let addr = super::canonical(addr);
+    /// One link of id `id` fewer; its datagrams are dropped again once none is left.
+    pub fn remove_route(&self, id: u64) {
         let mut r = self.routes.write().unwrap_or_else(|p| p.into_inner());
-        if let Some(n) = r.get_mut(&addr) {
-            *n -= 1;
-            if *n == 0 {
-                r.remove(&addr);
+        if let Some(route) = r.get_mut(&id) {
+            route.links -= 1;
+            if route.links == 0 {
+                r.remove(&id);
             }
         }
-    }
-
-    fn routed(&self, addr: &SocketAddr) -> bool {
-        let r = self.routes.read().unwrap_or_else(|p| p.into_inner());
-        // Only the IPv4-mapped form needs converting; the lookup allocates nothing.
-        r.contains_key(&super::canonical(*addr))
     }
 
     /// Sends `contents` to `to` as datagrams of `segment_size` bytes (one GSO send).
@@ -131,6 +142,7 @@ impl DemuxSocket {
     /// QUIC bytes are left for quinn.
     fn split(&self, bufs: &mut [IoSliceMut<'_>], meta: &mut [RecvMeta], n: usize) -> bool {
         let mut any_quic = false;
+        let queues = self.plane_tx.len();
         for (buf, m) in bufs.iter_mut().zip(meta.iter_mut()).take(n) {
             let stride = m.stride.max(1);
             let len = m.len.min(buf.len());
@@ -141,31 +153,55 @@ impl DemuxSocket {
                 continue;
             }
             let segments = len.div_ceil(stride);
-            if !self.routed(&m.addr) {
-                self.counters.plane_unknown.fetch_add(plane_segments as u64, Ordering::Relaxed);
-            } else if self.plane_tx.is_empty() {
+            if queues == 0 {
                 self.counters.plane_overflow.fetch_add(plane_segments as u64, Ordering::Relaxed);
             } else {
-                // One batch per lane queue. A shorter segment can only be the batch's last
-                // one: each batch of plane datagrams keeps the GSO rule.
-                let queues = self.plane_tx.len();
-                let mut batches: Vec<Option<Vec<u8>>> = vec![None; queues];
-                let mut counts = vec![0u64; queues];
+                let from = super::canonical(m.addr);
+                let routes = self.routes.read().unwrap_or_else(|p| p.into_inner());
+                // The queue each segment goes to, if any link expects it (one lookup per
+                // run of segments of one link id: a GRO batch is mostly one link's).
+                let mut last: Option<(u64, Option<usize>)> = None;
+                let mut queue_of = |d: &[u8]| -> Option<usize> {
+                    let id = link_id_of(d)?;
+                    if let Some((_, q)) = last.filter(|(l, _)| *l == id) {
+                        return q;
+                    }
+                    let q = routes.get(&id).filter(|r| r.addr == from).map(|r| usize::from(r.lane) % queues);
+                    last = Some((id, q));
+                    q
+                };
+                let mut counts = [0usize; super::plane::MAX_PLANE_LANES];
+                let mut unknown = 0u64;
                 for d in buf[..len].chunks(stride).filter(|d| meshd_proto::plane::is_plane_datagram(d[0])) {
-                    let q = d.get(1).map_or(0, |&lane| usize::from(lane) % queues);
-                    let cap = if queues == 1 { plane_segments * stride } else { len };
-                    batches[q].get_or_insert_with(|| Vec::with_capacity(cap)).extend_from_slice(d);
-                    counts[q] += 1;
+                    match queue_of(d) {
+                        Some(q) => counts[q.min(counts.len() - 1)] += 1,
+                        None => unknown += 1,
+                    }
                 }
+                if unknown > 0 {
+                    self.counters.plane_unknown.fetch_add(unknown, Ordering::Relaxed);
+                }
+                // One batch per lane queue, of exactly its datagrams' size (the plane counts
+                // what it keeps by allocation). A shorter segment can only be the batch's
+                // last one: each batch of plane datagrams keeps the GSO rule.
+                let mut batches: Vec<Option<Vec<u8>>> = vec![None; queues];
+                for d in buf[..len].chunks(stride).filter(|d| meshd_proto::plane::is_plane_datagram(d[0])) {
+                    let Some(q) = queue_of(d) else { continue };
+                    let q = q.min(counts.len() - 1);
+                    batches[q]
+                        .get_or_insert_with(|| Vec::with_capacity(counts[q] * stride))
+                        .extend_from_slice(d);
+                }
+                drop(routes);
                 for (q, data) in batches.into_iter().enumerate() {
                     let Some(data) = data else { continue };
-                    let batch = PlaneBatch { from: super::canonical(m.addr), stride, data };
+                    let batch = PlaneBatch { from, stride, data };
                     match self.plane_tx[q].try_send(batch) {
                         Ok(()) => {
                             self.counters.plane_batches.fetch_add(1, Ordering::Relaxed);
-                            self.counters.plane_queued.fetch_add(counts[q], Ordering::Relaxed)
+                            self.counters.plane_queued.fetch_add(counts[q] as u64, Ordering::Relaxed)
                         }
-                        Err(_) => self.counters.plane_overflow.fetch_add(counts[q], Ordering::Relaxed),
+                        Err(_) => self.counters.plane_overflow.fetch_add(counts[q] as u64, Ordering::Relaxed),
                     };
                 }
             }
@@ -267,25 +303,28 @@ mod tests {
         (n, meta, storage)
     }
 
+    /// A plane datagram's bytes of link `id` on `lane` (not sealed: the socket opens nothing).
+    fn plane(id: u64, lane: u8, tail: u8) -> Vec<u8> {
+        use meshd_proto::plane::packet::{Header, OVERHEAD};
+        let mut d = vec![tail; OVERHEAD + 4];
+        Header::write(false, lane, id, 0, &mut d);
+        d
+    }
+
     #[tokio::test]
-    async fn plane_datagrams_leave_quic_stays_and_strangers_are_dropped() {
+    async fn plane_datagrams_leave_quic_stays_and_strangers_and_spoofers_are_dropped() {
         let (tx, mut rx) = mpsc::channel(4);
         let std_sock = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
         let sock = Arc::new(DemuxSocket::new(std_sock, vec![tx]).expect("socket"));
         let to = sock.local_addr().expect("addr");
         let stranger = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
         let member = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
-        sock.add_route(member.local_addr().expect("addr"));
+        sock.add_route(7, member.local_addr().expect("addr"), 0);
 
-        // From a non-member: junk with the fixed bit clear is dropped; QUIC-looking bytes
+        // From a non-member, even with the member's link id: dropped; QUIC-looking bytes
         // still reach quinn.
         for i in 0..50u8 {
-            stranger
-                .send_to(
-                    &[0x20, i, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22],
-                    to,
-                )
-                .expect("send");
+            stranger.send_to(&plane(if i % 2 == 0 { 7 } else { u64::from(i) }, 0, i), to).expect("send");
         }
         stranger.send_to(&[0x40, 9, 9, 9], to).expect("send");
         let (n, meta, storage) = recv_once(&sock).await;
@@ -295,8 +334,15 @@ mod tests {
         assert_eq!(sock.counters.plane_unknown.load(Ordering::Relaxed), 50);
         assert!(rx.try_recv().is_err(), "a stranger's datagram reached the plane");
 
-        // From a member: the plane gets it, quinn does not.
-        member.send_to(&[0x21, 0, 0, 0, 0, 7], to).expect("send");
+        // From the member's address: other link ids (a spoofer's guesses), a datagram of
+        // an older plane version and one too short to hold an id are dropped; its own link
+        // id goes to the plane, QUIC to quinn.
+        member.send_to(&plane(8, 0, 1), to).expect("send");
+        let mut v1 = plane(7, 0, 2);
+        v1[0] = 0x20;
+        member.send_to(&v1, to).expect("send");
+        member.send_to(&plane(7, 0, 3)[..20], to).expect("send");
+        member.send_to(&plane(7, 0, 4), to).expect("send");
         member.send_to(&[0x41, 1], to).expect("send");
         let mut got_quic = Vec::new();
         while got_quic.is_empty() {
@@ -305,22 +351,27 @@ mod tests {
         }
         assert_eq!(got_quic, vec![vec![0x41u8, 1]]);
         let batch = rx.try_recv().expect("plane batch");
-        assert_eq!(batch.data, vec![0x21, 0, 0, 0, 0, 7]);
+        assert_eq!(batch.data, plane(7, 0, 4));
+        assert_eq!(batch.data.capacity(), batch.data.len(), "a batch is allocated to its size");
         assert_eq!(batch.from, member.local_addr().expect("addr"));
+        assert!(rx.try_recv().is_err(), "only the member's own link id passes");
+        assert_eq!(sock.counters.plane_unknown.load(Ordering::Relaxed), 53);
     }
 
     #[tokio::test]
-    async fn plane_datagrams_go_to_the_queue_of_their_lane() {
+    async fn plane_datagrams_go_to_the_queue_of_their_links_lane() {
         let (tx0, mut rx0) = mpsc::channel(8);
         let (tx1, mut rx1) = mpsc::channel(8);
         let std_sock = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
         let sock = Arc::new(DemuxSocket::new(std_sock, vec![tx0, tx1]).expect("socket"));
         let to = sock.local_addr().expect("addr");
         let member = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
-        sock.add_route(member.local_addr().expect("addr"));
-        // Lanes 0, 1, 2 and 3: even lanes to queue 0, odd ones to queue 1.
+        // Links of lanes 0, 1, 2 and 3: even lanes to queue 0, odd ones to queue 1.
         for lane in 0..4u8 {
-            member.send_to(&[0x20, lane, 9], to).expect("send");
+            sock.add_route(100 + u64::from(lane), member.local_addr().expect("addr"), lane);
+        }
+        for lane in 0..4u8 {
+            member.send_to(&plane(100 + u64::from(lane), lane, 9), to).expect("send");
         }
         member.send_to(&[0x40], to).expect("send");
         let mut quic = 0;
@@ -345,9 +396,11 @@ mod tests {
         let sock = Arc::new(DemuxSocket::new(std_sock, vec![tx]).expect("socket"));
         let to = sock.local_addr().expect("addr");
         let member = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
-        sock.add_route(member.local_addr().expect("addr"));
+        let from = member.local_addr().expect("addr");
+        sock.add_route(5, from, 0);
+        sock.add_route(5, from, 0);
         for i in 0..20u8 {
-            member.send_to(&[0x20, i], to).expect("send");
+            member.send_to(&plane(5, 0, i), to).expect("send");
         }
         member.send_to(&[0x40], to).expect("send");
         let mut quic = 0;
@@ -358,7 +411,10 @@ mod tests {
         let c = &sock.counters;
         assert_eq!(c.plane_queued.load(Ordering::Relaxed) + c.plane_overflow.load(Ordering::Relaxed), 20);
         assert!(c.plane_overflow.load(Ordering::Relaxed) >= 18 - 2 * 4, "{c:?}");
-        sock.remove_route(member.local_addr().expect("addr"));
-        assert!(!sock.routed(&member.local_addr().expect("addr")));
+        // Two links had the id: it stays routed until both are gone.
+        sock.remove_route(5);
+        assert!(sock.routes.read().expect("lock").contains_key(&5));
+        sock.remove_route(5);
+        assert!(!sock.routes.read().expect("lock").contains_key(&5));
     }
 }
