@@ -701,7 +701,8 @@ pub fn start_for_round(
     };
     match Tunnel::start(cfg, transport.clone(), incoming.clone(), stats.clone()) {
         Ok(t) => {
-            transport.set_tunnel_stats(Some(stats.clone()));
+            let counters = stats.clone();
+            transport.set_tunnel_stats(Some(Arc::new(move || counters.reply())));
             info!(
                 "tunnel: the ranks' TCP connections to {} go through meshd (LD_PRELOAD {}); peers reach only \
                  ports this job's ranks listen on here; up to {} tunnelled connections (open files); \

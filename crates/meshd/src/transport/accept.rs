@@ -198,7 +198,7 @@ pub(super) async fn serve_queries(inner: &Inner, conn: quinn::Connection) {
                 let _ = send.finish();
             }
             Ok(Query::Tunnel) => {
-                let reply = lock(&inner.tunnel_stats).as_ref().map(|s| s.reply());
+                let reply = lock(&inner.tunnel_stats).as_ref().map(|counters| counters());
                 let _ = send.write_all(&wire::encode(&reply)).await;
                 let _ = send.finish();
             }

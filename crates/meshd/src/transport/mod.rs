@@ -331,6 +331,9 @@ pub struct DataStream {
     pub recv: quinn::RecvStream,
 }
 
+/// The tunnel's counters as `meshd status` gets them, read when a probe asks.
+pub type TunnelCounters = Arc<dyn Fn() -> TunnelReply + Send + Sync>;
+
 /// Held while one task does something that others must not do at the same time.
 type OneAtATime = Arc<tokio::sync::Mutex<()>>;
 
@@ -355,7 +358,7 @@ struct Inner {
     tunnel_tx: mpsc::Sender<TunnelStream>,
     tunnel_rx: Mutex<Option<mpsc::Receiver<TunnelStream>>>,
     /// The running tunnel's counters, answered to `meshd status` ([`Query::Tunnel`]).
-    tunnel_stats: Mutex<Option<Arc<crate::tunnel::TunnelStats>>>,
+    tunnel_stats: Mutex<Option<TunnelCounters>>,
     /// Lane connections, opened by either end: (peer, lane 1..) -> connection.
     lanes: Mutex<HashMap<(SocketAddr, u8), (quinn::Connection, NodeId)>>,
     /// Every data connection while it is open, whichever end opened it: when both ends
@@ -674,9 +677,10 @@ impl Transport {
         Ok(connect(&self.inner, to, lane).await?.0)
     }
 
-    /// Sets the tunnel counters `meshd status` probes are told.
-    pub fn set_tunnel_stats(&self, stats: Option<Arc<crate::tunnel::TunnelStats>>) {
-        *lock(&self.inner.tunnel_stats) = stats;
+    /// Sets what `meshd status` probes are told of the tunnel's counters (the tunnel
+    /// depends on the transport, not the reverse: it hands over a function).
+    pub fn set_tunnel_stats(&self, counters: Option<TunnelCounters>) {
+        *lock(&self.inner.tunnel_stats) = counters;
     }
 
     /// Asks the meshd at `to` for its tunnel counters (`None`: not in tunnel mode).
