@@ -25,6 +25,7 @@
 //! - [`sim`]: a deterministic network simulator over the real membership and node cores.
 
 pub mod id;
+pub mod job_msg;
 pub mod membership;
 pub mod meta;
 pub mod nccl_id;
@@ -35,6 +36,7 @@ pub mod reduce;
 pub mod rendezvous;
 pub mod ring;
 pub mod rng;
+pub mod roster;
 pub mod sim;
 pub mod store;
 pub mod wire;

@@ -10,7 +10,7 @@
 //! pair that failed.
 
 use crate::id::NodeId;
-use crate::rendezvous::Roster;
+use crate::roster::Roster;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 

@@ -1,0 +1,110 @@
+//! The job protocol's message catalogue between nodes (`Frame::Rdzv` on the wire): the
+//! rendezvous' `Propose`, `Ack` and `Commit`, the preflight's exchanges, and the
+//! lifecycle's `Abort`, `AbortAck`, `Done` and `Signal`. Defined here, beside no core, so
+//! that the rendezvous, the preflight and the node core each import it without importing
+//! each other. Append-only, as every wire enum.
+
+use crate::id::NodeId;
+use crate::roster::Roster;
+use serde::{Deserialize, Serialize};
+
+/// Rendezvous and job-lifecycle messages.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Message {
+    /// Master -> all: the roster to acknowledge.
+    Propose(Roster),
+    /// Member -> master: roster accepted.
+    Ack {
+        /// Restart round.
+        restart: u32,
+        /// Epoch acknowledged.
+        epoch: u64,
+    },
+    /// Master -> all: every member acknowledged; start.
+    Commit {
+        /// Restart round.
+        restart: u32,
+        /// Epoch committed.
+        epoch: u64,
+    },
+    /// Any -> all: stop the job now.
+    Abort {
+        /// Restart round.
+        restart: u32,
+        /// Node that failed (or stopped the job).
+        node: NodeId,
+        /// Its host name.
+        hostname: String,
+        /// Global rank that failed, if a rank did.
+        rank: Option<u32>,
+        /// What happened, in words.
+        reason: String,
+        /// The failed rank's details (exception, traceback, exit status), when a rank failed
+        /// (boxed: it is large, and every other message is small).
+        cause: Option<Box<RankFailure>>,
+    },
+    /// Any -> all: all my ranks exited 0.
+    Done {
+        /// Restart round.
+        restart: u32,
+    },
+    /// Any -> all after a commit: the TCP port this node listens on for the preflight.
+    PreflightHello {
+        /// Restart round.
+        restart: u32,
+        /// Ephemeral TCP port on the chosen interface.
+        tcp_port: u16,
+        /// The NCCL unique id (from the master only).
+        nccl_id: Option<Vec<u8>>,
+    },
+    /// Any -> all: what this node found in the preflight.
+    PreflightReport {
+        /// Restart round.
+        restart: u32,
+        /// The findings.
+        report: crate::preflight::NodeReport,
+    },
+    /// Any -> all: a signal a meshd received (SIGUSR1, SIGUSR2) for every rank; the job goes on.
+    Signal {
+        /// Restart round.
+        restart: u32,
+        /// The signal number.
+        signal: i32,
+        /// Host name of the node that received it.
+        hostname: String,
+    },
+    /// Reply to [`Message::Abort`]: the abort of round `restart` arrived. The aborting node
+    /// repeats its `Abort` to every roster member until each acknowledged or is dead.
+    AbortAck {
+        /// Restart round of the `Abort` acknowledged.
+        restart: u32,
+    },
+}
+
+/// Why a rank failed, as the node that ran it saw it; travels in [`Message::Abort`] so that
+/// every node prints the same root cause and exits with the same status.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankFailure {
+    /// Host name of the rank's node.
+    pub host: String,
+    /// The node's address on the chosen interface.
+    pub addr: String,
+    /// The node's rank.
+    pub node_rank: u32,
+    /// Global rank.
+    pub rank: u32,
+    /// Local rank.
+    pub local_rank: u32,
+    /// How it ended, in words ("exited with status 1", "killed by signal 9 (SIGKILL)").
+    pub exit: String,
+    /// meshd's exit status for it: the rank's exit code, 128 + signal when killed.
+    pub status: u8,
+    /// When it failed (seconds since the Unix epoch; the error file's time when it has one).
+    pub time: u64,
+    /// The exception ("ValueError: ...") from the rank's error file, or what meshd knows.
+    pub message: String,
+    /// The traceback from the error file, else the rank's last stderr lines (bounded).
+    pub traceback: String,
+    /// Where `traceback` came from: "error file", "stderr", "stall".
+    pub source: String,
+}
