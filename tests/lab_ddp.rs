@@ -67,18 +67,14 @@ fn ddp_matrix(t: &Torch, collective: &str, mode: &str) {
 
 on_torches!([torch1_13, torch2, torch2_numpy]
 fn ddp_with_buckets_no_sync_unused_parameters_and_static_graph_through_the_hook(t) {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     ddp_matrix(t, "quic", "hook");
 }
 );
 
 on_torches!([torch1_13, torch2]
 fn ddp_with_buckets_no_sync_unused_parameters_and_static_graph_over_gloo_through_the_tunnel(t) {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     ddp_matrix(t, "tunnel", "gloo");
 }
 );

@@ -211,9 +211,7 @@ fn dns_job(at: [u64; 3]) -> Vec<Duration> {
 /// pods become ready. Any one record is enough: the others join through the first.
 #[test]
 fn records_that_appear_one_by_one_form_the_job() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     dns_job([0, 8, 16]);
 }
 
@@ -221,9 +219,7 @@ fn records_that_appear_one_by_one_form_the_job() {
 /// re-resolving `dns:workers.lab` (every <= 4 s) and the job forms once records exist.
 #[test]
 fn no_record_at_start_then_one_by_one() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let exited = dns_job([3, 6, 9]);
     assert!(
         exited.iter().all(|t| *t >= Duration::from_secs(3)),

@@ -70,9 +70,7 @@ fn mbit(bytes_per_s: f64) -> f64 {
 
 #[test]
 fn a_tcp_flow_keeps_a_third_of_a_bottleneck_it_shares_with_the_ring_on_the_plane() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let _serial = serial();
     let mut lab = Lab::new(2);
     // Everything host 0 sends to host 1 (ring chunks and the TCP flow) crosses the bottleneck;
@@ -181,9 +179,7 @@ fn ring_busbw(lab: &mut Lab, iters: u32) -> (f64, Vec<Value>) {
 
 #[test]
 fn at_a_bottleneck_the_plane_keeps_half_its_throughput_under_one_percent_random_loss() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let _serial = serial();
     let mut lab = Lab::new(2);
     for i in 0..2 {

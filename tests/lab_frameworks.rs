@@ -143,9 +143,7 @@ fn check_lightning(ranks: &[BTreeMap<String, String>]) {
 
 on_torches!([torch2_numpy]
 fn lightning_ddp_trains_on_three_hosts_under_srun_leftovers(t) {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let ranks = run_framework(t, false, "lightning_job.py", "LIGHTNING", &srun_env);
     check_lightning(&ranks);
     // SLURMEnvironment (a script passing it explicitly) reads meshd's rewritten variables.
@@ -160,9 +158,7 @@ fn lightning_ddp_trains_on_three_hosts_under_srun_leftovers(t) {
 
 on_torches!([torch2_numpy]
 fn lightning_ddp_trains_on_three_hosts_behind_a_one_port_firewall(t) {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let ranks = run_framework(t, true, "lightning_job.py", "LIGHTNING", &|_| Vec::new());
     check_lightning(&ranks);
     assert!(ranks.iter().all(|r| !r.contains_key("slurm_world")), "no SLURM here: {ranks:#?}");
@@ -190,18 +186,14 @@ fn check_accelerate(ranks: &[BTreeMap<String, String>]) {
 
 on_torches!([torch2_numpy]
 fn accelerate_trains_on_three_hosts(t) {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     check_accelerate(&run_framework(t, false, "accelerate_job.py", "ACCELERATE", &accelerate_cpu));
 }
 );
 
 on_torches!([torch2_numpy]
 fn accelerate_trains_on_three_hosts_behind_a_one_port_firewall(t) {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     check_accelerate(&run_framework(t, true, "accelerate_job.py", "ACCELERATE", &accelerate_cpu));
 }
 );

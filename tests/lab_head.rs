@@ -48,9 +48,7 @@ fn check_job(lab: &Lab, res: &[(Option<i32>, String, String)]) {
 
 #[test]
 fn six_hosts_all_given_only_the_head_address() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(6);
     let head = lab.hosts[HEAD].eth1.clone();
     let res = lab.run_on_all(&run_args("6", &head, &[]), &[TOKEN], Duration::from_secs(90));
@@ -61,9 +59,7 @@ fn six_hosts_all_given_only_the_head_address() {
 
 #[test]
 fn six_hosts_all_given_only_the_head_name() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(6);
     let head = lab.hosts[HEAD].eth1.clone();
     for i in 0..6 {
@@ -75,9 +71,7 @@ fn six_hosts_all_given_only_the_head_name() {
 
 #[test]
 fn the_head_starts_ten_seconds_after_the_others() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(6);
     let head = lab.hosts[HEAD].eth1.clone();
     let args = run_args("6", &head, &[]);
@@ -95,9 +89,7 @@ fn the_head_starts_ten_seconds_after_the_others() {
 /// other entry is that name does not fall back to loopback.
 #[test]
 fn a_head_name_that_appears_in_the_hosts_file_five_seconds_late() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(3);
     let head = lab.hosts[1].eth1.clone();
     for i in 0..3 {
@@ -117,9 +109,7 @@ fn a_head_name_that_appears_in_the_hosts_file_five_seconds_late() {
 
 #[test]
 fn doctor_and_bench_with_every_node_given_only_the_head_address() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(3);
     let head = lab.hosts[2].eth1.clone();
     let doctor = [meshd(), "doctor", "--nnodes", "3", "--peers", &head, "--rdzv-timeout", "60s", "--json"];
@@ -162,9 +152,7 @@ fn doctor_and_bench_with_every_node_given_only_the_head_address() {
 /// naming what was listed and what is local, instead of waiting on loopback.
 #[test]
 fn a_list_with_only_loopback_is_refused_with_what_to_pass() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(1);
     let (code, _, err) = lab.run(
         0,
@@ -180,9 +168,7 @@ fn a_list_with_only_loopback_is_refused_with_what_to_pass() {
 /// announce (the one holding its listed address), as `meshd run` does.
 #[test]
 fn ifaces_on_the_head_names_the_seed_interface() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(2);
     let head = lab.hosts[0].eth1.clone();
     let (code, out, err) =
@@ -204,9 +190,7 @@ fn ifaces_on_the_head_names_the_seed_interface() {
 /// master the lowest address. Prints how long formation took on each node (its launch line).
 #[test]
 fn sixteen_hosts_form_one_job_through_the_head() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(16);
     let head = lab.hosts[HEAD].eth1.clone();
     let t = Instant::now();

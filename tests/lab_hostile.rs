@@ -428,9 +428,7 @@ fn lines_about(log: &str, what: &str) -> Vec<String> {
 /// Case 3: 20k random datagrams/s for 5 s at the victim's port while the 3-node job runs.
 #[test]
 fn garbage_flood_at_the_port_does_not_stop_the_job() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let _g = serial();
     let mut lab = Lab::new(4);
     let script = job_script(30);
@@ -472,9 +470,7 @@ fn garbage_flood_at_the_port_does_not_stop_the_job() {
 /// and never authenticate, from one host, while the job forms.
 #[test]
 fn half_open_handshakes_are_bounded_and_the_job_still_forms() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let _g = serial();
     let mut lab = Lab::new(4);
     // The victim alone first, so it is listening when the attack starts.
@@ -595,9 +591,7 @@ const PRE_AUTH_RSS_BOUND_KIB: u64 = 8 * 1024;
 /// on the same nodes.
 #[test]
 fn unauthenticated_clients_cannot_make_meshd_buffer_their_data() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let _g = serial();
     let mut lab = Lab::new(4);
     let script = job_script(10);
@@ -667,9 +661,7 @@ fn unauthenticated_clients_cannot_make_meshd_buffer_their_data() {
 /// with the same command joins; the job completes restart round 1 on every node.
 #[test]
 fn spoofed_initials_do_not_lock_out_joins_or_a_replacement() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let _g = serial();
     let mut lab = Lab::new(4);
     let attacker_ns = lab.hosts[3].ns.clone();
@@ -802,9 +794,7 @@ fn spoofed_initials_do_not_lock_out_joins_or_a_replacement() {
 /// port, and truncated, while the job forms and runs.
 #[test]
 fn recorded_session_replayed_and_truncated_is_ignored() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let _g = serial();
     let mut lab = Lab::new(4);
     let script = job_script(30);
@@ -890,9 +880,7 @@ fn recorded_session_replayed_and_truncated_is_ignored() {
 /// owner-only.
 #[test]
 fn local_socket_refuses_another_user() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let _g = serial();
     let mut lab = Lab::new(1);
     let script = format!(

@@ -6,9 +6,7 @@ use std::time::Duration;
 
 #[test]
 fn ifaces_chooses_eth1_on_each_of_three_hosts() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(3);
     let peers = lab.peers();
     for i in 0..3 {
@@ -42,9 +40,7 @@ fn ifaces_chooses_eth1_on_each_of_three_hosts() {
 
 #[test]
 fn ifaces_forced_and_missing_iface() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(1);
     let (code, _, _) = lab.run(0, &[meshd(), "ifaces", "--iface", "eth0"], Duration::from_secs(10));
     assert_eq!(code, Some(0));
@@ -57,9 +53,7 @@ fn ifaces_forced_and_missing_iface() {
 /// presented as the choice; the candidates are listed and --peers decides.
 #[test]
 fn ifaces_without_peers_lists_candidates_and_proves_nothing() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(1);
     let (code, out, err) = lab.run(0, &[meshd(), "ifaces"], Duration::from_secs(10));
     assert_eq!(code, Some(0), "{err}");

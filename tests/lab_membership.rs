@@ -22,9 +22,7 @@ fn spawn_chain(lab: &mut Lab, extra: &[&str], cmd: &[&str]) -> Vec<usize> {
 
 #[test]
 fn six_hosts_each_knowing_one_member_converge_and_see_everyone() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(6);
     let ks = spawn_chain(&mut lab, &[], &["sleep", "4"]);
     std::thread::sleep(Duration::from_secs(2));
@@ -46,9 +44,7 @@ fn six_hosts_each_knowing_one_member_converge_and_see_everyone() {
 
 #[test]
 fn killed_host_is_declared_dead_by_every_other() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(6);
     let ks = spawn_chain(&mut lab, &["--grace", "1s"], &["sleep", "60"]);
     std::thread::sleep(Duration::from_secs(4));
@@ -71,9 +67,7 @@ fn killed_host_is_declared_dead_by_every_other() {
 
 #[test]
 fn partition_heals_and_everyone_is_back() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(6);
     // The job runs until a file-less marker: the first round sleeps, the restarted round ends.
     let script = "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then sleep 60; fi; echo BACK world=$WORLD_SIZE";

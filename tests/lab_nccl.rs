@@ -34,9 +34,7 @@ fn decode_root(hex: &str) -> (u16, String) {
 
 #[test]
 fn every_rank_gets_the_same_checked_nccl_id_rooted_on_eth1() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let Some(libpath) = nccl_lib() else { return };
     let mut lab = Lab::new(3);
     let peers = lab.peers();
@@ -75,9 +73,7 @@ fn every_rank_gets_the_same_checked_nccl_id_rooted_on_eth1() {
 
 #[test]
 fn doctor_checks_the_nccl_root_from_every_host() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let Some(libpath) = nccl_lib() else { return };
     let mut lab = Lab::new(3);
     let peers = lab.peers();

@@ -61,9 +61,7 @@ fn bench(lab: &mut Lab, size: &str, plane: &str) -> Vec<Vec<String>> {
 
 #[test]
 fn ring_over_the_plane_is_exact_under_one_percent_loss_and_streams_in_the_same_run() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = firewalled_lab();
     for i in 0..3 {
         lab.loss(i, 1);
@@ -76,9 +74,7 @@ fn ring_over_the_plane_is_exact_under_one_percent_loss_and_streams_in_the_same_r
 
 #[test]
 fn a_middlebox_that_drops_plane_datagrams_leaves_the_ring_on_quic_streams() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = firewalled_lab();
     // Host 1 drops every plane datagram.
     lab.nft(1, DROP_PLANE);
@@ -96,9 +92,7 @@ fn a_middlebox_that_drops_plane_datagrams_leaves_the_ring_on_quic_streams() {
 /// port while their ring runs over the plane: the results are exact and the plane serves.
 #[test]
 fn hostile_plane_datagrams_from_a_stranger_and_spoofing_a_member_change_nothing() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(4);
     for i in 0..3 {
         lab.firewall_only_udp(i, 29400);
@@ -177,9 +171,7 @@ while time.time() < end:
 /// timeout, and every host's run ends.
 #[test]
 fn datagrams_that_stop_getting_through_mid_run_end_the_operation_naming_the_cause() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = firewalled_lab();
     let peers = lab.peers();
     let args = bench_args(&peers, "16777216", "200", "auto");

@@ -140,9 +140,7 @@ const MEMBER_RSS_BOUND_KIB: u64 = (64 + 16 + 16) * 1024;
 /// did arrive and were held up to the budget); the job then ends normally everywhere.
 #[test]
 fn a_members_unfinished_and_unclaimed_plane_messages_stay_within_its_budget() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(4);
     let dir = format!("/tmp/meshd-plane-hostile-{}", std::process::id());
     let _ = std::fs::remove_dir_all(&dir);
@@ -282,9 +280,7 @@ const FLOOD: Duration = Duration::from_secs(8);
 /// any copy or AES-GCM. The flood starts once the ring runs and lasts [`FLOOD`].
 #[test]
 fn a_spoof_flood_with_a_members_address_leaves_the_plane_serving() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(4);
     let spoofed: SocketAddrV4 = format!("{}:29400", lab.hosts[1].eth1).parse().expect("addr");
     let victims: Vec<SocketAddrV4> =

@@ -19,9 +19,7 @@ fn doctor_everywhere(lab: &mut Lab) -> Vec<serde_json::Value> {
 
 #[test]
 fn doctor_reports_nccl_on_an_open_network() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(3);
     for v in doctor_everywhere(&mut lab) {
         assert_eq!(v["ok"], true, "{v}");
@@ -36,9 +34,7 @@ fn doctor_reports_nccl_on_an_open_network() {
 
 #[test]
 fn doctor_reports_the_tunnel_behind_a_one_port_firewall_and_names_the_path() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(3);
     // Host 2 (198.19.0.19) drops all TCP and all UDP but meshd's port.
     lab.firewall_only_udp(2, 29400);
@@ -65,9 +61,7 @@ fn doctor_reports_the_tunnel_behind_a_one_port_firewall_and_names_the_path() {
 
 #[test]
 fn run_behind_a_one_port_firewall_warns_once_on_every_node_and_tunnels() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(3);
     lab.firewall_only_udp(2, 29400);
     let peers = lab.peers();
@@ -99,9 +93,7 @@ fn run_behind_a_one_port_firewall_warns_once_on_every_node_and_tunnels() {
 
 #[test]
 fn launch_refused_when_one_node_runs_another_command() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(3);
     let peers = lab.peers();
     let ks: Vec<usize> = (0..3)

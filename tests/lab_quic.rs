@@ -56,9 +56,7 @@ fn check_training(res: &[(Option<i32>, String, String)], ddp: bool, mode: &str) 
 
 on_torches!([torch1_13, torch2]
 fn training_loop_averages_gradients_over_quic_behind_a_one_port_firewall(t) {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = firewalled_lab();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/train_quic.py");
     // auto: the preflight picks the tunnel; meshd's client works beside it.
@@ -68,9 +66,7 @@ fn training_loop_averages_gradients_over_quic_behind_a_one_port_firewall(t) {
 
 on_torches!([torch1_13, torch2]
 fn ddp_hook_averages_gradients_over_quic_behind_a_one_port_firewall(t) {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = firewalled_lab();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/train_quic.py");
     check_training(&run3(&mut lab, t, "quic", &[script, "--steps", "10", "--ddp"]), true, "quic");
@@ -81,9 +77,7 @@ on_torches!([torch1_13, torch2]
 /// meshd's client from every rank (examples/collectives_check.py: stdlib buffers, numpy
 /// arrays where numpy is importable, torch tensors), in place and through the socket.
 fn collectives_store_and_barrier_across_firewalled_hosts(t) {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = firewalled_lab();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/collectives_check.py");
     let peers = lab.peers();
@@ -125,9 +119,7 @@ fn collectives_store_and_barrier_across_firewalled_hosts(t) {
 
 #[test]
 fn bench_allreduce_checks_results_and_interleaves_the_bare_ring_over_lanes() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = firewalled_lab();
     let peers = lab.peers();
     let args = [

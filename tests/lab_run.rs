@@ -37,9 +37,7 @@ fn env_lines(out: &str) -> Vec<BTreeMap<String, String>> {
 
 #[test]
 fn three_hosts_two_procs_get_the_exact_environment() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(3);
     let vars = "RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK NODE_RANK GROUP_WORLD_SIZE ROLE_NAME ROLE_RANK ROLE_WORLD_SIZE MASTER_ADDR MASTER_PORT TORCHELASTIC_RUN_ID TORCHELASTIC_RESTART_COUNT TORCHELASTIC_MAX_RESTARTS TORCHELASTIC_ERROR_FILE PYTHONUNBUFFERED TORCH_NCCL_ASYNC_ERROR_HANDLING OMP_NUM_THREADS NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME MESHD_IFACE MESHD_NODE_ADDR MESHD_COLLECTIVE";
     let script = format!(
@@ -111,9 +109,7 @@ fn three_hosts_two_procs_get_the_exact_environment() {
 
 #[test]
 fn one_failing_rank_stops_the_job_on_every_node() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(3);
     // Rank 4 fails after a moment; every other rank would sleep for a minute.
     let script = "if [ \"$RANK\" = 4 ]; then sleep 1; exit 7; fi; sleep 60";
@@ -141,9 +137,7 @@ const WRONG: &str = "tok-wrong-Xe51pR";
 
 #[test]
 fn wrong_token_is_refused_and_both_ends_say_so() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(3);
     let peers = lab.peers();
     // Hosts 0 and 1 share a token and form a 2-node job; host 2 holds another token.
@@ -212,9 +206,7 @@ fn wrong_token_is_refused_and_both_ends_say_so() {
 
 #[test]
 fn killed_node_stops_the_job_everywhere() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(3);
     let peers = lab.peers();
     let args = [meshd(), "run", "--nnodes", "3", "--peers", &peers, "--grace", "1s", "--", "sleep", "60"];
@@ -235,9 +227,7 @@ fn killed_node_stops_the_job_everywhere() {
 
 #[test]
 fn max_restarts_restarts_every_rank_and_succeeds() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(3);
     let script = "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ] && [ \"$RANK\" = 3 ]; then exit 3; fi; \
                   if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then sleep 30; fi; echo RESTARTED count=$TORCHELASTIC_RESTART_COUNT";
@@ -260,9 +250,7 @@ fn max_restarts_restarts_every_rank_and_succeeds() {
 
 on_torches!([torch1_13, torch2]
 fn pytorch_ddp_over_gloo_ends_with_identical_parameters(t) {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(3);
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/ddp_gloo.py");
     let peers = lab.peers();
@@ -289,9 +277,7 @@ fn pytorch_ddp_over_gloo_ends_with_identical_parameters(t) {
 
 #[test]
 fn a_dead_node_replaced_by_a_new_one_restarts_the_job_with_max_restarts() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(3);
     let peers = lab.peers();
     let script = "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then sleep 60; fi; echo REPLACED count=$TORCHELASTIC_RESTART_COUNT";
@@ -334,9 +320,7 @@ fn a_dead_node_replaced_by_a_new_one_restarts_the_job_with_max_restarts() {
 /// host index as node rank, so every node warns, naming both values).
 #[test]
 fn a_torchrun_launch_line_runs_on_three_hosts() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(3);
     let dir = std::env::temp_dir().join(format!("meshd-torchrun-line-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("dir");
@@ -403,9 +387,7 @@ on_torches!([torch1_13, torch2]
 /// is the root cause every node prints; every meshd exits with the rank's status, and
 /// `--log-dir` gets error.json.
 fn a_rank_exception_is_the_root_cause_on_every_node(t) {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(3);
     let dir = std::env::temp_dir().join(format!("meshd-root-cause-{}-{}", std::process::id(), t.variant));
     let _ = std::fs::remove_dir_all(&dir);
@@ -473,9 +455,7 @@ fn a_rank_exception_is_the_root_cause_on_every_node(t) {
 /// stderr lines.
 #[test]
 fn a_rank_killed_by_a_signal_gives_128_plus_n_on_every_node() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(3);
     let script = "if [ \"$RANK\" = 2 ]; then echo last-words-5e2 >&2; sleep 1; kill -9 $$; fi; sleep 60";
     let res = run_everywhere(&mut lab, &["--grace", "1s"], &["sh", "-c", script], Duration::from_secs(45));
@@ -491,9 +471,7 @@ fn a_rank_killed_by_a_signal_gives_128_plus_n_on_every_node() {
 /// and SIGHUP (in torchrun's default --signals-to-handle) stops the job with 128+1.
 #[test]
 fn sigusr1_to_one_meshd_reaches_every_rank_on_every_node() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(2);
     let peers = lab.peers();
     let script = "trap 'echo GOT-USR1 rank=$RANK; exit 0' USR1; echo STARTED rank=$RANK; \
@@ -536,9 +514,7 @@ fn sigusr1_to_one_meshd_reaches_every_rank_on_every_node() {
 /// with the stall named and the Python stacks (PYTHONFAULTHANDLER + SIGABRT) in the output.
 #[test]
 fn a_stalled_job_ends_everywhere_with_python_stacks() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(2);
     let dir = std::env::temp_dir().join(format!("meshd-stall-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("dir");

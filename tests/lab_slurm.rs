@@ -120,9 +120,7 @@ fn run_step(lab: &mut Lab, preserve_env: bool) -> (Vec<BTreeMap<String, String>>
 /// allocation's gpu09.
 #[test]
 fn an_srun_step_forms_the_job_from_its_hostlist_names() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(3);
     let (ranks, errs) = run_step(&mut lab, false);
     let got: BTreeSet<u32> = ranks.iter().map(|r| r["RANK"].parse().expect("rank")).collect();
@@ -143,9 +141,7 @@ fn an_srun_step_forms_the_job_from_its_hostlist_names() {
 /// describe its ranks as if srun had started one task per rank.
 #[test]
 fn ranks_see_slurm_task_variables_that_match_their_ranks() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(3);
     let (ranks, _) = run_step(&mut lab, false);
     assert_eq!(ranks.len(), 6, "{ranks:?}");
@@ -174,9 +170,7 @@ fn ranks_see_slurm_task_variables_that_match_their_ranks() {
 /// from SLURM_STEP_NUM_NODES (3), or meshd waits for a fourth node until --rdzv-timeout.
 #[test]
 fn an_srun_preserve_env_step_waits_for_the_step_nodes_only() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(3);
     let (ranks, _) = run_step(&mut lab, true);
     assert_eq!(ranks.len(), 6, "{ranks:?}");

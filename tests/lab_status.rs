@@ -6,9 +6,7 @@ use std::time::Duration;
 
 #[test]
 fn status_lists_every_member_with_role_state_and_rtt() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(3);
     let peers = lab.peers();
     let args = [meshd(), "run", "--nnodes", "3", "--peers", &peers, "--", "sleep", "6"];

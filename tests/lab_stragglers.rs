@@ -19,9 +19,7 @@ use std::time::{Duration, Instant};
 
 #[test]
 fn a_straggler_of_an_earlier_job_neither_aborts_nor_finishes_the_new_one() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(3);
     let job_hosts: Vec<SocketAddr> =
         [0, 1].iter().map(|i| format!("{}:29400", lab.hosts[*i].eth1).parse().expect("addr")).collect();

@@ -148,9 +148,7 @@ fn lowest_eth1(lab: &Lab) -> String {
 
 on_torches!([torch2]
 fn every_variable_torchrun_sets_for_a_rank_meshd_sets_with_the_same_meaning(t) {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(3);
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/python/env_rank.py");
     let run_id = "envdiff-7c3";
@@ -245,9 +243,7 @@ on_torches!([torch2]
 /// to its last frame). One node: the error file does not depend on the others, and
 /// torchrun's surviving nodes would wait out its exit barrier (it does not stop them).
 fn the_error_file_record_writes_and_the_root_cause_match_torchruns(t) {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(1);
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/python/record_fail.py");
     let dir = std::env::temp_dir().join(format!("meshd-lab-record-{}-{}", std::process::id(), t.variant));

@@ -54,9 +54,7 @@ fn check_counters(i: usize, err: &str) {
 
 on_torches!([torch1_13, torch2]
 fn unmodified_ddp_over_gloo_trains_to_identical_parameters_behind_a_one_port_firewall(t) {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = firewalled_lab(3);
     let args = python_job(&t.python, &lab.peers(), 3, 2, "auto", "ddp_gloo.py", &["--steps", "15"]);
     let mut digests = Vec::new();
@@ -92,9 +90,7 @@ fn outside_listener(ip: &str, port: u16, secs: u32) -> String {
 // the job's own TCPStore, Gloo and user listeners work.
 on_torches!([torch1_13, torch2_numpy]
 fn store_objects_user_sockets_and_refusals_go_through_the_tunnel(t) {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = firewalled_lab(3);
     const OUTSIDE: u16 = 2222;
     let outside: Vec<usize> = (0..3)
@@ -136,9 +132,7 @@ fn store_objects_user_sockets_and_refusals_go_through_the_tunnel(t) {
 /// the tunnel: every surviving meshd exits non-zero, saying why, and leaves no rank.
 #[test]
 fn a_node_killed_mid_transfer_tears_the_job_down() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let t = Torch::debian();
     let mut lab = firewalled_lab(3);
     let args = python_job(&t.python, &lab.peers(), 3, 2, "auto", "ddp_gloo.py", &["--steps", "1000000"]);
@@ -196,9 +190,7 @@ fn a_node_killed_mid_transfer_tears_the_job_down() {
 /// TCP connection, closed with RST) both fail with ECONNRESET, not end of file or EPIPE.
 #[test]
 fn a_node_killed_mid_transfer_resets_the_ranks_tunnelled_sockets() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = firewalled_lab(2);
     let ready = format!("/tmp/meshd-lab-reset-{}-", std::process::id());
     let args = python_job(PY, &lab.peers(), 2, 1, "auto", "tunnel_reset.py", &[&ready]);
@@ -234,9 +226,7 @@ fn a_node_killed_mid_transfer_resets_the_ranks_tunnelled_sockets() {
 /// the tunnel, as ncclCommInitRank's bootstrap must.
 #[test]
 fn the_nccl_unique_ids_root_is_reachable_through_the_tunnel_from_every_node() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let libpath = match std::env::var("MESHD_NCCL_LIB") {
         Ok(p) if std::path::Path::new(&p).exists() => p,
         _ if std::env::var("MESHD_REQUIRE_NCCL").is_ok() => {
@@ -297,9 +287,7 @@ print(f"NCCLROOT OK {ip}:{port} from {os.environ['MESHD_NODE_ADDR']}", flush=Tru
 #[test]
 #[ignore]
 fn figure_gloo_allreduce_through_the_tunnel() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let size = std::env::var("MESHD_TUNNEL_FIGURE_SIZE").unwrap_or_else(|_| (64 << 20).to_string());
     let mtu: u32 = std::env::var("MESHD_TUNNEL_FIGURE_MTU").ok().and_then(|m| m.parse().ok()).unwrap_or(1500);
     let iters = std::env::var("MESHD_TUNNEL_FIGURE_ITERS").unwrap_or_else(|_| "5".into());
@@ -331,9 +319,7 @@ fn figure_gloo_allreduce_through_the_tunnel() {
 /// through meshd although TCP works, and the launch line says it was forced.
 #[test]
 fn collective_tunnel_can_be_forced_on_an_open_network() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let t = Torch::debian();
     let mut lab = Lab::new(3);
     let args = python_job(&t.python, &lab.peers(), 3, 2, "tunnel", "tunnel_check.py", &[]);
@@ -353,9 +339,7 @@ fn collective_tunnel_can_be_forced_on_an_open_network() {
 /// refuses past it. Before, the first EMFILE ended the tunnel's accept loop for good.
 #[test]
 fn tunnelled_connections_past_the_open_files_limit_are_refused_and_the_tunnel_lives_on() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = firewalled_lab(2);
     let script = format!("{}/tests/python/tunnel_fds.py", env!("CARGO_MANIFEST_DIR"));
     let peers = lab.peers();
@@ -406,9 +390,7 @@ fn python_test_job(lab: &Lab, python: &str, script: &str) -> Vec<String> {
 // the interposer do not hang.
 on_torches!([torch1_13, torch2]
 fn plain_sockets_cannot_tell_the_tunnel_from_tcp(t) {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = firewalled_lab(2);
     let args = python_test_job(&lab, &t.python, "tunnel_sockets.py");
     for (i, (code, out, err)) in run(&mut lab, t, &args).iter().enumerate() {

@@ -13,9 +13,7 @@ const TOKEN: (&str, &str) = ("MESHD_TOKEN", "lab-secret");
 /// the proposer spun on the passed settle deadline and never read the proposal.)
 #[test]
 fn min_max_with_three_of_four_starts_twenty_times_in_a_row() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(3);
     // The fourth listed host never comes.
     let peers = format!("{},198.19.0.99", lab.peers());
@@ -76,9 +74,7 @@ fn stop_within_a_second(lab: &mut Lab, k: usize, sig: i32, code: i32, what: &str
 /// Then SIGINT and SIGTERM each end the wait within a second, with 130 and 143.
 #[test]
 fn waiting_nodes_sleep_and_end_on_sigint_and_sigterm_within_a_second() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(3);
     let peers = lab.peers();
     let args = [meshd(), "run", "--nnodes", "3", "--peers", &peers, "--rdzv-timeout", "60s", "--", "true"];
@@ -101,9 +97,7 @@ fn waiting_nodes_sleep_and_end_on_sigint_and_sigterm_within_a_second() {
 /// A restart round that waits for a node that is gone still ends on SIGINT at once.
 #[test]
 fn sigint_ends_a_restart_round_wait() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(2);
     let peers = lab.peers();
     // Host 1's rank fails once; then host 1 is crashed, so round 1 waits for it.
@@ -153,9 +147,7 @@ fn sigint_ends_a_restart_round_wait() {
 /// present node as missing.
 #[test]
 fn a_different_nnodes_is_named_not_waited_for_in_silence() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(3);
     let peers = lab.peers();
     let ks: Vec<usize> = (0..3)
@@ -192,9 +184,7 @@ fn a_different_nnodes_is_named_not_waited_for_in_silence() {
 /// too, nobody launches.
 #[test]
 fn sigint_ends_the_preflight_wait() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let mut lab = Lab::new(2);
     let peers = lab.peers();
     for i in 0..2 {

@@ -27,9 +27,7 @@ fn wheel_bin() -> Option<String> {
 #[test]
 fn two_hosts_run_a_job_with_the_venv_meshd() {
     let Some(bin) = wheel_bin() else { return };
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let venv_bin = std::path::Path::new(&bin).parent().expect("venv bin dir").display().to_string();
     assert!(std::path::Path::new(&bin).is_file(), "MESHD_WHEEL_BIN={bin} is not a file");
     let mut lab = Lab::new(2);

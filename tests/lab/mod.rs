@@ -31,6 +31,17 @@ fn must(args: &[&str]) {
     assert!(o.status.success(), "{args:?} failed: {}", String::from_utf8_lossy(&o.stderr));
 }
 
+/// At the start of a lab test: returns from it (after saying why) when the lab cannot run
+/// and skipping was asked for (`MESHD_LAB_SKIP=1`); panics, naming the cause, otherwise.
+#[macro_export]
+macro_rules! lab_or_skip {
+    () => {
+        if !lab::available() {
+            return;
+        }
+    };
+}
+
 /// Returns false (after saying why) when the lab cannot run and skipping was asked for.
 pub fn available() -> bool {
     let root = unsafe { libc::geteuid() } == 0;
