@@ -676,9 +676,7 @@ fn rss_stats(v: &[i64]) -> String {
 
 #[test]
 fn soak_random_faults_never_hang_orphan_or_panic() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let runs = env_u64("MESHD_SOAK_RUNS").unwrap_or(12) as usize;
     let wall = Duration::from_secs(env_u64("MESHD_SOAK_WALL").unwrap_or(240));
     let seed = env_u64("MESHD_SOAK_SEED").unwrap_or_else(|| {
@@ -804,9 +802,7 @@ fn soak_random_faults_never_hang_orphan_or_panic() {
 /// SIGKILLs their process groups. Found by the soak's kill-node fault.
 #[test]
 fn sigkilled_meshd_leaves_no_grandchild_of_a_rank() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let lab = Lab::new(1);
     let ns = lab.hosts[0].ns.clone();
     let dir = std::env::temp_dir().join(format!("meshd-soak-kill9-{}", std::process::id()));
@@ -858,9 +854,7 @@ fn kill9_leaves_nothing(ns: &str, p: &mut Proc) {
 /// python3 that would sleep on PATH, the job ends at once and no probe ever appears.
 #[test]
 fn meshd_starts_no_nccl_probe_that_could_outlive_it() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let lab = Lab::new(1);
     let ns = lab.hosts[0].ns.clone();
     let dir = std::env::temp_dir().join(format!("meshd-soak-probe-{}", std::process::id()));
@@ -894,9 +888,7 @@ fn meshd_starts_no_nccl_probe_that_could_outlive_it() {
 /// rank ignores SIGTERM), so its Abort reaches host 1 once the moment is over.
 #[test]
 fn a_node_leaving_on_an_abort_is_not_blamed_for_it() {
-    if !lab::available() {
-        return;
-    }
+    lab_or_skip!();
     let lab = Lab::new(3);
     let (h0, h1) = (lab.hosts[0].clone(), lab.hosts[1].clone());
     // Node ranks follow eth1 addresses: .7 (host 1) 0, .19 (host 2) 1, .30 (host 0) 2, so
