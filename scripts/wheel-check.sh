@@ -5,8 +5,8 @@
 # (no cargo): `import meshd`, README's first command, and a 2-host job on the network lab
 # (tests/lab_wheel.rs, given the venv's meshd in MESHD_WHEEL_BIN).
 #
-#   scripts/wheel-check.sh             dev profile, this machine's glibc (seconds over a test build)
-#   scripts/wheel-check.sh --release   the wheel users get (what CI runs): release profile,
+#   scripts/wheel-check.sh             dev profile, this machine's glibc (seconds over a test build; what CI runs)
+#   scripts/wheel-check.sh --release   the wheel users get: release profile,
 #                                      linked by zig (PyPI's ziglang) against glibc 2.17:
 #                                      tag manylinux2014 / manylinux_2_17, installs on RHEL 8
 #                                      and other older clusters; MESHD_WHEEL_ZIG=0 links
