@@ -147,6 +147,14 @@ fn ps(pids: &[i32]) -> String {
         .join("\n")
 }
 
+/// Waits (at most 40 s) until `n` rank launches are marked; the caller asserts on them.
+fn wait_for_launches(marks: &Marks, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(40);
+    while marks.launches().len() < n && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 /// Asserts exactly one launch of `world` ranks, all in round `restart`, one per rank.
 fn assert_one_launch(launches: &[Launch], world: u32, restart: u32) {
     let mut ranks: Vec<u32> = launches.iter().filter(|l| l.restart == restart).map(|l| l.rank).collect();
@@ -203,10 +211,7 @@ fn meshd_killed_during_job_stops_everyone_and_leaves_no_orphans() {
     // `sleep` is a grandchild of meshd here (sh forks it), as Python's workers would be.
     let args = run_args(&lab, "3", &["--nproc-per-node", "2", "--rdzv-timeout", "60s"], "sleep 60; true");
     let ks: Vec<usize> = (0..3).map(|i| spawn(&mut lab, i, &args, &marks)).collect();
-    let deadline = Instant::now() + Duration::from_secs(40);
-    while marks.launches().len() < 6 && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_for_launches(&marks, 6);
     assert_eq!(marks.launches().len(), 6, "the job must start: {:?}", marks.launches());
     std::thread::sleep(Duration::from_millis(500));
     let t = Instant::now();
@@ -314,10 +319,7 @@ fn node_restarted_on_same_address_during_job_rejoins_with_max_restarts() {
     let script = "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then sleep 60; fi; echo ROUND=$TORCHELASTIC_RESTART_COUNT";
     let args = run_args(&lab, "3", &["--max-restarts", "1", "--rdzv-timeout", "60s"], script);
     let ks: Vec<usize> = (0..3).map(|i| spawn(&mut lab, i, &args, &marks)).collect();
-    let deadline = Instant::now() + Duration::from_secs(40);
-    while marks.launches().len() < 3 && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_for_launches(&marks, 3);
     assert_eq!(marks.launches().len(), 3, "round 0 must start: {:?}", marks.launches());
     let killed = SystemTime::now();
     lab.signal(ks[2], libc::SIGKILL);
@@ -344,10 +346,7 @@ fn flap_job(lab: &mut Lab, marks: &Marks, down: Duration) -> (Vec<(Option<i32>, 
     marks.clear();
     let args = run_args(lab, "3", &["--rdzv-timeout", "60s"], "sleep 6");
     let ks: Vec<usize> = (0..3).map(|i| spawn(lab, i, &args, marks)).collect();
-    let deadline = Instant::now() + Duration::from_secs(40);
-    while marks.launches().len() < 3 && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_for_launches(marks, 3);
     assert_eq!(marks.launches().len(), 3, "the job must start: {:?}", marks.launches());
     std::thread::sleep(Duration::from_secs(1));
     let t = Instant::now();
@@ -506,10 +505,7 @@ fn master_killed_during_job_stops_everyone_naming_it() {
     let marks = Marks::new("master-kill");
     let args = run_args(&lab, "3", &["--nproc-per-node", "2", "--rdzv-timeout", "60s"], "sleep 60; true");
     let ks: Vec<usize> = (0..3).map(|i| spawn(&mut lab, i, &args, &marks)).collect();
-    let deadline = Instant::now() + Duration::from_secs(40);
-    while marks.launches().len() < 6 && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_for_launches(&marks, 6);
     let launches = marks.launches();
     assert_eq!(launches.len(), 6, "the job must start: {launches:?}");
     assert!(launches.iter().any(|l| l.rank == 0 && l.node == "198.19.0.7"), "rank 0 on the master");
@@ -573,10 +569,7 @@ fn a_meshd_paused_for_most_of_a_second_is_not_declared_dead() {
     let marks = Marks::new("pause");
     let args = run_args(&lab, "3", &["--rdzv-timeout", "60s"], "sleep 7; true");
     let ks: Vec<usize> = (0..3).map(|i| spawn(&mut lab, i, &args, &marks)).collect();
-    let deadline = Instant::now() + Duration::from_secs(40);
-    while marks.launches().len() < 3 && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_for_launches(&marks, 3);
     assert_eq!(marks.launches().len(), 3, "the job must start: {:?}", marks.launches());
     std::thread::sleep(Duration::from_millis(500));
     for _ in 0..2 {
