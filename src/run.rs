@@ -75,9 +75,12 @@ pub struct JobArgs {
     /// Separates jobs on the same network (default: from SLURM_JOB_ID; never from the token); --rdzv-id is the same.
     #[arg(long, aliases = ["run_id", "rdzv-id", "rdzv_id"], env = "PET_RDZV_ID")]
     pub run_id: Option<String>,
-    /// Re-rendezvous and restart all ranks up to N times after a failure.
+    /// Re-rendezvous and restart all ranks up to N times after a failure (with --fault-tolerance node: each node restarts its own ranks up to N times).
     #[arg(long, alias = "max_restarts", env = "PET_MAX_RESTARTS", default_value_t = 0)]
     pub max_restarts: u32,
+    /// job: any failure stops every rank on every node (and --max-restarts restarts them all). node: each node is one replica group (torchft): a failure restarts that node's ranks only, a lost node is dropped while the others go on, a node started later joins; the job stops only when fewer than MIN groups remain.
+    #[arg(long, alias = "fault_tolerance", value_enum, default_value_t = FaultToleranceArg::Job)]
+    pub fault_tolerance: FaultToleranceArg,
     /// Give up waiting for nodes after this long (300s, 5m, 1h).
     #[arg(long, alias = "rdzv_timeout", default_value = "300s", value_parser = parse_duration)]
     pub rdzv_timeout: Duration,
@@ -343,6 +346,15 @@ pub fn show_cmd(cmd: &[String]) -> String {
     if s.chars().count() > 160 { format!("{}...", s.chars().take(157).collect::<String>()) } else { s }
 }
 
+/// `--fault-tolerance`: what a failure stops.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum FaultToleranceArg {
+    /// The whole job (torchrun's model).
+    Job,
+    /// One node's replica group (torchft's model).
+    Node,
+}
+
 /// `--collective`: the preflight decides (`auto`), or one is forced.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum CollectiveArg {
@@ -531,6 +543,10 @@ pub fn prepare(a: &JobArgs, cmd: &[String], env: &EnvConfig) -> Result<Prepared>
         runtime_dir: env.runtime_dir.clone(),
         collective_timeout: a.collective_timeout,
         signals_to_handle: a.signals_to_handle.clone(),
+        fault_tolerance: match a.fault_tolerance {
+            FaultToleranceArg::Job => meshd::proto::node::FaultTolerance::Job,
+            FaultToleranceArg::Node => meshd::proto::node::FaultTolerance::Node,
+        },
     };
     Ok(Prepared { mesh, job, run_id })
 }

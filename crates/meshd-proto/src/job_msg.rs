@@ -79,6 +79,21 @@ pub enum Message {
         /// Restart round of the `Abort` acknowledged.
         restart: u32,
     },
+    /// A node started after the launch (`--fault-tolerance node`) -> the running job's
+    /// members: admit me (the decider answers with [`Message::FtRoster`]).
+    FtJoin {
+        /// The node as it would stand in the roster.
+        member: crate::roster::RosterMember,
+    },
+    /// The decider of a `--fault-tolerance node` job -> every live member and a joiner: the
+    /// job's roster now (a higher `epoch` replaces a lower one; a member's index is its
+    /// replica group) and the collective the ranks use.
+    FtRoster {
+        /// The roster.
+        roster: Roster,
+        /// The launched job's collective (a joiner skips the preflight).
+        collective: crate::preflight::Collective,
+    },
 }
 
 /// Why a rank failed, as the node that ran it saw it; travels in [`Message::Abort`] so that

@@ -78,6 +78,8 @@ pub struct JobConfig {
     /// `--signals-to-handle` as given: the ranks' TORCHELASTIC_SIGNALS_TO_HANDLE, as torchrun
     /// sets it (read by torch.distributed.elastic when a rank starts processes itself).
     pub signals_to_handle: String,
+    /// What a failure stops (`--fault-tolerance`): the whole job, or one node's replica group.
+    pub fault_tolerance: core::FaultTolerance,
 }
 
 /// How a job ended on this node.
@@ -150,6 +152,7 @@ pub async fn run(
         cfg.max_restarts,
         &cfg.preflight,
         master_port,
+        cfg.fault_tolerance,
     );
     let node = core::Node::new(core_cfg, Instant::now());
     let nccl = NcclPolicy::make_unless(cfg.preflight.nccl_note.as_deref());
@@ -562,7 +565,7 @@ mod failure;
 mod phases;
 
 use env::set_env;
-pub use env::{cross_check, rank_env, slurm_rank_env};
+pub use env::{FtEnv, cross_check, ft_rank_env, rank_env, slurm_rank_env};
 use failure::{describe_member, rank_failure, stalled};
 use phases::Phases;
 pub use phases::mark_cpu_start;

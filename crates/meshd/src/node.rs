@@ -82,6 +82,7 @@ pub(crate) fn core_config(
     max_restarts: u32,
     facts: &PreflightInput,
     master_port: u16,
+    fault_tolerance: core::FaultTolerance,
 ) -> core::NodeConfig {
     let iface = mesh.choice().name.clone();
     core::NodeConfig {
@@ -110,6 +111,7 @@ pub(crate) fn core_config(
         seed: stable_hash(&[&mesh.node().0]),
         timing: Timing::default(),
         store: meshd_proto::store::StoreConfig::default(),
+        fault_tolerance,
     }
 }
 
@@ -130,8 +132,15 @@ impl Node {
         let transport = mesh.transport().clone();
         let incoming = transport.take_data_streams().ok_or(MeshError::DataStreamsTaken)?;
         let master_port = crate::preflight::master_port(mesh.addr().ip(), None);
-        let core_cfg =
-            core_config(&mesh, &cfg.rdzv, cfg.rdzv_timeout, cfg.max_restarts, &cfg.preflight, master_port);
+        let core_cfg = core_config(
+            &mesh,
+            &cfg.rdzv,
+            cfg.rdzv_timeout,
+            cfg.max_restarts,
+            &cfg.preflight,
+            master_port,
+            core::FaultTolerance::Job,
+        );
         let core = core::Node::new(core_cfg, Instant::now());
         let (id, addr, choice) = (mesh.node(), mesh.addr(), mesh.choice().clone());
         let (cmd_tx, cmd_rx) = mpsc::channel(16);

@@ -40,6 +40,21 @@ pub struct NodeConfig {
     pub timing: Timing,
     /// The job-wide store's limits and timing (the same on every node of a job).
     pub store: crate::store::StoreConfig,
+    /// What a failure stops (`--fault-tolerance`): the whole job, or one node's replica group.
+    pub fault_tolerance: FaultTolerance,
+}
+
+/// What a failure stops (`--fault-tolerance`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FaultTolerance {
+    /// Any failure stops every rank on every node; `--max-restarts` restarts them all.
+    #[default]
+    Job,
+    /// Each node is one replica group (torchft's sense): a failing rank restarts its own
+    /// node's ranks only (`--max-restarts` per node), a lost node leaves the job while the
+    /// others go on, a node started later joins the running job; the job stops everywhere
+    /// only when fewer than MIN groups remain.
+    Node,
 }
 
 /// The preflight facts of this node (compared across the roster).

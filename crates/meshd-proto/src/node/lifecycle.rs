@@ -3,10 +3,13 @@
 //! forwarded signals, the end of a round (restart or finish), and the last moments of a
 //! node (answering until its last Done or Abort is in).
 
-use super::{Event, Failure, Input, Level, Node, Outcome, OutcomeKind, Phase, SIGUSR1, SIGUSR2, Timing};
+use super::{
+    Event, Failure, FaultTolerance, Input, Level, Node, Outcome, OutcomeKind, Phase, SIGUSR1, SIGUSR2, Timing,
+};
 use crate::id::NodeId;
 use crate::membership::MemberEvent;
 use crate::meta::NodeState;
+use crate::preflight::Verdict;
 use crate::rendezvous::{Message, RankFailure, Roster};
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -25,18 +28,24 @@ pub(super) struct AbortOut {
 /// The launched round.
 pub(super) struct Running {
     pub roster: Roster,
-    everyone: BTreeSet<NodeId>,
-    done: BTreeSet<NodeId>,
+    /// Members whose Done the end waits for (with `--fault-tolerance node`, the live ones).
+    pub everyone: BTreeSet<NodeId>,
+    pub done: BTreeSet<NodeId>,
     /// The IO confirmed the ranks run.
-    spawned: bool,
-    local_done: bool,
+    pub spawned: bool,
+    pub local_done: bool,
     next_done: Option<Instant>,
     /// A member that left without Done, and when to blame it if no Abort comes.
     left: Option<(NodeId, Instant)>,
+    /// The launch's verdict (a node's own restart launches with it again).
+    pub verdict: Verdict,
+    /// `--fault-tolerance node`: this node's own restarts, and the one being carried out
+    /// (the ranks are stopping).
+    pub ft: super::ft::FtRunning,
 }
 
 impl Running {
-    pub fn new(roster: Roster) -> Running {
+    pub fn new(roster: Roster, verdict: Verdict) -> Running {
         let everyone = roster.members.iter().map(|m| m.id).collect();
         Running {
             roster,
@@ -46,6 +55,8 @@ impl Running {
             local_done: false,
             next_done: None,
             left: None,
+            verdict,
+            ft: Default::default(),
         }
     }
 
@@ -177,6 +188,9 @@ impl Node {
                 let who = r.roster.members.iter().find(|m| m.id == self.cfg.id);
                 let host = who.map(|m| m.hostname.clone()).unwrap_or_default();
                 let reason = format!("node {host} ({}): {e}", self.cfg.addr.ip());
+                if self.cfg.fault_tolerance == FaultTolerance::Node {
+                    return self.ft_rank_failed(None, reason, None, now);
+                }
                 self.running_fails(None, reason, None, now);
             }
             Input::RanksExited if r.spawned && !r.local_done => {
@@ -188,14 +202,26 @@ impl Node {
                 self.broadcast(&roster, &Message::Done { restart: self.restart });
                 self.running_check(now);
             }
+            Input::RankFailed { rank, reason, cause } if self.cfg.fault_tolerance == FaultTolerance::Node => {
+                self.ft_rank_failed(rank, reason, cause, now);
+            }
             Input::RankFailed { rank, reason, cause } => {
                 self.log(Level::Error, format!("{reason}; stopping the job on every node"));
                 self.running_fails(rank, reason, cause, now);
             }
+            Input::RanksStopped => self.ft_ranks_stopped(now),
             Input::Abort(reason) => {
                 let reason = format!("{reason} (on {here})");
                 self.log(Level::Error, format!("{reason}; stopping the job on every node"));
                 self.running_fails(None, reason, None, now);
+            }
+            Input::Stop { what, code } if self.cfg.fault_tolerance == FaultTolerance::Node => {
+                let reason = format!("{what} on {here}");
+                self.log(
+                    Level::Warn,
+                    format!("{reason}: this node's replica group leaves the job; the others go on"),
+                );
+                self.fail(Failure::Signal(reason, code), now);
             }
             Input::Stop { what, code } => {
                 let reason = format!("{what} on {here}");
@@ -217,7 +243,7 @@ impl Node {
     }
 
     /// Aborts everywhere and ends the round with a restartable failure.
-    fn running_fails(
+    pub(super) fn running_fails(
         &mut self,
         rank: Option<u32>,
         reason: String,
@@ -262,6 +288,7 @@ impl Node {
                 self.events.push_back(Event::ForwardSignal { signal, from: Some(who) });
             }
             m @ Message::Propose(_) => self.keep_early(from, m),
+            m @ (Message::FtJoin { .. } | Message::FtRoster { .. }) => self.ft_message(from, m, now),
             _ => {}
         }
     }
@@ -273,6 +300,9 @@ impl Node {
                 self.events.push_back(Event::PeerFinished(*id));
                 self.store_member_gone(*id, now);
             }
+        }
+        if self.cfg.fault_tolerance == FaultTolerance::Node {
+            return self.ft_member(ev, now);
         }
         let Phase::Running(r) = &mut self.phase else { return };
         match ev {
@@ -323,7 +353,7 @@ impl Node {
     }
 
     /// Every member said Done and this node's ranks are done: the job is over here.
-    fn running_check(&mut self, now: Instant) {
+    pub(super) fn running_check(&mut self, now: Instant) {
         let Phase::Running(r) = &self.phase else { return };
         if !(r.local_done && r.done == r.everyone) {
             return;
@@ -347,7 +377,7 @@ impl Node {
     }
 
     /// The round failed: stop the ranks (if any run), then restart or end.
-    fn fail(&mut self, f: Failure, now: Instant) {
+    pub(super) fn fail(&mut self, f: Failure, now: Instant) {
         self.store_close();
         let spawned = matches!(&self.phase, Phase::Running(r) if r.spawned);
         self.phase = Phase::Stopping(f);
@@ -367,7 +397,10 @@ impl Node {
                 &self.cfg.timing,
             )),
             Failure::Job(m, cause) => {
-                let restarting = self.restart < self.cfg.max_restarts;
+                // With `--fault-tolerance node` the restarts are each node's own: a failure of
+                // the whole job (fewer than MIN groups left) ends it.
+                let restarting =
+                    self.restart < self.cfg.max_restarts && self.cfg.fault_tolerance == FaultTolerance::Job;
                 self.events.push_back(Event::RoundFailed {
                     restart: self.restart,
                     reason: m.clone(),

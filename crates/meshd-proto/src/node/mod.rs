@@ -21,6 +21,7 @@
 //! - [`report`]: the words of the progress lines and the timeout message.
 
 pub mod config;
+mod ft;
 mod lifecycle;
 mod preflight;
 pub mod report;
@@ -30,7 +31,7 @@ mod view;
 #[cfg(test)]
 mod tests;
 
-pub use config::{LocalFacts, NodeConfig, Timing};
+pub use config::{FaultTolerance, LocalFacts, NodeConfig, Timing};
 pub use report::WaitReport;
 
 use crate::id::NodeId;

@@ -213,8 +213,12 @@ impl Node {
             self.events.push_back(Event::Preflight(verdict.clone()));
             if verdict.ok {
                 self.store_open(&roster, now);
-                self.events.push_back(Event::Launch { roster: roster.clone(), verdict, nccl_id });
-                self.phase = Phase::Running(Box::new(Running::new(roster)));
+                self.events.push_back(Event::Launch {
+                    roster: roster.clone(),
+                    verdict: verdict.clone(),
+                    nccl_id,
+                });
+                self.phase = Phase::Running(Box::new(Running::new(roster, verdict)));
                 return;
             }
             let failed: Vec<String> = verdict

@@ -20,7 +20,7 @@
 //! simulator test `partition_min_max` shows both cases.
 
 use super::report::{nnodes_text, state_word};
-use super::{Event, Level, MAX_HELD, Node, Outcome, OutcomeKind, Phase, WaitReport};
+use super::{Event, FaultTolerance, Level, MAX_HELD, Node, Outcome, OutcomeKind, Phase, WaitReport};
 use crate::id::NodeId;
 use crate::meta::NodeState;
 use crate::rendezvous::{Message, RdzvEvent, Rendezvous, Roster};
@@ -39,12 +39,15 @@ pub(super) struct Round {
     pub blocked: bool,
     pub last_look: Option<Instant>,
     pub dirty: bool,
+    /// `--fault-tolerance node`, blocked by the running job: when to ask again to join it.
+    pub ft_join_next: Option<Instant>,
 }
 
 impl Round {
     pub fn poll_timeout(&self) -> Option<Instant> {
         let look = if self.dirty { self.last_look.map(|l| l + VIEW_EVERY) } else { None };
-        [self.rdzv.poll_timeout(), Some(self.next_progress), Some(self.deadline), look]
+        let join = self.ft_join_next.filter(|_| self.blocked);
+        [self.rdzv.poll_timeout(), Some(self.next_progress), Some(self.deadline), look, join]
             .into_iter()
             .flatten()
             .min()
@@ -82,6 +85,7 @@ impl Node {
             blocked: false,
             last_look: None,
             dirty: true,
+            ft_join_next: None,
         }));
         if restart > 0 {
             self.events.push_back(Event::RoundBegan { restart });
@@ -105,7 +109,15 @@ impl Node {
                 r.rdzv.handle_message(from, msg, now);
                 self.drain_rdzv(now);
             }
-            Message::Done { .. } | Message::Signal { .. } | Message::AbortAck { .. } => {}
+            Message::FtRoster { roster, collective } if self.cfg.fault_tolerance == FaultTolerance::Node => {
+                let (roster, collective) = (roster.clone(), *collective);
+                self.ft_admitted(from, roster, collective, now);
+            }
+            Message::Done { .. }
+            | Message::Signal { .. }
+            | Message::AbortAck { .. }
+            | Message::FtJoin { .. }
+            | Message::FtRoster { .. } => {}
         }
     }
 
@@ -146,6 +158,10 @@ impl Node {
             r.next_progress = now + self.cfg.timing.progress_every;
             let report = self.wait_report();
             self.events.push_back(Event::Waiting(report));
+        }
+        let Phase::Rdzv(r) = &self.phase else { return };
+        if r.blocked && self.cfg.fault_tolerance == FaultTolerance::Node {
+            self.ft_ask_to_join(now);
         }
         let Phase::Rdzv(r) = &self.phase else { return };
         if now >= r.deadline {
@@ -204,7 +220,13 @@ impl Node {
         let said = r.blocked;
         r.blocked = blocked;
         r.rdzv.handle_candidates(candidates, now);
-        if blocked && !said {
+        if blocked && self.cfg.fault_tolerance == FaultTolerance::Node {
+            if !said {
+                let line = self.ran_words();
+                self.log(Level::Info, format!("{line}; asking to join it (--fault-tolerance node)"));
+            }
+            self.ft_ask_to_join(now);
+        } else if blocked && !said {
             let line = self.ran_words();
             self.log(
                 Level::Warn,

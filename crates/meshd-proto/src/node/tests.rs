@@ -22,6 +22,7 @@ fn config(max_restarts: u32) -> NodeConfig {
         seed: 1,
         timing: Timing::default(),
         store: crate::store::StoreConfig::default(),
+        fault_tolerance: Default::default(),
     }
 }
 

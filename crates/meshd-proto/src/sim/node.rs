@@ -65,6 +65,8 @@ pub struct NodeSimConfig {
     pub io_delay: Duration,
     /// How long a TCP connect to a blocked port takes to fail.
     pub connect_timeout: Duration,
+    /// What a failure stops (`--fault-tolerance`).
+    pub fault_tolerance: crate::node::FaultTolerance,
 }
 
 impl Default for NodeSimConfig {
@@ -84,6 +86,7 @@ impl Default for NodeSimConfig {
             ranks: Ranks::Exit0(Duration::from_secs(1)),
             io_delay: Duration::from_millis(2),
             connect_timeout: Duration::from_secs(1),
+            fault_tolerance: Default::default(),
         }
     }
 }
@@ -392,6 +395,7 @@ impl NodeSim {
             seed: self.rng.next_u64(),
             timing: self.cfg.timing.clone(),
             store: crate::store::StoreConfig::default(),
+            fault_tolerance: self.cfg.fault_tolerance,
         };
         let n = &mut self.nodes[i];
         n.life += 1;
@@ -748,5 +752,7 @@ pub fn job_figures(n: usize, seed: u64) -> Result<(Duration, Duration), String> 
     Ok((formed, last - t0))
 }
 
+#[cfg(test)]
+mod ft_tests;
 #[cfg(test)]
 mod tests;

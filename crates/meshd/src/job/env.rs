@@ -176,3 +176,46 @@ pub fn slurm_rank_env(roster: &Roster, node_rank: usize, local_rank: u32) -> Vec
     .map(|(k, v)| (k.to_string(), v))
     .collect()
 }
+
+/// What a rank's environment needs under `--fault-tolerance node`.
+#[derive(Clone, Debug)]
+pub struct FtEnv {
+    /// This node's replica group (its slot in the roster: stable for the node's life).
+    pub group: usize,
+    /// NUM_REPLICA_GROUPS: the most groups the job can have (`--nnodes` MAX).
+    pub groups: u32,
+    /// The node's TCPStore (meshd's, torchrun's agent store): MASTER_ADDR:MASTER_PORT.
+    pub store: SocketAddr,
+    /// TORCHFT_LIGHTHOUSE: the Lighthouse served by this node's meshd.
+    pub lighthouse: Option<SocketAddr>,
+    /// Restarts of this node's ranks so far (TORCHELASTIC_RESTART_COUNT).
+    pub restarts: u32,
+}
+
+/// `--fault-tolerance node`: the rank's world is its own node (torchft's replica group, as a
+/// per-group torchrun would give it), with the store hosted by meshd
+/// (TORCHELASTIC_USE_AGENT_STORE=True, as torchrun's agent), plus torchft's variables.
+/// Applied over [`rank_env`]'s result.
+pub fn ft_rank_env(env: &mut Vec<(String, String)>, local_rank: u32, nproc: u32, ft: &FtEnv) {
+    let local = local_rank.to_string();
+    let world = nproc.to_string();
+    let mut set = |k: &str, v: String| set_env(env, k, v);
+    set("RANK", local.clone());
+    set("WORLD_SIZE", world.clone());
+    set("LOCAL_WORLD_SIZE", world.clone());
+    set("GROUP_RANK", "0".into());
+    set("NODE_RANK", "0".into());
+    set("GROUP_WORLD_SIZE", "1".into());
+    set("ROLE_RANK", local);
+    set("ROLE_WORLD_SIZE", world);
+    set("MASTER_ADDR", ft.store.ip().to_string());
+    set("MASTER_PORT", ft.store.port().to_string());
+    set("TORCHELASTIC_USE_AGENT_STORE", "True".into());
+    set("TORCHELASTIC_RESTART_COUNT", ft.restarts.to_string());
+    set("REPLICA_GROUP_ID", ft.group.to_string());
+    set("NUM_REPLICA_GROUPS", ft.groups.to_string());
+    if let Some(l) = ft.lighthouse {
+        set("TORCHFT_LIGHTHOUSE", format!("http://{l}"));
+    }
+    env.retain(|(k, _)| k != "MESHD_NCCL_UNIQUE_ID");
+}

@@ -124,3 +124,47 @@ fn under_slurm_ranks_get_task_variables_of_their_own() {
     let env = rank_env(&r, 1, 1, "eth1", "198.19.0.19".parse().expect("ip"), "r", 0, "nccl", &|_| false);
     assert!(env.iter().all(|(k, _)| !k.starts_with("SLURM_")), "{env:?}");
 }
+
+#[test]
+fn fault_tolerance_node_gives_each_node_a_world_of_its_own() {
+    let r = roster();
+    let mut env =
+        rank_env(&r, 2, 1, "eth1", "198.19.0.30".parse().expect("ip"), "run-x", 3, "nccl", &|_| false);
+    env.push(("MESHD_NCCL_UNIQUE_ID".into(), "00".into()));
+    let ft = FtEnv {
+        group: 2,
+        groups: 8,
+        store: "198.19.0.30:40001".parse().expect("addr"),
+        lighthouse: Some("127.0.0.1:40002".parse().expect("addr")),
+        restarts: 1,
+    };
+    ft_rank_env(&mut env, 1, 2, &ft);
+    let want = [
+        ("RANK", "1"),
+        ("LOCAL_RANK", "1"),
+        ("WORLD_SIZE", "2"),
+        ("LOCAL_WORLD_SIZE", "2"),
+        ("GROUP_RANK", "0"),
+        ("NODE_RANK", "0"),
+        ("GROUP_WORLD_SIZE", "1"),
+        ("ROLE_RANK", "1"),
+        ("ROLE_WORLD_SIZE", "2"),
+        ("MASTER_ADDR", "198.19.0.30"),
+        ("MASTER_PORT", "40001"),
+        ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+        ("TORCHELASTIC_RESTART_COUNT", "1"),
+        ("REPLICA_GROUP_ID", "2"),
+        ("NUM_REPLICA_GROUPS", "8"),
+        ("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:40002"),
+        ("GLOO_SOCKET_IFNAME", "eth1"),
+    ];
+    for (k, v) in want {
+        assert_eq!(get(&env, k), Some(v), "{k}");
+    }
+    assert_eq!(get(&env, "MESHD_NCCL_UNIQUE_ID"), None, "each group makes its own NCCL id");
+    let names: Vec<&str> = env.iter().map(|(k, _)| k.as_str()).collect();
+    let mut dedup = names.clone();
+    dedup.sort();
+    dedup.dedup();
+    assert_eq!(names.len(), dedup.len(), "every variable once: {names:?}");
+}

@@ -1,0 +1,73 @@
+"""A torchft DDP training loop on CPU (Gloo), unmodified torchft usage: the replica group's
+world comes from torchrun-style variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, whose
+TCPStore must already run, as torchrun's agent store does), REPLICA_GROUP_ID and
+TORCHFT_LIGHTHOUSE. Prints one JSON line per step (committed or not) and a final line with
+a digest of the weights, so that tests can check survivors' progress and agreement.
+
+FT_STEPS: steps to train (default 60); FT_STEP_SLEEP: seconds between steps (default 0.05).
+"""
+
+import hashlib
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+from torch import nn, optim
+from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+
+STEPS = int(os.environ.get("FT_STEPS", "60"))
+SLEEP = float(os.environ.get("FT_STEP_SLEEP", "0.05"))
+GROUP = int(os.environ.get("REPLICA_GROUP_ID", "0"))
+RANK = int(os.environ["RANK"])
+
+
+def say(**kv):
+    kv.update(group=GROUP, rank=RANK, t=time.time(), pid=os.getpid())
+    print(json.dumps(kv), flush=True)
+
+
+torch.manual_seed(0)
+net = nn.Linear(16, 4)
+opt_inner = optim.SGD(net.parameters(), lr=0.05)
+
+
+def load_state_dict(sd):
+    net.load_state_dict(sd["model"])
+    opt_inner.load_state_dict(sd["optim"])
+
+
+def state_dict():
+    return {"model": net.state_dict(), "optim": opt_inner.state_dict()}
+
+
+manager = Manager(
+    pg=ProcessGroupGloo(timeout=timedelta(seconds=10)),
+    min_replica_size=1,
+    load_state_dict=load_state_dict,
+    state_dict=state_dict,
+    replica_id=f"group{GROUP}",
+    timeout=timedelta(seconds=10),
+)
+model = DistributedDataParallel(manager, net)
+opt = Optimizer(manager, opt_inner)
+say(started=True)
+gen = torch.Generator().manual_seed(1000 * GROUP + RANK)
+while manager.current_step() < STEPS:
+    before = manager.current_step()
+    x = torch.randn(32, 16, generator=gen)
+    y = torch.randn(32, 4, generator=gen)
+    opt.zero_grad()
+    loss = ((model(x) - y) ** 2).mean()
+    loss.backward()
+    opt.step()
+    after = manager.current_step()
+    say(step=after, committed=after > before, participants=manager.num_participants(), quorum=manager._quorum_id)
+    time.sleep(SLEEP)
+
+digest = hashlib.sha256(b"".join(p.detach().contiguous().numpy().tobytes() for p in net.parameters())).hexdigest()
+say(final=True, step=manager.current_step(), digest=digest)
+manager.shutdown(wait=False)
+sys.exit(0)
