@@ -376,3 +376,6 @@ async fn connection(
     id
 }
 
+
+#[cfg(test)]
+mod tests;
