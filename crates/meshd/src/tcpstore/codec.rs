@@ -287,9 +287,7 @@ impl Decoder {
         Ok(match op {
             q::PING => Request::Ping(u32::from_le_bytes(c.array()?)),
             q::SET => Request::Set { key: key(c)?, value: value(c)? },
-            q::COMPARE_SET => {
-                Request::CompareSet { key: key(c)?, expected: value(c)?, desired: value(c)? }
-            }
+            q::COMPARE_SET => Request::CompareSet { key: key(c)?, expected: value(c)?, desired: value(c)? },
             q::GET => Request::Get { key: key(c)? },
             q::ADD => Request::Add { key: key(c)?, delta: i64::from_le_bytes(c.array()?) },
             q::CHECK => Request::Check { keys: keys(c)? },

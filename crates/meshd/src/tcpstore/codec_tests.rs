@@ -37,8 +37,8 @@ fn current_decoder() -> Decoder {
 fn bytes_recorded_from_torch_2_15() {
     // VALIDATE + PING as torch 2.15 sends them on connect, then set('k', 'v').
     let wire = [
-        0x00, 0xce, 0xf7, 0x85, 0x3c, 0x0d, 0x3b, 0x15, 0x00, 0x00, 0x01, 2, 0, 0, 0, 0, 0, 0, 0, b'/',
-        b'k', 1, 0, 0, 0, 0, 0, 0, 0, b'v',
+        0x00, 0xce, 0xf7, 0x85, 0x3c, 0x0d, 0x3b, 0x15, 0x00, 0x00, 0x01, 2, 0, 0, 0, 0, 0, 0, 0, b'/', b'k',
+        1, 0, 0, 0, 0, 0, 0, 0, b'v',
     ];
     let mut d = Decoder::new(WireLimits::default());
     assert_eq!(d.decode(&wire), Ok(Decoded::Handshake(5)));
@@ -57,10 +57,7 @@ fn bytes_recorded_from_torch_1_13() {
         b'z', b'z',
     ];
     let mut d = Decoder::new(WireLimits::default());
-    assert_eq!(
-        d.decode(&wire),
-        Ok(Decoded::Request(Request::Wait { keys: vec![b"/zz".to_vec()] }, 20))
-    );
+    assert_eq!(d.decode(&wire), Ok(Decoded::Request(Request::Wait { keys: vec![b"/zz".to_vec()] }, 20)));
     assert_eq!(d.dialect(), Some(Dialect::Legacy));
     assert_eq!(d.decode(&wire[20..]), Ok(Decoded::Request(Request::Get { key: b"/zz".to_vec() }, 12)));
 }

@@ -376,6 +376,5 @@ async fn connection(
     id
 }
 
-
 #[cfg(test)]
 mod tests;

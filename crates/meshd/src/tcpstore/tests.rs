@@ -165,7 +165,8 @@ async fn hostile_peers_are_closed_and_the_store_goes_on() {
         vec![0, 0xde, 0xad, 0xbe, 0xef, 0xff, 0xff, 0xff, 0xff],
         // A value length of 2^63 after a valid handshake.
         {
-            let mut v = vec![0, 0xce, 0xf7, 0x85, 0x3c, codec::current_type::SET, 1, 0, 0, 0, 0, 0, 0, 0, b'k'];
+            let mut v =
+                vec![0, 0xce, 0xf7, 0x85, 0x3c, codec::current_type::SET, 1, 0, 0, 0, 0, 0, 0, 0, b'k'];
             v.extend_from_slice(&(1u64 << 63).to_le_bytes());
             v
         },
