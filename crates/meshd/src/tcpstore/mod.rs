@@ -58,7 +58,8 @@
 //! One actor task owns the listener, the [`state::State`] and a `JoinSet` of connection
 //! tasks. A connection task decodes its queries and sends them to the actor (a bounded
 //! channel, so a fast sender waits); the actor answers through the connection's bounded
-//! reply queue and closes a connection whose queue is full (a peer that does not read).
+//! reply queue (bounded in answers and in bytes) and closes a connection whose queue is
+//! full (a peer that does not read).
 //! Dropping the [`TcpStoreHandle`] aborts the actor, which aborts every connection.
 //! [`TcpStoreHandle::clear`] empties the store and closes every connection, for a new
 //! restart of the node's ranks (dropping the handle and binding again does the same).
@@ -69,6 +70,8 @@ pub mod state;
 use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use bytes::{Buf, BytesMut};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -87,6 +90,10 @@ pub struct TcpStoreConfig {
     pub max_connections: usize,
     /// Answers queued for one connection; a peer that lets more pile up is closed.
     pub reply_queue: usize,
+    /// Bytes of answers queued for one connection (past what its socket took); a peer that
+    /// lets more pile up is closed. One answer is always queued, whatever its size (it is
+    /// bounded by the store's own size).
+    pub reply_bytes: usize,
     pub wire: WireLimits,
     pub store: StoreLimits,
 }
@@ -96,6 +103,7 @@ impl Default for TcpStoreConfig {
         TcpStoreConfig {
             max_connections: 1024,
             reply_queue: 1024,
+            reply_bytes: 128 * 1024 * 1024,
             wire: WireLimits::default(),
             store: StoreLimits::default(),
         }
@@ -198,6 +206,8 @@ impl Drop for TcpStoreHandle {
 
 struct Conn {
     replies: mpsc::Sender<Vec<u8>>,
+    /// Bytes in `replies` not yet written (the connection task subtracts).
+    queued: Arc<AtomicUsize>,
     abort: AbortHandle,
 }
 
@@ -228,9 +238,16 @@ impl Actor {
                         let id = self.next;
                         self.next += 1;
                         let (tx, rx) = mpsc::channel(self.config.reply_queue);
-                        let abort = tasks.spawn(connection(id, stream, rx, events_tx.clone(), self.config.wire));
+                        let queued = Arc::new(AtomicUsize::new(0));
+                        let abort = tasks.spawn(connection(
+                            id,
+                            stream,
+                            Replies { rx, queued: queued.clone() },
+                            events_tx.clone(),
+                            self.config.wire,
+                        ));
                         debug!(%peer, conn = id, "connected");
-                        self.conns.insert(id, Conn { replies: tx, abort });
+                        self.conns.insert(id, Conn { replies: tx, queued, abort });
                     }
                     Err(e) => {
                         // EMFILE and friends: wait a little instead of spinning.
@@ -278,7 +295,11 @@ impl Actor {
 
     fn send(&mut self, id: ConnId, reply: &Reply) {
         let Some(c) = self.conns.get(&id) else { return };
-        if c.replies.try_send(reply.to_bytes()).is_err() {
+        let bytes = reply.to_bytes();
+        let queued = c.queued.load(Ordering::Acquire);
+        let over = queued > 0 && queued.saturating_add(bytes.len()) > self.config.reply_bytes;
+        c.queued.fetch_add(bytes.len(), Ordering::AcqRel);
+        if over || c.replies.try_send(bytes).is_err() {
             debug!(conn = id, "closing: its answers are not read");
             self.close(id);
         }
@@ -307,12 +328,18 @@ impl Actor {
     }
 }
 
+/// A connection's answers, and the count of their bytes the actor bounds.
+struct Replies {
+    rx: mpsc::Receiver<Vec<u8>>,
+    queued: Arc<AtomicUsize>,
+}
+
 /// One connection: decodes queries to the actor and writes its answers; returns its id when
 /// either side ends (the peer closed, a bad query, the actor dropped its reply queue).
 async fn connection(
     id: ConnId,
     stream: TcpStream,
-    mut replies: mpsc::Receiver<Vec<u8>>,
+    mut replies: Replies,
     events: mpsc::Sender<Event>,
     limits: WireLimits,
 ) -> ConnId {
@@ -361,11 +388,12 @@ async fn connection(
         }
     };
     let write = async {
-        while let Some(b) = replies.recv().await {
+        while let Some(b) = replies.rx.recv().await {
             if let Err(e) = wr.write_all(&b).await {
                 debug!(conn = id, "write failed: {e}");
                 return;
             }
+            replies.queued.fetch_sub(b.len(), Ordering::AcqRel);
         }
         let _ = wr.shutdown().await;
     };

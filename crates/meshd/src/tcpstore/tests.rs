@@ -266,6 +266,26 @@ async fn a_peer_that_never_reads_is_closed() {
 }
 
 #[tokio::test]
+async fn queued_answer_bytes_are_bounded() {
+    // Many queued answers allowed, few bytes: big answers that are not read close it.
+    let h = serve_with(TcpStoreConfig { reply_bytes: 8 << 20, ..TcpStoreConfig::default() }).await;
+    let mut a = Client::current(h.local_addr()).await;
+    a.send(Request::Set { key: "/big".into(), value: vec![7; 4 << 20] }).await;
+    let mut b = Vec::new();
+    for _ in 0..64 {
+        Request::Get { key: b"/big".to_vec() }.encode(Dialect::Current, &mut b);
+    }
+    let _ = a.s.write_all(&b).await;
+    assert_eq!(eventually(&h, |s| s.connections == 0).await.keys, 1);
+    // A reader that keeps up gets every big answer.
+    let mut r = Client::current(h.local_addr()).await;
+    for _ in 0..8 {
+        r.send(Request::Get { key: b"/big".to_vec() }).await;
+        assert_eq!(r.value().await.len(), 4 << 20);
+    }
+}
+
+#[tokio::test]
 async fn serve_future_serves_until_dropped() {
     let server = TcpStoreServer::bind("127.0.0.1:0".parse().expect("addr")).await.expect("bind");
     let addr = server.local_addr().expect("addr");
