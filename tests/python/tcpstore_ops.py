@@ -121,6 +121,12 @@ def main(host, port):
         s.barrier("bar", 2, datetime.timedelta(seconds=20))  # with the setter process
     assert p.wait(timeout=60) == 0
 
+    if hasattr(s, "clone"):
+        c = s.clone()  # a second connection of the same store object
+        assert c.get("k") == b"\x00\xffbin"
+        c.set("from-clone", "1")
+        assert s.get("from-clone") == b"1"
+
     # get of a missing key: the client waits first, so it times out
     short = connect(host, port)
     short.set_timeout(datetime.timedelta(milliseconds=300))  # 1.13 rounds a connect timeout to s
