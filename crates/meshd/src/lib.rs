@@ -17,6 +17,7 @@
 //! - [`tunnel`]: the ranks' TCP connections to other nodes carried over meshd's QUIC.
 //! - [`nccl_root`]: the NCCL root child process (`meshd __nccl-root`) and its probe.
 //! - [`signals`]: SIGINT/SIGTERM watched once, so that every wait of a job ends on them.
+//! - [`tcpstore`]: a server of torch.distributed's TCPStore protocol (the node's agent store).
 
 pub mod collective;
 pub mod files;
@@ -30,6 +31,7 @@ pub mod peers;
 pub mod preflight;
 pub mod signals;
 pub mod supervisor;
+pub mod tcpstore;
 pub mod transport;
 pub mod tunnel;
 
