@@ -22,10 +22,13 @@
 //!   [`ring::Reduction`] every chunk is applied with.
 //! - [`reduce`]: the element-wise reduction kernels (f32, f16, bf16, integers).
 //! - [`nccl_id`]: the NCCL unique id's bytes: hex form and the root address inside it.
+//! - [`lighthouse`]: torchft's Lighthouse quorum rules (replica groups of a fault-tolerant
+//!   job), with quorum ids unique across deciders.
 //! - [`sim`]: a deterministic network simulator over the real membership and node cores.
 
 pub mod id;
 pub mod job_msg;
+pub mod lighthouse;
 pub mod membership;
 pub mod meta;
 pub mod nccl_id;
