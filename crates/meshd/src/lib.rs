@@ -9,6 +9,7 @@
 //! - [`mesh`]: interface choice, the UDP port, background name resolution (the mesh's IO).
 //! - [`node`]: the actor that owns the `Node` core over the transport, and the library
 //!   handle ([`Node::spawn`]).
+//! - [`lighthouse`]: a torchft-compatible Lighthouse (gRPC over h2) and its local decider.
 //! - [`job`]: `meshd run`'s IO edges: ranks with torchrun's environment, stops, causes.
 //! - [`preflight`]: the preflight's TCP listeners and dials.
 //! - [`supervisor`]: spawning ranks with torchrun's environment, teardown.
@@ -21,6 +22,7 @@ pub mod collective;
 pub mod files;
 pub mod interfaces;
 pub mod job;
+pub mod lighthouse;
 pub mod mesh;
 pub mod nccl_root;
 pub mod node;
