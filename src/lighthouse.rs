@@ -38,8 +38,9 @@ pub async fn main(a: Args) -> Result<ExitCode> {
         quorum_tick: Duration::from_millis(a.quorum_tick_ms),
         ..LighthouseConfig::default()
     };
-    let listener =
-        tokio::net::TcpListener::bind(&a.bind).await.with_context(|| format!("cannot listen on {}", a.bind))?;
+    let listener = tokio::net::TcpListener::bind(&a.bind)
+        .await
+        .with_context(|| format!("cannot listen on {}", a.bind))?;
     let addr = listener.local_addr().context("the listener's address")?;
     println!("meshd lighthouse listening on http://{addr}");
     let _ = std::io::stdout().flush();
