@@ -253,3 +253,39 @@ fn hostile_connections_do_not_kill_the_lighthouse() {
     assert_eq!(ids(&out["solo"]), ["solo"], "{out}");
     assert!(lh.alive());
 }
+
+/// No Python needed: torchft's flag spellings and ours, the listen line, a refused bad
+/// flag, and a raw connection served.
+#[test]
+fn cli_takes_both_spellings_and_prints_its_address() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_meshd"))
+        .args(["lighthouse", "--bind", "127.0.0.1:0", "--min_replicas", "2", "--join-timeout-ms", "50"])
+        .args(["--heartbeat_timeout_ms", "1000", "--quorum-tick-ms", "20"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start meshd lighthouse");
+    let out = child.stdout.take().expect("stdout");
+    let addr = line_after(out, "listening on ");
+    let mut lh = Lighthouse { child, sock: addr.trim_start_matches("http://").to_string(), addr };
+    assert!(lh.addr.starts_with("http://127.0.0.1:"), "{}", lh.addr);
+    let mut s = TcpStream::connect(&lh.sock).expect("connect");
+    s.write_all(b"not http/2").expect("write");
+    s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+    let mut buf = [0u8; 64];
+    while let Ok(n) = s.read(&mut buf) {
+        if n == 0 {
+            break;
+        }
+    }
+    assert!(lh.alive());
+    let bad = Command::new(env!("CARGO_BIN_EXE_meshd"))
+        .args(["lighthouse", "--bind", "127.0.0.1:0", "--quorum-tick-ms", "0", "--min-replicas", "1"])
+        .output()
+        .expect("run");
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--quorum-tick-ms"), "{bad:?}");
+    let missing = Command::new(env!("CARGO_BIN_EXE_meshd")).args(["lighthouse"]).output().expect("run");
+    assert!(!missing.status.success());
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("--min-replicas"), "{missing:?}");
+}
