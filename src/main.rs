@@ -8,6 +8,7 @@ mod common;
 mod doctor;
 mod env;
 mod ifaces;
+mod lighthouse;
 mod run;
 mod status;
 mod token;
@@ -41,6 +42,8 @@ enum Cmd {
     Ifaces(ifaces::Args),
     /// Print a fresh 128-bit random token, or write it to a private file (--file F, mode 0600).
     Token(token::Args),
+    /// A torchft-compatible Lighthouse (torchft_lighthouse's flags) with one local decider.
+    Lighthouse(lighthouse::Args),
 }
 
 /// Keep freed heap memory for reuse instead of handing it back to the kernel at once.
@@ -82,7 +85,7 @@ impl Cmd {
             Cmd::Bench(bench::Which::Allreduce(a)) => Some(&mut a.job.net),
             Cmd::Status(a) => Some(a.net_mut()),
             Cmd::Ifaces(a) => Some(a.net_mut()),
-            Cmd::Token(_) => None,
+            Cmd::Token(_) | Cmd::Lighthouse(_) => None,
         }
     }
 }
@@ -159,6 +162,7 @@ fn main() -> ExitCode {
                 Cmd::Doctor(a) => doctor::main(a, &env).await,
                 Cmd::Bench(w) => bench::main(w, &env).await,
                 Cmd::Token(a) => token::main(a),
+                Cmd::Lighthouse(a) => lighthouse::main(a).await,
                 Cmd::Run(_) => unreachable!("handled above"),
             }
         };

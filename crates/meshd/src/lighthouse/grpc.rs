@@ -221,7 +221,10 @@ async fn rpc(
         let msg = match tokio::time::timeout_at(body_deadline, read_message(body, limits.max_message)).await {
             Ok(m) => m?,
             Err(_) => {
-                return Err(Status::new(code::DEADLINE_EXCEEDED, "the request's body did not arrive in time"));
+                return Err(Status::new(
+                    code::DEADLINE_EXCEEDED,
+                    "the request's body did not arrive in time",
+                ));
             }
         };
         match method {
@@ -256,11 +259,18 @@ async fn quorum(
         .map_err(|e| Status::new(code::INVALID_ARGUMENT, format!("undecodable quorum request: {e}")))?;
     let member = req.requester.ok_or_else(|| Status::new(code::INVALID_ARGUMENT, "missing requester"))?;
     let (tx, rx) = oneshot::channel();
-    calls
-        .send(LighthouseCall::Quorum { member: member.into(), reply: tx })
-        .await
-        .map_err(|_| Status::new(code::UNAVAILABLE, "the lighthouse's decider is gone"))?;
     let far = Instant::now() + Duration::from_secs(365 * 24 * 3600);
+    // A busy decider's full queue makes this wait, within the deadline too.
+    match tokio::time::timeout_at(
+        deadline.unwrap_or(far),
+        calls.send(LighthouseCall::Quorum { member: member.into(), reply: tx }),
+    )
+    .await
+    {
+        Ok(Ok(())) => {}
+        Ok(Err(_)) => return Err(Status::new(code::UNAVAILABLE, "the lighthouse's decider is gone")),
+        Err(_) => return Err(Status::new(code::DEADLINE_EXCEEDED, "the lighthouse's decider is too busy")),
+    }
     let answer = tokio::select! {
         a = rx => a.map_err(|_| Status::new(code::UNAVAILABLE, "the lighthouse's decider dropped the request"))?,
         _ = tokio::time::sleep_until(deadline.unwrap_or(far)) => {

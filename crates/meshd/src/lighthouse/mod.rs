@@ -50,6 +50,15 @@ pub enum LighthouseCall {
         /// The replica.
         replica_id: String,
     },
+    /// From the owner, not from gRPC: the mesh's failure detection says the replica's node
+    /// is gone, so it is unhealthy at once (instead of after the heartbeat timeout).
+    ReplicaGone {
+        /// The replica.
+        replica_id: String,
+    },
+    /// From the owner, not from gRPC: a quorum id another decider issued; this one's next
+    /// ids are greater (`meshd_proto::lighthouse` explains the rule).
+    ObserveQuorumId(i64),
 }
 
 /// A Quorum call's answer.
@@ -113,6 +122,8 @@ impl LocalDecider {
         let now = std::time::Instant::now();
         match call {
             LighthouseCall::Heartbeat { replica_id } => self.core.handle_heartbeat(now, &replica_id),
+            LighthouseCall::ReplicaGone { replica_id } => self.core.replica_gone(now, &replica_id),
+            LighthouseCall::ObserveQuorumId(id) => self.core.observe_quorum_id(id),
             LighthouseCall::Quorum { member, reply } => {
                 self.next_id += 1;
                 let id = RequestId(self.next_id);

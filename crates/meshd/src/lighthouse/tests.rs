@@ -195,3 +195,22 @@ async fn vanished_long_poll_is_forgotten() {
         .expect("the edge dropped its receiver");
     server.abort();
 }
+
+/// The owner's inputs through the channel: an observed id raises the next one, a gone
+/// replica no longer holds the quorum back.
+#[tokio::test]
+async fn owner_calls_reach_the_core() {
+    let calls = LocalDecider::spawn(LighthouseConfig { join_timeout: Duration::from_secs(3600), ..cfg(1) });
+    calls.send(LighthouseCall::ObserveQuorumId((41 << 10) | 3)).await.expect("send");
+    calls.send(LighthouseCall::Heartbeat { replica_id: "b".into() }).await.expect("send");
+    let (reply, mut rx) = oneshot::channel();
+    let member = Member { replica_id: "a".into(), ..Member::default() };
+    calls.send(LighthouseCall::Quorum { member, reply }).await.expect("send");
+    // 1 of 2 healthy: no quorum until b is gone.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(rx.try_recv().is_err());
+    calls.send(LighthouseCall::ReplicaGone { replica_id: "b".into() }).await.expect("send");
+    let answer = tokio::time::timeout(Duration::from_secs(5), rx).await.expect("in time").expect("answer");
+    assert_eq!(answer.quorum.quorum_id, 42 << 10);
+    assert_eq!(answer.quorum.participants.len(), 1);
+}
