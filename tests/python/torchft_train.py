@@ -4,7 +4,11 @@ TCPStore must already run, as torchrun's agent store does), REPLICA_GROUP_ID and
 TORCHFT_LIGHTHOUSE. Prints one JSON line per step (committed or not) and a final line with
 a digest of the weights, so that tests can check survivors' progress and agreement.
 
-FT_STEPS: steps to train (default 60); FT_STEP_SLEEP: seconds between steps (default 0.05).
+FT_STEPS: steps to train (default 60); FT_STEP_SLEEP: seconds between steps (default 0.05);
+FT_LOG: a directory where each process also appends its lines to
+`g{REPLICA_GROUP_ID}.r{RANK}.p{pid}.jsonl` (read by tests while the job runs). A healing
+group gets the live weights from a peer over the process group (torchft's PGTransport, as
+its train_ddp.py example), not from a checkpoint file.
 """
 
 import hashlib
@@ -17,6 +21,7 @@ from datetime import timedelta
 import torch
 from torch import nn, optim
 from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+from torchft.checkpointing.pg_transport import PGTransport
 
 STEPS = int(os.environ.get("FT_STEPS", "60"))
 SLEEP = float(os.environ.get("FT_STEP_SLEEP", "0.05"))
@@ -24,9 +29,18 @@ GROUP = int(os.environ.get("REPLICA_GROUP_ID", "0"))
 RANK = int(os.environ["RANK"])
 
 
+LOG = None
+if os.environ.get("FT_LOG"):
+    LOG = open(os.path.join(os.environ["FT_LOG"], f"g{GROUP}.r{RANK}.p{os.getpid()}.jsonl"), "a")
+
+
 def say(**kv):
     kv.update(group=GROUP, rank=RANK, t=time.time(), pid=os.getpid())
-    print(json.dumps(kv), flush=True)
+    line = json.dumps(kv)
+    print(line, flush=True)
+    if LOG:
+        LOG.write(line + "\n")
+        LOG.flush()
 
 
 torch.manual_seed(0)
@@ -43,8 +57,10 @@ def state_dict():
     return {"model": net.state_dict(), "optim": opt_inner.state_dict()}
 
 
+pg = ProcessGroupGloo(timeout=timedelta(seconds=10))
 manager = Manager(
-    pg=ProcessGroupGloo(timeout=timedelta(seconds=10)),
+    pg=pg,
+    checkpoint_transport=PGTransport(pg, timeout=timedelta(seconds=10), device=torch.device("cpu")),
     min_replica_size=1,
     load_state_dict=load_state_dict,
     state_dict=state_dict,

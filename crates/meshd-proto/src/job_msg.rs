@@ -94,6 +94,37 @@ pub enum Message {
         /// The launched job's collective (a joiner skips the preflight).
         collective: crate::preflight::Collective,
     },
+    /// Any node -> the lighthouse's decider: its ranks' torchft quorum request `req`.
+    LhAsk {
+        /// The asking node's id for the request.
+        req: u64,
+        /// The requester (torchft's QuorumMember).
+        member: crate::lighthouse::Member,
+        /// The highest quorum id the asking node has seen.
+        seen: i64,
+    },
+    /// Any node -> the decider: a heartbeat of one of its ranks' replicas.
+    LhBeat {
+        /// The replica.
+        replica_id: String,
+    },
+    /// Any node -> the decider: request `req` is no longer waited for.
+    LhCancel {
+        /// The request.
+        req: u64,
+    },
+    /// Any node -> the decider: its ranks failed; these replicas are gone.
+    LhGone {
+        /// The replicas.
+        replica_ids: Vec<String>,
+    },
+    /// The decider -> the node that asked: the quorum that answers its request `req`.
+    LhAnswer {
+        /// The request.
+        req: u64,
+        /// The quorum.
+        quorum: crate::lighthouse::Quorum,
+    },
 }
 
 /// Why a rank failed, as the node that ran it saw it; travels in [`Message::Abort`] so that

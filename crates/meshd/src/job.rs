@@ -143,6 +143,8 @@ pub async fn run(
         transport: mesh.transport().clone(),
         addr: mesh.addr(),
         iface: mesh.choice().name.clone(),
+        lighthouse: None,
+        ft_launches: 0,
     };
     let master_port = io.round_began(mesh.addr().ip());
     let core_cfg = crate::node::core_config(
@@ -158,8 +160,37 @@ pub async fn run(
     let nccl = NcclPolicy::make_unless(cfg.preflight.nccl_note.as_deref());
     let actor = Actor::new(mesh, node, nccl, cfg.preflight.connect_timeout);
     io.store = Some(actor.store_sender());
+    if cfg.fault_tolerance == core::FaultTolerance::Node {
+        io.lighthouse =
+            Some(LighthouseServer::start(actor.lighthouse_sender()).await.map_err(MeshError::Lighthouse)?);
+    }
     let o = actor.run(io).await?;
     Ok(JobOutcome { code: o.code, message: o.message })
+}
+
+/// torchft's Lighthouse API on this node's loopback (`--fault-tolerance node`): the ranks'
+/// calls go to the node core, which relays them to the job's decider.
+struct LighthouseServer {
+    addr: SocketAddr,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl LighthouseServer {
+    async fn start(
+        calls: tokio::sync::mpsc::Sender<crate::lighthouse::LighthouseCall>,
+    ) -> std::io::Result<Self> {
+        let listener = tokio::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, 0)).await?;
+        let addr = listener.local_addr()?;
+        info!("torchft Lighthouse API on http://{addr} (TORCHFT_LIGHTHOUSE of this node's ranks)");
+        let task = tokio::spawn(crate::lighthouse::serve(listener, calls));
+        Ok(LighthouseServer { addr, task })
+    }
+}
+
+impl Drop for LighthouseServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
 }
 
 /// One launched round on this node.
@@ -175,6 +206,8 @@ struct Round {
     served: Arc<std::sync::Mutex<crate::collective::plane_ring::Served>>,
     /// Every local rank exited 0.
     local_done: bool,
+    /// `--fault-tolerance node`: the replica group's TCPStore (stopped with the round).
+    ft_store: Option<crate::tcpstore::TcpStoreHandle>,
 }
 
 /// The job's IO edges, driven by the actor.
@@ -201,6 +234,10 @@ pub(crate) struct JobIo {
     transport: crate::transport::Transport,
     addr: SocketAddr,
     iface: String,
+    /// `--fault-tolerance node`: the local Lighthouse API, and launches of this node's
+    /// ranks so far (TORCHELASTIC_RESTART_COUNT is this node's own).
+    lighthouse: Option<LighthouseServer>,
+    ft_launches: u32,
 }
 
 impl Edge for JobIo {
@@ -304,6 +341,34 @@ impl Edge for JobIo {
                 None
             }
         };
+        // `--fault-tolerance node`: this node's own store (torchrun's agent store) for its
+        // replica group, reached by the other groups too (torchft's cross-group rendezvous).
+        let ft = self.cfg.fault_tolerance == core::FaultTolerance::Node;
+        let mut ft_store = None;
+        if ft {
+            match crate::tcpstore::TcpStoreServer::bind(SocketAddr::new(self.addr.ip(), 0))
+                .await
+                .and_then(|s| s.spawn())
+            {
+                Ok(h) => ft_store = Some(h),
+                Err(e) => {
+                    return Input::SpawnFailed(format!(
+                        "cannot start the replica group's TCPStore on {}: {e}",
+                        self.addr.ip()
+                    ));
+                }
+            }
+        }
+        let ft_env = ft_store.as_ref().map(|s| FtEnv {
+            group: node_rank,
+            groups: self.cfg.rdzv.max_nodes.max(roster.members.len() as u32),
+            store: s.local_addr(),
+            lighthouse: self.lighthouse.as_ref().map(|l| l.addr),
+            restarts: self.ft_launches,
+        });
+        if ft {
+            self.ft_launches += 1;
+        }
         let first = roster.first_global_rank(node_rank);
         let globals: Vec<u32> = (0..roster.members[node_rank].nproc).map(|l| first + l).collect();
         let round_dir = self.dirs.as_ref().map(|d| d.round(restart, &globals));
@@ -374,6 +439,9 @@ impl Edge for JobIo {
                         id.iter().map(|b| format!("{b:02x}")).collect(),
                     ));
                 }
+                if let Some(f) = &ft_env {
+                    ft_rank_env(&mut env, l, roster.members[node_rank].nproc, f);
+                }
                 RankSpec { global: first + l, local: l, env }
             })
             .collect();
@@ -395,6 +463,7 @@ impl Edge for JobIo {
             round_dir,
             served,
             local_done: false,
+            ft_store,
         };
         let input = match Supervisor::spawn(&self.cfg.cmd, &ranks, &round_out).await {
             Ok(sup) => {
@@ -430,6 +499,7 @@ impl Edge for JobIo {
         if served != Default::default() {
             info!("ring collectives to the next node: {}", served.line());
         }
+        drop(r.ft_store.take());
         // Kept for the cause's error file path.
         self.round = Some(Round { sup: None, ..r });
     }

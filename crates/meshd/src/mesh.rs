@@ -137,6 +137,9 @@ pub enum MeshError {
     /// its own that others could reach).
     #[error("{0}")]
     Peers(String),
+    /// The local torchft Lighthouse API could not listen (`--fault-tolerance node`).
+    #[error("torchft Lighthouse API on 127.0.0.1: {0}")]
+    Lighthouse(std::io::Error),
 }
 
 /// A node's mesh IO, before the actor takes it over.

@@ -112,6 +112,14 @@ pub(crate) fn core_config(
         timing: Timing::default(),
         store: meshd_proto::store::StoreConfig::default(),
         fault_tolerance,
+        // torchft's Lighthouse (`--fault-tolerance node`): a new quorum needs --nnodes MIN
+        // groups; stragglers that heartbeat but have not asked are waited for 1 s (torchft's
+        // binary: 60 s; the mesh already says who is alive).
+        lighthouse: meshd_proto::lighthouse::LighthouseConfig {
+            min_replicas: u64::from(rdzv.min_nodes.max(1)),
+            join_timeout: Duration::from_secs(1),
+            ..Default::default()
+        },
     }
 }
 

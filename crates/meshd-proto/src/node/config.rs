@@ -42,6 +42,9 @@ pub struct NodeConfig {
     pub store: crate::store::StoreConfig,
     /// What a failure stops (`--fault-tolerance`): the whole job, or one node's replica group.
     pub fault_tolerance: FaultTolerance,
+    /// The torchft Lighthouse's quorum rules (`--fault-tolerance node`; its tag is the
+    /// decider's own).
+    pub lighthouse: crate::lighthouse::LighthouseConfig,
 }
 
 /// What a failure stops (`--fault-tolerance`).

@@ -76,6 +76,7 @@ impl Node {
         r.ft.stopping = Some(LocalFailure { reason, cause, again });
         let spawned = std::mem::take(&mut r.spawned);
         self.log(if again { Level::Warn } else { Level::Error }, line);
+        self.lh_local_gone(now);
         if spawned {
             self.events.push_back(Event::StopRanks);
         } else {
@@ -117,6 +118,7 @@ impl Node {
             _ => return,
         };
         let min = self.cfg.rdzv.min_nodes.max(1) as usize;
+        self.lh_member_gone(id, now);
         let Phase::Running(r) = &mut self.phase else { return };
         let was_done = r.done.remove(&id);
         if !r.everyone.remove(&id) {

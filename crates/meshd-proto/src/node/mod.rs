@@ -22,6 +22,7 @@
 
 pub mod config;
 mod ft;
+mod lh;
 mod lifecycle;
 mod preflight;
 pub mod report;
@@ -144,6 +145,24 @@ pub enum Input {
     Abort(String),
     /// Leave the mesh gracefully (the driver shuts down).
     Leave,
+    /// `--fault-tolerance node`: a rank's torchft Lighthouse `Quorum` call, answered by
+    /// [`Event::LhQuorum`] with the same `req` (its `address` already pointing at this node).
+    LhQuorum {
+        /// The IO's id for the call.
+        req: u64,
+        /// The requester.
+        member: crate::lighthouse::Member,
+    },
+    /// A rank's Lighthouse `Heartbeat` call.
+    LhHeartbeat {
+        /// The replica.
+        replica_id: String,
+    },
+    /// The caller of [`Input::LhQuorum`] `req` went away.
+    LhCancel {
+        /// The call.
+        req: u64,
+    },
 }
 
 /// Something the IO must do or know.
@@ -222,6 +241,13 @@ pub enum Event {
     },
     /// The job is over on this node; the driver exits with `outcome.code`.
     Finished(Outcome),
+    /// The answer to [`Input::LhQuorum`] `req`.
+    LhQuorum {
+        /// The call.
+        req: u64,
+        /// The quorum (the same participants and id on every member's node).
+        quorum: crate::lighthouse::Quorum,
+    },
 }
 
 /// Severity of an [`Event::Log`] line.
@@ -329,6 +355,8 @@ pub struct Node {
     store_backlog: crate::store::Backlog,
     /// The program said it is done ([`Input::Finish`]).
     local_finish: bool,
+    /// torchft's Lighthouse (`--fault-tolerance node`).
+    lh: lh::Relay,
 }
 
 impl std::fmt::Debug for Node {
@@ -370,6 +398,7 @@ impl Node {
             store: None,
             store_backlog: Default::default(),
             local_finish: false,
+            lh: lh::Relay::new(cfg.lighthouse.clone()),
             cfg,
         };
         let timeout = node.cfg.rdzv_timeout;
@@ -454,6 +483,9 @@ impl Node {
             }
             Input::Leave => self.membership.leave(now),
             Input::Store { round, req, call } => self.store_call(round, req, call, now),
+            i @ (Input::LhQuorum { .. } | Input::LhHeartbeat { .. } | Input::LhCancel { .. }) => {
+                self.lh_input(i, now)
+            }
             Input::Finish => {
                 self.local_finish = true;
                 if matches!(self.phase, Phase::Running(_)) {
@@ -473,6 +505,7 @@ impl Node {
         }
         self.resend_aborts(now);
         self.store_timeout(now);
+        self.lh_step(now);
         self.phase_timeout(now);
         self.after(now);
     }
@@ -498,7 +531,7 @@ impl Node {
             Phase::Closing(c) => c.poll_timeout(),
             Phase::Stopping(_) | Phase::Finished => None,
         };
-        [member, aborts, phase, self.store_poll_timeout()].into_iter().flatten().min()
+        [member, aborts, phase, self.store_poll_timeout(), self.lh.poll_timeout()].into_iter().flatten().min()
     }
 
     // ---- internals shared by the phases ----
@@ -554,6 +587,11 @@ impl Node {
                 self.aborts.retain(|a| !a.waiting.is_empty());
                 return;
             }
+            Message::LhAsk { .. }
+            | Message::LhBeat { .. }
+            | Message::LhCancel { .. }
+            | Message::LhGone { .. }
+            | Message::LhAnswer { .. } => return self.lh_message(node, msg, now),
             _ => {}
         }
         match &mut self.phase {
@@ -627,6 +665,7 @@ impl Node {
         }
         self.phase_step(now);
         self.try_finish(now);
+        self.lh_step(now);
     }
 
     fn on_member(&mut self, ev: MemberEvent, now: Instant) {

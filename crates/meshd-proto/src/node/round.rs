@@ -117,7 +117,12 @@ impl Node {
             | Message::Signal { .. }
             | Message::AbortAck { .. }
             | Message::FtJoin { .. }
-            | Message::FtRoster { .. } => {}
+            | Message::FtRoster { .. }
+            | Message::LhAsk { .. }
+            | Message::LhBeat { .. }
+            | Message::LhCancel { .. }
+            | Message::LhGone { .. }
+            | Message::LhAnswer { .. } => {}
         }
     }
 

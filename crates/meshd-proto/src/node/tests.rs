@@ -23,6 +23,7 @@ fn config(max_restarts: u32) -> NodeConfig {
         timing: Timing::default(),
         store: crate::store::StoreConfig::default(),
         fault_tolerance: Default::default(),
+        lighthouse: Default::default(),
     }
 }
 

@@ -67,6 +67,8 @@ pub struct NodeSimConfig {
     pub connect_timeout: Duration,
     /// What a failure stops (`--fault-tolerance`).
     pub fault_tolerance: crate::node::FaultTolerance,
+    /// The torchft Lighthouse's rules.
+    pub lighthouse: crate::lighthouse::LighthouseConfig,
 }
 
 impl Default for NodeSimConfig {
@@ -87,6 +89,7 @@ impl Default for NodeSimConfig {
             io_delay: Duration::from_millis(2),
             connect_timeout: Duration::from_secs(1),
             fault_tolerance: Default::default(),
+            lighthouse: Default::default(),
         }
     }
 }
@@ -172,6 +175,8 @@ struct SimNode {
     started: Option<Duration>,
     /// Answers to this node's store requests.
     store_replies: Vec<(u64, crate::node::StoreAnswer)>,
+    /// Lighthouse answers to this node's ranks: (when, request, quorum).
+    lh_answers: Vec<(Duration, u64, crate::lighthouse::Quorum)>,
     next_store_req: u64,
 }
 
@@ -220,6 +225,7 @@ impl NodeSim {
                 ranks_ended: None,
                 started: None,
                 store_replies: Vec::new(),
+                lh_answers: Vec::new(),
                 next_store_req: 0,
             })
             .collect();
@@ -354,6 +360,12 @@ impl NodeSim {
         &self.nodes[i].store_replies
     }
 
+    /// The lighthouse's answers to node `i`'s ranks (`Input::LhQuorum`): when, which
+    /// request, what quorum.
+    pub fn lh_answers(&self, i: usize) -> &[(Duration, u64, crate::lighthouse::Quorum)] {
+        &self.nodes[i].lh_answers
+    }
+
     /// Starts every node now.
     pub fn start_all(&mut self) {
         for i in 0..self.nodes.len() {
@@ -396,6 +408,7 @@ impl NodeSim {
             timing: self.cfg.timing.clone(),
             store: crate::store::StoreConfig::default(),
             fault_tolerance: self.cfg.fault_tolerance,
+            lighthouse: self.cfg.lighthouse.clone(),
         };
         let n = &mut self.nodes[i];
         n.life += 1;
@@ -699,6 +712,11 @@ impl NodeSim {
                 }
             }
             Event::StoreReply { req, answer } => self.nodes[i].store_replies.push((req, answer)),
+            Event::LhQuorum { req, quorum } => self.nodes[i].lh_answers.push((self.now, req, quorum)),
+            // MESHD_SIM_LOG=1: every node's log lines, for replaying a seed by hand.
+            Event::Log(_, text) if std::env::var_os("MESHD_SIM_LOG").is_some() => {
+                eprintln!("{:?} node {i}: {text}", self.now)
+            }
             Event::PeerFinished(_) => {}
             Event::StopRanks => {
                 self.stops.push(Stopped { at: self.now, node: i, restart: core.restart() });

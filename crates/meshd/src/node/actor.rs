@@ -5,6 +5,7 @@
 
 use super::edge::{Command, Edge, Wake};
 use crate::collective::{StoreRequest, StoreSender};
+use crate::lighthouse::LighthouseCall;
 use crate::mesh::report::AuthRefusals;
 use crate::mesh::{Mesh, MeshError};
 use crate::nccl_root::NcclRoot;
@@ -69,6 +70,12 @@ pub(crate) struct Actor {
     store_rx: mpsc::Receiver<StoreRequest>,
     store_pending: std::collections::HashMap<u64, tokio::sync::oneshot::Sender<core::StoreAnswer>>,
     next_store_req: u64,
+    /// torchft Lighthouse calls of the ranks (`--fault-tolerance node`), relayed to the core;
+    /// each Quorum call's answer goes back on its channel.
+    lh_tx: mpsc::Sender<LighthouseCall>,
+    lh_rx: mpsc::Receiver<LighthouseCall>,
+    lh_pending: BTreeMap<u64, tokio::sync::oneshot::Sender<crate::lighthouse::Answer>>,
+    next_lh_req: u64,
     listeners: Option<Listeners>,
     nccl_root: Option<Box<NcclRoot>>,
     nccl: NcclPolicy,
@@ -81,6 +88,7 @@ impl Actor {
     pub fn new(mesh: Mesh, core: Node, nccl: NcclPolicy, connect_timeout: Duration) -> Actor {
         let (edge_tx, edge_rx) = mpsc::unbounded_channel();
         let (store_tx, store_rx) = mpsc::channel(crate::collective::store::MAX_IN_FLIGHT);
+        let (lh_tx, lh_rx) = mpsc::channel(crate::lighthouse::CALL_QUEUE);
         let node_span = tracing::debug_span!("node", id = %mesh.node(), addr = %mesh.addr());
         let round_span = tracing::debug_span!(parent: &node_span, "round", restart = 0u32);
         Actor {
@@ -95,6 +103,10 @@ impl Actor {
             store_rx,
             store_pending: Default::default(),
             next_store_req: 0,
+            lh_tx,
+            lh_rx,
+            lh_pending: BTreeMap::new(),
+            next_lh_req: 0,
             listeners: None,
             nccl_root: None,
             nccl,
@@ -127,6 +139,7 @@ impl Actor {
                 Some(found) = self.mesh.resolved.recv() => self.add_resolved(found),
                 Some(done) = self.edge_rx.recv() => self.on_edge(done),
                 Some(r) = self.store_rx.recv() => self.on_store_request(r),
+                Some(c) = self.lh_rx.recv() => self.on_lighthouse_call(c),
                 _ = timer => {
                     let now = Instant::now();
                     self.feed_liveness(now);
@@ -175,6 +188,41 @@ impl Actor {
     /// Where the edges send store requests.
     pub fn store_sender(&self) -> StoreSender {
         self.store_tx.clone()
+    }
+
+    /// Where the local Lighthouse server sends its calls.
+    pub fn lighthouse_sender(&self) -> mpsc::Sender<LighthouseCall> {
+        self.lh_tx.clone()
+    }
+
+    /// A rank's Lighthouse call: to the core. torchft advertises its manager as
+    /// `http://{gethostname()}:port`, which other nodes may not resolve (or resolve to
+    /// themselves: every lab host has one name, every container may): the host becomes this
+    /// node's address on the chosen interface, as does a loopback store address.
+    fn on_lighthouse_call(&mut self, c: LighthouseCall) {
+        let now = Instant::now();
+        // Callers that went away (their process died, their deadline passed).
+        let gone: Vec<u64> = self.lh_pending.iter().filter(|(_, r)| r.is_closed()).map(|(k, _)| *k).collect();
+        for req in gone {
+            self.lh_pending.remove(&req);
+            self.core.handle(Input::LhCancel { req }, now);
+        }
+        match c {
+            LighthouseCall::Heartbeat { replica_id } => {
+                self.core.handle(Input::LhHeartbeat { replica_id }, now)
+            }
+            LighthouseCall::Quorum { mut member, reply } => {
+                let ip = self.mesh.addr().ip();
+                member.address = crate::lighthouse::rewrite_host(&member.address, ip);
+                member.store_address = local_store_address(&member.store_address, ip);
+                self.next_lh_req += 1;
+                let req = self.next_lh_req;
+                self.lh_pending.insert(req, reply);
+                self.core.handle(Input::LhQuorum { req, member }, now);
+            }
+            // The owner's inputs of a local decider: the node core has these from the mesh.
+            LighthouseCall::ReplicaGone { .. } | LighthouseCall::ObserveQuorumId(_) => {}
+        }
     }
 
     /// A store request of an edge: to the core, with an id its answer will carry.
@@ -263,6 +311,12 @@ impl Actor {
             }
             Event::ForwardSignal { signal, from } => {
                 edge.forward(signal, from.as_deref());
+            }
+            Event::LhQuorum { req, quorum } => {
+                if let Some(reply) = self.lh_pending.remove(&req) {
+                    let _ = reply
+                        .send(crate::lighthouse::Answer { quorum, created: std::time::SystemTime::now() });
+                }
             }
             Event::StoreReply { req, answer } => {
                 if let Some(reply) = self.store_pending.remove(&req) {
@@ -459,5 +513,38 @@ impl Actor {
     fn publish_status(&mut self) {
         self.status_at = Instant::now();
         self.mesh.transport().set_status(&self.status());
+    }
+}
+
+/// A group's store address (`host:port`) as other nodes reach it: a loopback host (the
+/// user set MASTER_ADDR=localhost) becomes this node's address; anything else is kept.
+fn local_store_address(addr: &str, ip: std::net::IpAddr) -> String {
+    let Some((host, port)) = addr.rsplit_once(':') else { return addr.to_string() };
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    let loopback = bare.eq_ignore_ascii_case("localhost")
+        || bare.parse::<std::net::IpAddr>().is_ok_and(|a| a.is_loopback());
+    if !loopback {
+        return addr.to_string();
+    }
+    match ip {
+        std::net::IpAddr::V6(v6) => format!("[{v6}]:{port}"),
+        v4 => format!("{v4}:{port}"),
+    }
+}
+
+#[cfg(test)]
+mod lh_tests {
+    use super::local_store_address;
+
+    #[test]
+    fn a_loopback_store_address_becomes_the_nodes() {
+        let ip = "198.19.0.7".parse().expect("ip");
+        assert_eq!(local_store_address("localhost:29500", ip), "198.19.0.7:29500");
+        assert_eq!(local_store_address("127.0.0.1:29500", ip), "198.19.0.7:29500");
+        assert_eq!(local_store_address("[::1]:29500", ip), "198.19.0.7:29500");
+        assert_eq!(local_store_address("198.19.0.9:29500", ip), "198.19.0.9:29500");
+        assert_eq!(local_store_address("gpu-3:29500", ip), "gpu-3:29500");
+        assert_eq!(local_store_address("garbage", ip), "garbage");
+        assert_eq!(local_store_address("localhost:1", "fd00::7".parse().expect("ip")), "[fd00::7]:1");
     }
 }

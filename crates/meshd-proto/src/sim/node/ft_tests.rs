@@ -146,3 +146,163 @@ fn a_replacement_joins_the_running_job_in_the_lost_nodes_slot() {
         }
     }
 }
+
+/// The lighthouse under faults: every node's "ranks" ask a quorum per step and heartbeat;
+/// returns every answer as (node, step, quorum) after checking that each step's live
+/// askers were answered within `limit` of asking.
+struct Steps {
+    answers: Vec<(usize, u64, crate::lighthouse::Quorum)>,
+}
+
+fn member(i: usize, life: u64, step: u64) -> crate::lighthouse::Member {
+    crate::lighthouse::Member {
+        replica_id: format!("group{i}:{life}"),
+        address: format!("http://10.0.{i}.1:5000"),
+        store_address: format!("10.0.{i}.1:6000"),
+        step: step as i64,
+        world_size: 2,
+        ..Default::default()
+    }
+}
+
+/// Runs `steps` quorum steps on the nodes still running; `fault(s, step, mid)` is called
+/// before each step's requests (`mid` false) and right after they went out (`mid` true: in
+/// the middle of the quorum).
+fn quorum_steps(s: &mut NodeSim, steps: u64, mut fault: impl FnMut(&mut NodeSim, u64, bool)) -> Steps {
+    let mut answers = Vec::new();
+    // Managers heartbeat from their start, before their first quorum request.
+    for _ in 0..5 {
+        let live: Vec<usize> = (0..s.len()).filter(|&i| s.is_running(i)).collect();
+        for i in live {
+            s.input(i, Input::LhHeartbeat { replica_id: member(i, 1, 0).replica_id });
+        }
+        s.run_for(secs(0.1));
+    }
+    for step in 0..steps {
+        fault(s, step, false);
+        let live: Vec<usize> = (0..s.len()).filter(|&i| s.is_running(i)).collect();
+        let seen: Vec<usize> = (0..s.len()).map(|i| s.lh_answers(i).len()).collect();
+        for &i in &live {
+            s.input(i, Input::LhQuorum { req: step, member: member(i, 1, step) });
+        }
+        fault(s, step, true);
+        let t0 = s.now();
+        loop {
+            let alive: Vec<usize> = live.iter().copied().filter(|&i| s.is_running(i)).collect();
+            let done = alive.iter().all(|&i| s.lh_answers(i)[seen[i]..].iter().any(|a| a.1 == step));
+            if done {
+                break;
+            }
+            assert!(
+                s.now() - t0 < secs(15.0),
+                "seed {}: step {step}: no quorum for {:?} within 15 s",
+                s.seed(),
+                alive
+                    .iter()
+                    .filter(|&&i| !s.lh_answers(i)[seen[i]..].iter().any(|a| a.1 == step))
+                    .collect::<Vec<_>>()
+            );
+            for &i in &alive {
+                s.input(i, Input::LhHeartbeat { replica_id: member(i, 1, 0).replica_id });
+            }
+            s.run_for(secs(0.1));
+        }
+        for (i, from) in seen.iter().enumerate() {
+            for a in &s.lh_answers(i)[*from..] {
+                answers.push((i, a.1, a.2.clone()));
+            }
+        }
+    }
+    Steps { answers }
+}
+
+/// One participant list per quorum id, and each node's ids increasing (strictly when its
+/// participants changed).
+fn check_quorums(seed: u64, st: &Steps) {
+    let mut by_id: BTreeMap<i64, Vec<String>> = BTreeMap::new();
+    for (i, step, q) in &st.answers {
+        let ids: Vec<String> = q.participants.iter().map(|m| m.replica_id.clone()).collect();
+        let first = by_id.entry(q.quorum_id).or_insert_with(|| ids.clone());
+        assert_eq!(
+            first, &ids,
+            "seed {seed}: quorum {} names two participant lists (node {i}, step {step})",
+            q.quorum_id
+        );
+        assert!(
+            q.participants.iter().any(|m| m.replica_id == member(*i, 1, 0).replica_id),
+            "seed {seed}: node {i} answered with a quorum without itself"
+        );
+    }
+    for i in 0..8 {
+        let mine: Vec<&crate::lighthouse::Quorum> =
+            st.answers.iter().filter(|a| a.0 == i).map(|a| &a.2).collect();
+        for w in mine.windows(2) {
+            assert!(w[1].quorum_id >= w[0].quorum_id, "seed {seed}: node {i}: quorum id went down: {:?}", w);
+            let ids = |q: &crate::lighthouse::Quorum| -> Vec<String> {
+                q.participants.iter().map(|m| m.replica_id.clone()).collect()
+            };
+            if ids(w[1]) != ids(w[0]) {
+                assert!(w[1].quorum_id > w[0].quorum_id, "seed {seed}: node {i}: new participants, same id");
+            }
+        }
+    }
+}
+
+use std::collections::BTreeMap;
+
+fn ft_lh(n: usize, seed: u64, loss: f64) -> NodeSim {
+    let mut cfg = ft(n, 2, seed, secs(600.0));
+    cfg.loss = loss;
+    // meshd gives the lighthouse --nnodes MIN as its min_replicas.
+    cfg.lighthouse = crate::lighthouse::LighthouseConfig {
+        min_replicas: 2,
+        join_timeout: secs(1.0),
+        ..Default::default()
+    };
+    NodeSim::new(cfg)
+}
+
+/// The decider's node (first live member in roster order) is the roster's slot 0 at first.
+fn decider(s: &NodeSim) -> usize {
+    let l = &s.launches()[0];
+    let id = l.roster.members[0].id;
+    (0..s.len()).find(|&i| s.id(i) == id).expect("decider")
+}
+
+#[test]
+fn lighthouse_quorums_are_identical_and_ids_increase_when_the_decider_dies_mid_quorum() {
+    for seed in 1..21 {
+        let mut s = ft_lh(4, seed, 0.0);
+        launched(&mut s);
+        let d = decider(&s);
+        let st = quorum_steps(&mut s, 6, |s, step, mid| {
+            if step == 2 && mid {
+                s.crash(d);
+            }
+        });
+        check_quorums(seed, &st);
+        let last: Vec<&(usize, u64, crate::lighthouse::Quorum)> =
+            st.answers.iter().filter(|a| a.1 == 5).collect();
+        assert_eq!(last.len(), 3, "seed {seed}: the 3 survivors were answered at the last step");
+        assert_eq!(last[0].2.participants.len(), 3, "seed {seed}: the dead group left the quorum");
+        let before = st.answers.iter().filter(|a| a.1 == 1).map(|a| a.2.quorum_id).max().unwrap_or(0);
+        assert!(last[0].2.quorum_id > before, "seed {seed}: ids grew across the hand-over");
+    }
+}
+
+#[test]
+fn lighthouse_quorums_hold_under_datagram_loss_and_a_partition() {
+    for seed in 1..21 {
+        let mut s = ft_lh(5, seed, 0.05);
+        launched(&mut s);
+        let st = quorum_steps(&mut s, 6, |s, step, mid| {
+            if step == 1 && !mid {
+                s.partition(&[vec![0, 1, 2], vec![3, 4]]);
+            }
+            if step == 3 && !mid {
+                s.heal();
+            }
+        });
+        check_quorums(seed, &st);
+    }
+}
