@@ -125,11 +125,20 @@ fn ft_args(lab: &Lab, python: &str, nnodes: &str, extra: &[&str]) -> Vec<String>
     a
 }
 
-fn spawn(lab: &mut Lab, i: usize, args: &[String], logs: &Logs, steps: u32) -> usize {
+fn spawn(
+    lab: &mut Lab,
+    i: usize,
+    args: &[String],
+    logs: &Logs,
+    steps: u32,
+    extra: &[(&str, String)],
+) -> usize {
     let a: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
     let dir = logs.dir();
     let steps = steps.to_string();
-    lab.spawn(i, &a, &[TOKEN, ("FT_LOG", &dir), ("FT_STEPS", &steps), ("FT_STEP_SLEEP", "0.1")])
+    let mut env = vec![TOKEN, ("FT_LOG", dir.as_str()), ("FT_STEPS", &steps), ("FT_STEP_SLEEP", "0.1")];
+    env.extend(extra.iter().map(|(k, v)| (*k, v.as_str())));
+    lab.spawn(i, &a, &env)
 }
 
 /// Waits until `pred` holds for the lines (at most `limit`).
@@ -151,89 +160,205 @@ fn group_of_host(lab: &Lab, logs: &Logs, i: usize) -> Option<u64> {
     logs.lines().into_iter().find(|l| pids.contains(&l.pid)).map(|l| l.group)
 }
 
-/// Scenario (a), (d): a whole node SIGKILLed at step 20 (its meshd and ranks): the survivors
-/// keep their processes and go on committing, a replacement started with the same command
-/// heals from a peer and commits, and the final weights agree across groups.
-fn node_killed_and_replaced(victim_is_decider: bool) {
-    let Some(torch) = torches::Torch::current(true) else { return };
-    let mut lab = Lab::new(3);
-    let logs = Logs::new(if victim_is_decider { "decider" } else { "worker" });
-    let steps = 220;
-    let args = ft_args(&lab, &torch.python, "2:3", &[]);
-    let ks: Vec<usize> = (0..3).map(|i| spawn(&mut lab, i, &args, &logs, steps)).collect();
-    let started = wait_lines(&logs, Duration::from_secs(120), |l| {
-        let groups: std::collections::BTreeSet<u64> =
-            l.iter().filter(|l| l.step >= 20).map(|l| l.group).collect();
-        groups.len() == 3
-    });
-    assert!(started, "every group reaches step 20:\n{}", logs.outputs());
-    // The decider is the first live member in roster order (by address): host 1 holds the
-    // lowest (198.19.0.7).
-    let victim = if victim_is_decider { 1 } else { 2 };
-    let vgroup = group_of_host(&lab, &logs, victim).expect("the victim's group");
-    let before: BTreeMap<(u64, u64), Vec<u64>> = pids_by_rank(&logs.lines());
-    let t_kill = now_secs();
-    lab.crash(victim);
-    let _ = lab.wait(ks[victim], Duration::from_secs(5));
-    // Survivors go on: a committed step without the victim's group.
-    let resumed = wait_lines(&logs, Duration::from_secs(60), |l| {
-        l.iter().any(|x| x.t > t_kill && x.committed && x.group != vgroup && x.participants == 2)
-    });
-    assert!(resumed, "the survivors commit a step without the killed group:\n{}", logs.outputs());
-    let lines = logs.lines();
-    let next = lines
-        .iter()
-        .filter(|x| x.t > t_kill && x.committed && x.group != vgroup && x.participants == 2)
-        .map(|x| x.t)
-        .fold(f64::INFINITY, f64::min);
-    // The replacement: the same command on the same host.
-    let t_rep = now_secs();
-    let k = spawn(&mut lab, victim, &args, &logs, steps);
-    let healed = wait_lines(&logs, Duration::from_secs(120), |l| {
-        l.iter().any(|x| x.t > t_rep && x.group == vgroup && x.committed && x.participants == 3)
-    });
-    assert!(healed, "the replacement heals and commits with all 3 groups:\n{}", logs.outputs());
-    let first_rep = logs
-        .lines()
-        .iter()
-        .filter(|x| x.t > t_rep && x.group == vgroup && x.committed)
-        .map(|x| x.t)
-        .fold(f64::INFINITY, f64::min);
-    // Every node ends 0.
-    for (i, kk) in [(0, ks[0]), (1, ks[1]), (2, ks[2]), (victim, k)] {
-        if kk == ks[victim] {
-            continue;
-        }
-        let (code, _, err) = lab.wait(kk, Duration::from_secs(180));
-        assert_eq!(code, Some(0), "host {i} ends 0:\n{err}\n{}", logs.outputs());
+/// How the victim node is lost.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Fault {
+    /// SIGKILL of its meshd and ranks: its kernel resets their connections.
+    Kill,
+    /// Its link cut: nothing comes back (no RST); the survivors' connections to it stay up
+    /// until meshd ends them.
+    LinkCut,
+}
+
+/// What a scenario measured.
+struct Figures {
+    next_commit: f64,
+    first_replacement_commit: f64,
+    survivor_restarts: usize,
+}
+
+/// A running 3-host job: each host's command's handle, the args, the logs.
+struct Job {
+    lab: Lab,
+    logs: Logs,
+    args: Vec<String>,
+    ks: Vec<usize>,
+    steps: u32,
+}
+
+impl Job {
+    /// The identical command on 3 hosts (with `env` of host `i` from `extra_env`), until
+    /// every group has passed step `warm`.
+    fn start(
+        name: &str,
+        steps: u32,
+        warm: i64,
+        extra_env: &dyn Fn(usize) -> Vec<(&'static str, String)>,
+    ) -> Job {
+        let torch = torches::Torch::current(true).expect("torch 2 with torchft");
+        let mut lab = Lab::new(3);
+        let logs = Logs::new(name);
+        let args = ft_args(&lab, &torch.python, "2:3", &[]);
+        let ks: Vec<usize> = (0..3).map(|i| spawn(&mut lab, i, &args, &logs, steps, &extra_env(i))).collect();
+        let started = wait_lines(&logs, Duration::from_secs(120), |l| {
+            let groups: std::collections::BTreeSet<u64> =
+                l.iter().filter(|l| l.step >= warm).map(|l| l.group).collect();
+            groups.len() == 3
+        });
+        assert!(started, "every group reaches step {warm}:\n{}", logs.outputs());
+        Job { lab, logs, args, ks, steps }
     }
-    let lines = logs.lines();
-    // Survivors kept their processes: one pid per (group, rank) for the survived groups.
-    let after = pids_by_rank(&lines);
+
+    /// Loses host `victim`'s node by `fault`, checks that the survivors commit without it,
+    /// starts its replacement (the same command) and waits for it to heal and commit with
+    /// all 3 groups. Returns (victim's group, kill -> survivors' next commit, replacement
+    /// start -> its first commit).
+    fn lose_and_replace(&mut self, victim: usize, fault: Fault, limit_resume: Duration) -> (u64, f64, f64) {
+        let logs = &self.logs;
+        let vgroup = group_of_host(&self.lab, logs, victim).expect("the victim's group");
+        if std::env::var_os("FT_DEBUG_SS").is_some() {
+            let o = std::process::Command::new("ip")
+                .args(["netns", "exec", &self.lab.hosts[0].ns, "ss", "-tnp"])
+                .output()
+                .expect("ss");
+            eprintln!("SS host 0:\n{}", String::from_utf8_lossy(&o.stdout));
+        }
+        let t_kill = now_secs();
+        eprintln!("{fault:?} of host {victim} at {t_kill:.3}");
+        match fault {
+            Fault::Kill => self.lab.crash(victim),
+            Fault::LinkCut => self.lab.link(victim, false),
+        }
+        // Survivors go on: a committed step without the victim's group.
+        let survivors_on = |x: &Line| x.t > t_kill && x.committed && x.group != vgroup && x.participants == 2;
+        let resumed = wait_lines(logs, limit_resume, |l| l.iter().any(survivors_on));
+        assert!(
+            resumed,
+            "{fault:?}: the survivors commit a step without the lost group within {limit_resume:?}:\n{}",
+            logs.outputs()
+        );
+        let next = logs.lines().iter().filter(|x| survivors_on(x)).map(|x| x.t).fold(f64::INFINITY, f64::min);
+        if fault == Fault::LinkCut {
+            self.lab.crash(victim);
+            self.lab.link(victim, true);
+        }
+        let (_, _, err) = self.lab.wait(self.ks[victim], Duration::from_secs(10));
+        if fault == Fault::LinkCut {
+            // The cut-off node found itself alone: fewer than MIN groups.
+            eprintln!(
+                "cut-off node's last words:\n{}",
+                err.lines().rev().take(5).collect::<Vec<_>>().join("\n")
+            );
+        }
+        // The replacement: the same command on the same host.
+        let t_rep = now_secs();
+        self.ks[victim] = spawn(&mut self.lab, victim, &self.args, &self.logs, self.steps, &[]);
+        let healed = wait_lines(&self.logs, Duration::from_secs(120), |l| {
+            l.iter().any(|x| x.t > t_rep && x.group == vgroup && x.committed && x.participants == 3)
+        });
+        if !healed {
+            let nodes = self.stop_all();
+            panic!("the replacement heals and commits with all 3 groups:\n{}\n{nodes}", self.logs.outputs());
+        }
+        let first = self
+            .logs
+            .lines()
+            .iter()
+            .filter(|x| x.t > t_rep && x.group == vgroup && x.committed)
+            .map(|x| x.t)
+            .fold(f64::INFINITY, f64::min);
+        (vgroup, next - t_kill, first - t_rep)
+    }
+
+    /// Stops every node (a failed test) and returns the last lines of each meshd's log.
+    fn stop_all(&mut self) -> String {
+        let mut out = String::new();
+        for i in 0..3 {
+            self.lab.crash(i);
+            let (_, _, err) = self.lab.wait(self.ks[i], Duration::from_secs(10));
+            let tail: Vec<&str> = err.lines().rev().take(40).collect();
+            out.push_str(&format!("==== meshd on host {i}:\n"));
+            for l in tail.into_iter().rev() {
+                out.push_str(l);
+                out.push('\n');
+            }
+        }
+        out
+    }
+
+    /// Every node ends 0 and the final weights agree across groups, rank by rank. Returns
+    /// every node's stderr, by host.
+    fn finish(mut self) -> (Logs, Vec<String>) {
+        // Every group stops 20 steps on (FT_STEPS is only the bound).
+        let at = self.logs.lines().iter().map(|l| l.step).max().unwrap_or(0) + 20;
+        let stop = self.logs.0.join("stop_at");
+        std::fs::write(stop.with_extension("tmp"), at.to_string()).expect("stop_at");
+        std::fs::rename(stop.with_extension("tmp"), &stop).expect("stop_at");
+        let mut errs = Vec::new();
+        for i in 0..3 {
+            let (code, _, err) = self.lab.wait(self.ks[i], Duration::from_secs(180));
+            assert_eq!(code, Some(0), "host {i} ends 0:\n{err}\n{}", self.logs.outputs());
+            errs.push(err);
+        }
+        let mut finals: BTreeMap<u64, Vec<(u64, String)>> = BTreeMap::new();
+        for l in self.logs.lines().iter().filter(|l| l.final_digest.is_some()) {
+            finals.entry(l.rank).or_default().push((l.group, l.final_digest.clone().unwrap_or_default()));
+        }
+        assert_eq!(finals.len(), 2, "final lines of both ranks: {finals:?}");
+        for (rank, v) in &finals {
+            assert_eq!(v.len(), 3, "rank {rank}: a final line from every group: {v:?}");
+            assert!(v.iter().all(|(_, d)| *d == v[0].1), "rank {rank}: the groups' weights agree: {v:?}");
+        }
+        (self.logs, errs)
+    }
+}
+
+/// Survivors kept their processes: one pid per (group, rank) outside `changed` groups, the
+/// same as `before`. Returns how many survivor processes were restarted (0).
+fn survivors_kept(before: &BTreeMap<(u64, u64), Vec<u64>>, lines: &[Line], changed: &[u64]) -> usize {
+    let after = pids_by_rank(lines);
     let mut restarted = 0;
     for ((g, r), pids) in &after {
-        if *g != vgroup {
-            assert_eq!(Some(pids), before.get(&(*g, *r)), "group {g} rank {r} kept its process");
-            restarted += pids.len() - 1;
+        if !changed.contains(g) {
+            let had = before.get(&(*g, *r));
+            assert_eq!(Some(pids), had, "group {g} rank {r} kept its process");
+            restarted += pids.len() - had.map_or(0, Vec::len);
         }
     }
-    // The final weights agree across groups, rank by rank.
-    let mut finals: BTreeMap<u64, Vec<(u64, String)>> = BTreeMap::new();
-    for l in lines.iter().filter(|l| l.final_digest.is_some()) {
-        finals.entry(l.rank).or_default().push((l.group, l.final_digest.clone().unwrap_or_default()));
-    }
-    for (rank, v) in &finals {
-        assert_eq!(v.len(), 3, "rank {rank}: a final line from every group: {v:?}");
-        assert!(v.iter().all(|(_, d)| *d == v[0].1), "rank {rank}: the groups' weights agree: {v:?}");
-    }
-    let lost: i64 = 0;
+    restarted
+}
+
+/// Scenarios (a), (b), (d): a whole node lost at step 20 (by `fault`): the survivors keep
+/// their processes and go on committing, a replacement started with the same command heals
+/// from a peer and commits, and the final weights agree across groups.
+fn node_lost_and_replaced(victim: usize, fault: Fault, name: &str) -> Figures {
+    let extra = |_| -> Vec<(&'static str, String)> {
+        // The ranks' own timeouts long (60 s, torchft's default) for a cut link: the
+        // survivors must not be saved by them.
+        if fault == Fault::LinkCut { vec![("FT_TIMEOUT", "60".into())] } else { Vec::new() }
+    };
+    let mut job = Job::start(name, 5000, 20, &extra);
+    let before = pids_by_rank(&job.logs.lines());
+    let limit = Duration::from_secs(if fault == Fault::LinkCut { 30 } else { 60 });
+    let (vgroup, next, first) = job.lose_and_replace(victim, fault, limit);
+    let (logs, errs) = job.finish();
+    let restarted = survivors_kept(&before, &logs.lines(), &[vgroup]);
+    let f = Figures { next_commit: next, first_replacement_commit: first, survivor_restarts: restarted };
     eprintln!(
-        "FIGURE torchft {}: kill -> survivors' next committed step {:.2} s; replacement start -> its first committed \
-         step {:.2} s; survivor restarts {restarted}; steps lost {lost}",
-        if victim_is_decider { "decider killed" } else { "worker killed" },
-        next - t_kill,
-        first_rep - t_rep
+        "FIGURE torchft {name}: lost -> survivors' next committed step {:.2} s; replacement start -> its first \
+         committed step {:.2} s; survivor restarts {}",
+        f.next_commit, f.first_replacement_commit, f.survivor_restarts
     );
+    if fault == Fault::LinkCut {
+        // meshd ended the survivors' connections to the cut-off node.
+        for (i, e) in errs.iter().enumerate().filter(|(i, _)| *i != victim) {
+            assert!(
+                e.contains("TCP connection") && e.contains("so that their collectives"),
+                "host {i}:\n{e}"
+            );
+        }
+    }
+    f
 }
 
 fn pids_by_rank(lines: &[Line]) -> BTreeMap<(u64, u64), Vec<u64>> {
@@ -247,8 +372,90 @@ fn pids_by_rank(lines: &[Line]) -> BTreeMap<(u64, u64), Vec<u64>> {
     m
 }
 
+// The decider is the first live member in roster order (by address): host 1 holds the
+// lowest (198.19.0.7); host 2 (198.19.0.19) is a worker.
+
 #[test]
 fn a_killed_node_leaves_the_quorum_the_others_train_on_and_its_replacement_heals() {
     lab_or_skip!();
-    node_killed_and_replaced(false);
+    if torches::Torch::current(true).is_none() {
+        return;
+    }
+    let f = node_lost_and_replaced(2, Fault::Kill, "worker killed");
+    assert_eq!(f.survivor_restarts, 0);
+}
+
+/// (b) A cut link sends no RST: the survivors' connections to the lost node stay up, and
+/// only meshd's closing them keeps the survivors from waiting out their 60 s timeouts.
+#[test]
+fn a_cut_off_node_does_not_hold_the_survivors_for_their_timeout() {
+    lab_or_skip!();
+    if torches::Torch::current(true).is_none() {
+        return;
+    }
+    let f = node_lost_and_replaced(2, Fault::LinkCut, "worker's link cut");
+    assert!(f.next_commit < 30.0);
+}
+
+/// (e) then (d): a rank failing on host 0 restarts host 0's ranks only, which heal and
+/// commit again; then the decider's node (host 1) is killed, the survivors go on, and its
+/// replacement heals.
+#[test]
+fn a_failed_rank_restarts_its_node_only_and_the_deciders_loss_is_survived() {
+    lab_or_skip!();
+    if torches::Torch::current(true).is_none() {
+        return;
+    }
+    let extra = |i: usize| -> Vec<(&'static str, String)> {
+        if i == 0 { vec![("FT_FAIL_AT", "15".into())] } else { Vec::new() }
+    };
+    let mut job = Job::start("rank failure then decider killed", 5000, 10, &extra);
+    // Host 0's rank 1 exits 3 at step 15 (once): host 0's ranks restart, nobody else's.
+    let g0 = group_of_host(&job.lab, &job.logs, 0).expect("host 0's group");
+    let before = pids_by_rank(&job.logs.lines());
+    let restarted_and_healed = wait_lines(&job.logs, Duration::from_secs(120), |l| {
+        let fresh =
+            |x: &&Line| x.group == g0 && !before.get(&(x.group, x.rank)).is_some_and(|p| p.contains(&x.pid));
+        l.iter().filter(fresh).any(|x| x.committed && x.participants == 3)
+    });
+    assert!(
+        restarted_and_healed,
+        "host 0's restarted ranks commit with all 3 groups:\n{}",
+        job.logs.outputs()
+    );
+    // While host 0's ranks restarted, the others committed steps without it.
+    let lines = job.logs.lines();
+    let old = |x: &Line| before.get(&(x.group, x.rank)).is_some_and(|p| p.contains(&x.pid));
+    let t_down = lines.iter().filter(|x| x.group == g0 && old(x)).map(|x| x.t).fold(0.0, f64::max);
+    let t_back = lines
+        .iter()
+        .filter(|x| x.group == g0 && !old(x) && x.committed)
+        .map(|x| x.t)
+        .fold(f64::INFINITY, f64::min);
+    let others_on = lines
+        .iter()
+        .any(|x| x.group != g0 && x.committed && x.participants == 2 && x.t > t_down && x.t < t_back);
+    assert!(others_on, "the other groups committed steps while host 0 restarted:\n{}", job.logs.outputs());
+    // Now the decider.
+    let mid = pids_by_rank(&job.logs.lines());
+    let (g1, next, first) = job.lose_and_replace(1, Fault::Kill, Duration::from_secs(60));
+    let (logs, errs) = job.finish();
+    assert!(errs[0].contains("restarting this node's ranks only"), "host 0:\n{}", errs[0]);
+    for (i, e) in errs.iter().enumerate().skip(1) {
+        assert!(!e.contains("restarting"), "host {i} restarted nothing:\n{e}");
+    }
+    // Host 0: each rank had 2 processes (the restart); host 2 kept its own throughout.
+    let lines = logs.lines();
+    let pids = pids_by_rank(&lines);
+    for r in 0..2 {
+        assert_eq!(pids.get(&(g0, r)).map(Vec::len), Some(2), "host 0 rank {r}: one restart: {pids:?}");
+    }
+    let restarted = survivors_kept(&mid, &lines, &[g1]);
+    let g2 = before.keys().map(|(g, _)| *g).find(|g| *g != g0 && *g != g1).expect("a third group");
+    assert_eq!(pids.get(&(g2, 0)), before.get(&(g2, 0)), "host 2's ranks never restarted");
+    eprintln!(
+        "FIGURE torchft decider killed: lost -> survivors' next committed step {next:.2} s; replacement start -> its \
+         first committed step {first:.2} s; survivor restarts {restarted}"
+    );
+    assert_eq!(restarted, 0);
 }

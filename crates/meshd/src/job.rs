@@ -344,6 +344,14 @@ impl Edge for JobIo {
         // `--fault-tolerance node`: this node's own store (torchrun's agent store) for its
         // replica group, reached by the other groups too (torchft's cross-group rendezvous).
         let ft = self.cfg.fault_tolerance == core::FaultTolerance::Node;
+        if ft && verdict.collective == Collective::Tunnel {
+            return Input::SpawnFailed(
+                "--fault-tolerance node needs TCP between the nodes, and the preflight found it blocked (only \
+                 meshd's UDP port is open: the tunnel); the tunnel does not carry the replica groups' \
+                 connections yet: open TCP between the nodes, or use --fault-tolerance job"
+                    .into(),
+            );
+        }
         let mut ft_store = None;
         if ft {
             match crate::tcpstore::TcpStoreServer::bind(SocketAddr::new(self.addr.ip(), 0))
@@ -513,6 +521,41 @@ impl Edge for JobIo {
         if let Some(s) = self.round.as_ref().and_then(|r| r.sup.as_ref()) {
             s.signal_all(signal);
         }
+    }
+
+    fn group_lost(&mut self, addr: std::net::SocketAddr, who: &str, abort: Option<core::AbortGroup>) {
+        let (ip, who) = (addr.ip(), who.to_string());
+        tokio::task::spawn_blocking(move || {
+            let root = std::process::id() as i32;
+            let all = crate::tunnel::listeners::sockets();
+            let mut inodes = supervisor::cut::sockets_to(&all, ip);
+            let to_lost = inodes.len();
+            if let Some(a) = &abort {
+                inodes.extend(supervisor::cut::sockets_to_peers_except(&all, &a.peers, &a.keep));
+            }
+            let cut = supervisor::cut::cut_inodes(root, inodes);
+            if cut.cut > 0 {
+                let others = if abort.is_some() && cut.cut > to_lost {
+                    " and of their process group with the other replica groups (the step is lost with it)"
+                } else {
+                    ""
+                };
+                info!(
+                    "closed {} of this node's ranks to {who}{others}, so that their collectives with it fail \
+                     now, not at their timeout",
+                    crate::plural(cut.cut as u64, "TCP connection")
+                );
+            } else if cut.failed.is_empty() {
+                info!("this node's ranks held no TCP connections to {who}");
+            }
+            if !cut.failed.is_empty() {
+                warn!(
+                    "could not close this node's ranks' connections to {who} ({}); their collectives with it \
+                     end at their own timeout",
+                    cut.failed.join("; ")
+                );
+            }
+        });
     }
 
     /// Every node says why, once the ranks' last output is out.

@@ -8,6 +8,7 @@
 //! only the rank's first process. When a round ends, [`orphans::sweep`] stops what the
 //! ranks left behind, in their groups or re-parented to meshd (a child subreaper).
 
+pub mod cut;
 pub mod orphans;
 pub mod output;
 

@@ -161,6 +161,16 @@ pub struct Member {
     pub commit_failures: i64,
 }
 
+impl Member {
+    /// The TCP endpoints the group advertises: its manager (`address`, a URL) and its store
+    /// (`store_address`), where they name an IP address and a port.
+    pub fn endpoints(&self) -> Vec<std::net::SocketAddr> {
+        let manager = self.address.split_once("://").map_or(self.address.as_str(), |(_, rest)| rest);
+        let manager = manager.split('/').next().unwrap_or("");
+        [manager, self.store_address.as_str()].iter().filter_map(|a| a.parse().ok()).collect()
+    }
+}
+
 /// An issued quorum (torchft's `Quorum` without `created`: the shell stamps the wall clock).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Quorum {

@@ -387,3 +387,21 @@ fn unchanged_list_keeps_the_id() {
     assert_eq!(q1.quorum_id, q2.quorum_id);
     assert_eq!(q2.participants[0].step, 9);
 }
+
+#[test]
+fn a_members_endpoints_are_its_manager_and_store() {
+    let m = Member {
+        address: "http://198.19.0.7:33981".into(),
+        store_address: "198.19.0.7:39735".into(),
+        ..Member::default()
+    };
+    let want: Vec<std::net::SocketAddr> =
+        vec!["198.19.0.7:33981".parse().expect("addr"), "198.19.0.7:39735".parse().expect("addr")];
+    assert_eq!(m.endpoints(), want);
+    let v6 = Member {
+        address: "https://[fd00::1]:80/x".into(),
+        store_address: "vm:1".into(),
+        ..Member::default()
+    };
+    assert_eq!(v6.endpoints(), vec!["[fd00::1]:80".parse::<std::net::SocketAddr>().expect("addr")]);
+}

@@ -115,6 +115,19 @@ impl Node {
         let (id, how) = match ev {
             MemberEvent::Left(id) => (id, "left the mesh"),
             MemberEvent::Down(id) => (id, "stopped answering (declared dead by the mesh)"),
+            MemberEvent::Up(v) | MemberEvent::Updated(v) => {
+                // A joiner admitted by the decider (FtRoster) that this node's view had
+                // not seen alive yet: it is a member from now on (it may be the decider).
+                if let Phase::Running(r) = &mut self.phase {
+                    if r.roster.node_rank(v.id).is_some()
+                        && !r.everyone.contains(&v.id)
+                        && !r.done.contains(&v.id)
+                    {
+                        r.everyone.insert(v.id);
+                    }
+                }
+                return;
+            }
             _ => return,
         };
         let min = self.cfg.rdzv.min_nodes.max(1) as usize;
@@ -134,6 +147,25 @@ impl Node {
             self.log(Level::Error, format!("{reason}; stopping the job on every node"));
             return self.running_fails(None, reason, None, now);
         } else {
+            if let Some(m) = r.roster.members.iter().find(|m| m.id == id) {
+                let addr = m.addr;
+                let me = self.cfg.id;
+                let peers: Vec<_> = r
+                    .roster
+                    .members
+                    .iter()
+                    .filter(|m| m.id != me && m.id != id && r.everyone.contains(&m.id))
+                    .map(|m| m.addr.ip())
+                    .collect();
+                let abort = self.lh.last.as_ref().and_then(|q| {
+                    let endpoints: Vec<_> = q.participants.iter().flat_map(|p| p.endpoints()).collect();
+                    let with_lost =
+                        endpoints.iter().any(|e| e.ip().to_canonical() == addr.ip().to_canonical());
+                    with_lost.then_some(super::AbortGroup { peers, keep: endpoints })
+                });
+                let who = format!("{who}, replica group {group}");
+                self.events.push_back(Event::GroupLost { addr, who, abort });
+            }
             self.log(
                 Level::Warn,
                 format!(

@@ -54,6 +54,8 @@ pub(super) struct Relay {
     next_resend: Option<Instant>,
     /// The highest quorum id seen here.
     seen: i64,
+    /// The last quorum this node's ranks were given.
+    pub last: Option<Quorum>,
     /// The quorum core, while this node is the decider.
     decider: Option<Decider>,
     /// The core's settings (min replicas, timeouts), from the node's config.
@@ -170,6 +172,9 @@ impl Node {
     fn lh_answered(&mut self, req: u64, quorum: Quorum) {
         self.lh.seen = self.lh.seen.max(quorum.quorum_id);
         if self.lh.pending.remove(&req).is_some() {
+            if self.lh.last.as_ref().is_none_or(|l| l.quorum_id <= quorum.quorum_id) {
+                self.lh.last = Some(quorum.clone());
+            }
             self.events.push_back(Event::LhQuorum { req, quorum });
         }
     }

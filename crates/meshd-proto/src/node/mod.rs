@@ -165,6 +165,15 @@ pub enum Input {
     },
 }
 
+/// What [`Event::GroupLost`] ends besides the connections to the lost node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AbortGroup {
+    /// The other live members' hosts.
+    pub peers: Vec<std::net::IpAddr>,
+    /// The endpoints to leave alone: the quorum's managers and stores.
+    pub keep: Vec<std::net::SocketAddr>,
+}
+
 /// Something the IO must do or know.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Event {
@@ -221,6 +230,23 @@ pub enum Event {
     /// A roster member is finished with this round: its ranks all exited (it said Done),
     /// or it left or died. The store stops waiting for its acknowledgements.
     PeerFinished(NodeId),
+    /// `--fault-tolerance node`: a member's replica group was dropped from the running job
+    /// (its node died or left while its ranks ran). The IO ends this node's ranks'
+    /// connections to `addr`'s host (and the tunnel's), so that their collectives with it
+    /// fail now, not at Gloo's or NCCL's timeout.
+    GroupLost {
+        /// The lost member's roster address.
+        addr: std::net::SocketAddr,
+        /// Who, in words ("node gpu-3 (10.0.0.3), replica group 2").
+        who: String,
+        /// The last quorum this node's ranks were given included the lost group: their
+        /// process group's collectives are doomed, and a survivor waiting on a live peer
+        /// that gave up (the dead one's neighbour in a ring) would wait for its timeout
+        /// too. The IO ends every connection of the ranks to these peers' hosts except
+        /// the groups' managers and stores (`keep`), so that every survivor fails the step
+        /// now and asks for the next quorum.
+        abort: Option<AbortGroup>,
+    },
     /// The answer to [`Input::Store`] request `req`.
     StoreReply {
         /// The request.

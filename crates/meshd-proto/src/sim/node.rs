@@ -177,6 +177,7 @@ struct SimNode {
     store_replies: Vec<(u64, crate::node::StoreAnswer)>,
     /// Lighthouse answers to this node's ranks: (when, request, quorum).
     lh_answers: Vec<(Duration, u64, crate::lighthouse::Quorum)>,
+    groups_lost: Vec<SocketAddr>,
     next_store_req: u64,
 }
 
@@ -226,6 +227,7 @@ impl NodeSim {
                 started: None,
                 store_replies: Vec::new(),
                 lh_answers: Vec::new(),
+                groups_lost: Vec::new(),
                 next_store_req: 0,
             })
             .collect();
@@ -364,6 +366,12 @@ impl NodeSim {
     /// request, what quorum.
     pub fn lh_answers(&self, i: usize) -> &[(Duration, u64, crate::lighthouse::Quorum)] {
         &self.nodes[i].lh_answers
+    }
+
+    /// The roster addresses of the replica groups node `i` was told were lost
+    /// ([`Event::GroupLost`]), in order.
+    pub fn groups_lost(&self, i: usize) -> &[SocketAddr] {
+        &self.nodes[i].groups_lost
     }
 
     /// Starts every node now.
@@ -718,6 +726,7 @@ impl NodeSim {
                 eprintln!("{:?} node {i}: {text}", self.now)
             }
             Event::PeerFinished(_) => {}
+            Event::GroupLost { addr, .. } => self.nodes[i].groups_lost.push(addr),
             Event::StopRanks => {
                 self.stops.push(Stopped { at: self.now, node: i, restart: core.restart() });
                 let n = &mut self.nodes[i];

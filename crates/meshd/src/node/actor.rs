@@ -325,6 +325,7 @@ impl Actor {
             }
             // The core's store stops waiting for it by itself.
             Event::PeerFinished(_) => {}
+            Event::GroupLost { addr, who, abort } => edge.group_lost(addr, &who, abort),
             Event::RoundFailed { reason, cause, restarting, .. } => {
                 self.nccl_root = None;
                 edge.round_failed(&reason, cause.as_deref(), restarting).await;

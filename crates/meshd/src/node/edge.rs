@@ -72,6 +72,16 @@ pub(crate) trait Edge {
     /// Forward `signal` to the ranks (`from`: the node that asked).
     fn forward(&mut self, _signal: i32, _from: Option<&str>) {}
 
+    /// `--fault-tolerance node`: the replica group at `addr` was dropped from the running
+    /// job (`who`, in words); end the ranks' connections to it (and `abort`'s).
+    fn group_lost(
+        &mut self,
+        _addr: std::net::SocketAddr,
+        _who: &str,
+        _abort: Option<meshd_proto::node::AbortGroup>,
+    ) {
+    }
+
     /// The round failed (ranks stopped); `restarting`: a new round follows.
     fn round_failed(
         &mut self,

@@ -41,17 +41,43 @@ pub enum PortCheck {
     Outside,
 }
 
-/// Parses one line of `/proc/net/tcp` or `/proc/net/tcp6`; `Some` only for LISTEN sockets.
+/// One socket as a line of `/proc/net/tcp` or `/proc/net/tcp6` shows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SocketLine {
+    /// Local address (IPv4-mapped addresses read as IPv4).
+    pub local: (IpAddr, u16),
+    /// Remote address (unspecified for a listener).
+    pub remote: (IpAddr, u16),
+    /// The kernel's TCP state (`0A` LISTEN, `01` ESTABLISHED, ...).
+    pub state: u8,
+    /// The socket's inode (its `socket:[N]` name in `/proc/PID/fd`).
+    pub inode: u64,
+}
+
+/// TCP states of `/proc/net/tcp` (include/net/tcp_states.h).
+pub const TCP_LISTEN: u8 = 0x0A;
+/// TIME_WAIT: no process holds the socket any more.
+pub const TCP_TIME_WAIT: u8 = 0x06;
+/// CLOSE.
+pub const TCP_CLOSE: u8 = 0x07;
+
+/// Parses one line of `/proc/net/tcp` or `/proc/net/tcp6`.
 /// Fields: `sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode ...`,
 /// addresses as hex words in host byte order, the port in hex.
-pub fn parse_line(line: &str) -> Option<Listener> {
+pub fn parse_socket(line: &str) -> Option<SocketLine> {
     let f: Vec<&str> = line.split_whitespace().collect();
-    if f.len() < 10 || f[3] != "0A" {
+    if f.len() < 10 {
         return None;
     }
-    let (addr, port) = f[1].split_once(':')?;
-    let port = u16::from_str_radix(port, 16).ok()?;
+    let state = u8::from_str_radix(f[3], 16).ok()?;
     let inode = f[9].parse::<u64>().ok()?;
+    Some(SocketLine { local: hex_addr(f[1])?, remote: hex_addr(f[2])?, state, inode })
+}
+
+/// `ADDR:PORT` in `/proc/net/tcp{,6}`'s hex.
+fn hex_addr(field: &str) -> Option<(IpAddr, u16)> {
+    let (addr, port) = field.split_once(':')?;
+    let port = u16::from_str_radix(port, 16).ok()?;
     // Each 32-bit word is the kernel's memory read as a native-endian integer.
     let word = |s: &str| u32::from_str_radix(s, 16).ok().map(u32::to_ne_bytes);
     let ip = match addr.len() {
@@ -65,7 +91,22 @@ pub fn parse_line(line: &str) -> Option<Listener> {
         }
         _ => return None,
     };
-    Some(Listener { ip, port, inode })
+    Some((ip, port))
+}
+
+/// Parses one line of `/proc/net/tcp` or `/proc/net/tcp6`; `Some` only for LISTEN sockets.
+pub fn parse_line(line: &str) -> Option<Listener> {
+    let s = parse_socket(line).filter(|s| s.state == TCP_LISTEN)?;
+    Some(Listener { ip: s.local.0, port: s.local.1, inode: s.inode })
+}
+
+/// Every TCP socket of this network namespace.
+pub fn sockets() -> Vec<SocketLine> {
+    ["/proc/net/tcp", "/proc/net/tcp6"]
+        .iter()
+        .filter_map(|p| std::fs::read_to_string(p).ok())
+        .flat_map(|s| s.lines().skip(1).filter_map(parse_socket).collect::<Vec<_>>())
+        .collect()
 }
 
 /// The listeners the kernel could hand a connection to `ip:port` to: those bound to `ip`
@@ -91,15 +132,15 @@ pub fn candidates(all: &[Listener], ip: IpAddr, port: u16) -> Vec<Listener> {
 
 /// The listening sockets of this network namespace.
 fn listeners() -> Vec<Listener> {
-    ["/proc/net/tcp", "/proc/net/tcp6"]
-        .iter()
-        .filter_map(|p| std::fs::read_to_string(p).ok())
-        .flat_map(|s| s.lines().skip(1).filter_map(parse_line).collect::<Vec<_>>())
+    sockets()
+        .into_iter()
+        .filter(|s| s.state == TCP_LISTEN)
+        .map(|s| Listener { ip: s.local.0, port: s.local.1, inode: s.inode })
         .collect()
 }
 
 /// The socket inodes among `pid`'s open files.
-fn socket_inodes(pid: i32, out: &mut HashSet<u64>) {
+pub fn socket_inodes(pid: i32, out: &mut HashSet<u64>) {
     let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) else { return };
     for e in dir.flatten() {
         let Ok(link) = std::fs::read_link(e.path()) else { continue };
@@ -113,7 +154,7 @@ fn socket_inodes(pid: i32, out: &mut HashSet<u64>) {
 }
 
 /// The pids of `root`'s descendants (and `root` itself when `with_root`).
-fn tree(root: i32, with_root: bool) -> BTreeSet<i32> {
+pub fn tree(root: i32, with_root: bool) -> BTreeSet<i32> {
     let procs = crate::supervisor::orphans::process_parents();
     let mut found: BTreeSet<i32> = BTreeSet::new();
     let mut frontier = vec![root];

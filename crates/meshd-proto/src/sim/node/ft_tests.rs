@@ -57,6 +57,8 @@ fn a_failed_rank_restarts_its_own_node_only() {
             assert_eq!(e.outcome.code, 0, "seed {seed}: node {} {:?}", e.node, e.outcome);
         }
         assert_eq!(s.outcomes().len(), 3, "seed {seed}");
+        // Nodes that finished were not lost groups: nobody cut connections.
+        assert!((0..3).all(|i| s.groups_lost(i).is_empty()), "seed {seed}");
     }
 }
 
@@ -88,6 +90,10 @@ fn a_dead_node_is_dropped_and_the_others_train_on() {
         s.crash(2);
         s.run_until(secs(60.0), |s| s.outcomes().len() >= 2).expect("the survivors end");
         assert!(s.stops().is_empty(), "seed {seed}: no survivor stopped its ranks: {:?}", s.stops());
+        // Each survivor is told once to end its ranks' connections to the dead node.
+        for i in 0..2 {
+            assert_eq!(s.groups_lost(i), &[node_addr(2)], "seed {seed}: node {i}");
+        }
         for e in s.outcomes() {
             assert!(e.node < 2, "seed {seed}");
             assert_eq!((e.outcome.code, &e.outcome.kind), (0, &OutcomeKind::Success), "seed {seed}");
@@ -287,6 +293,37 @@ fn lighthouse_quorums_are_identical_and_ids_increase_when_the_decider_dies_mid_q
         assert_eq!(last[0].2.participants.len(), 3, "seed {seed}: the dead group left the quorum");
         let before = st.answers.iter().filter(|a| a.1 == 1).map(|a| a.2.quorum_id).max().unwrap_or(0);
         assert!(last[0].2.quorum_id > before, "seed {seed}: ids grew across the hand-over");
+    }
+}
+
+/// The decider dies and its replacement (a new node at the same address) takes its slot,
+/// the first in roster order: it becomes the decider, and every group, its own included,
+/// is answered with the same quorums.
+#[test]
+fn a_replacement_in_the_deciders_slot_decides_and_is_answered() {
+    for seed in 1..21 {
+        let mut s = ft_lh(3, seed, 0.0);
+        launched(&mut s);
+        let d = decider(&s);
+        let st = quorum_steps(&mut s, 8, |s, step, mid| {
+            if step == 2 && mid {
+                s.crash(d);
+            }
+            if step == 4 && !mid {
+                s.restart(d);
+                let admitted =
+                    s.run_until(secs(20.0), |s| s.launches().iter().filter(|l| l.node == d).count() >= 2);
+                assert!(admitted.is_some(), "seed {}: the replacement was not admitted", s.seed());
+            }
+        });
+        check_quorums(seed, &st);
+        let last: Vec<&(usize, u64, crate::lighthouse::Quorum)> =
+            st.answers.iter().filter(|a| a.1 == 7).collect();
+        assert_eq!(last.len(), 3, "seed {seed}: all 3 groups answered at the last step: {last:?}");
+        assert!(
+            last.iter().all(|a| a.2.participants.len() == 3),
+            "seed {seed}: the replacement is in: {last:?}"
+        );
     }
 }
 
