@@ -125,6 +125,17 @@ pub enum Message {
         /// The quorum.
         quorum: crate::lighthouse::Quorum,
     },
+    /// The decider -> a node whose ranks have not asked for a quorum that others wait in:
+    /// the roll call (is its meshd there?). Answered at once with [`Message::LhPong`].
+    LhPing {
+        /// Echoed in the answer.
+        nonce: u64,
+    },
+    /// A node -> the decider: here (the answer to [`Message::LhPing`] `nonce`).
+    LhPong {
+        /// The ping's nonce.
+        nonce: u64,
+    },
 }
 
 /// Why a rank failed, as the node that ran it saw it; travels in [`Message::Abort`] so that

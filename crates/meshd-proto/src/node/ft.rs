@@ -211,6 +211,7 @@ impl Node {
                     r.everyone.insert(from);
                     r.roster = roster;
                     let who = Self::describe(&r.roster, from);
+                    self.events.push_back(Event::RosterChanged(r.roster.clone()));
                     self.log(Level::Info, format!("{who} joins the running job as replica group {slot}"));
                 }
                 let Phase::Running(r) = &self.phase else { return };
@@ -231,7 +232,8 @@ impl Node {
                     }
                 }
                 r.everyone.retain(|id| roster.node_rank(*id).is_some());
-                r.roster = roster;
+                r.roster = roster.clone();
+                self.events.push_back(Event::RosterChanged(roster));
             }
             _ => {}
         }

@@ -16,6 +16,13 @@
 //!   gone takes its replicas out at once ([`Message::LhGone`] from a node whose ranks
 //!   failed; the decider's own view for a dead node), so the next quorum does not wait for
 //!   the heartbeat timeout.
+//! - The roll call: while a quorum request waits, the decider pings the nodes whose ranks
+//!   have not asked ([`Message::LhPing`], [`ROLL_CALL_PINGS`] datagrams over
+//!   [`ROLL_CALL_WITHIN`]). A node whose meshd does not answer in time is taken for gone as
+//!   far as this quorum goes: its replicas are no longer healthy (a heartbeat makes them
+//!   healthy again), so the quorum forms without waiting for the join timeout or for the
+//!   mesh to declare the node dead (a suspicion period, 1-2 s). A node that answers is
+//!   alive: its ranks are only slower, and torchft's join timeout applies as usual.
 
 use super::{Event, Input, Node, Phase};
 use crate::id::NodeId;
@@ -41,6 +48,33 @@ pub const TAKEOVER_GRACE: Duration = Duration::from_secs(3);
 
 /// Calls a new decider holds at most during [`TAKEOVER_GRACE`].
 const MAX_HELD_CALLS: usize = 4096;
+
+/// (node, replica) pairs whose newest request the decider remembers at most before it
+/// forgets those of replicas it no longer knows.
+const MAX_NEWEST: usize = 16384;
+
+/// How long a node has to answer the decider's roll call. A node's meshd answers as soon
+/// as it runs (it waits on nothing): this is scheduling slack on a loaded host, many round
+/// trips of any network meshd runs on.
+pub const ROLL_CALL_WITHIN: Duration = Duration::from_millis(300);
+
+/// Pings of one roll call, [`ROLL_CALL_GAP`] apart: one lost datagram does not leave a live
+/// group out.
+pub const ROLL_CALL_PINGS: u32 = 3;
+const ROLL_CALL_GAP: Duration = Duration::from_millis(60);
+
+/// A node is called at most once this often (a new step's first request within it does
+/// not call it again).
+const ROLL_CALL_EVERY: Duration = Duration::from_millis(500);
+
+/// One node's roll call in progress.
+#[derive(Debug)]
+struct RollCall {
+    nonce: u64,
+    sent: u32,
+    next_ping: Instant,
+    deadline: Instant,
+}
 
 /// A node's side of the lighthouse.
 #[derive(Debug, Default)]
@@ -70,12 +104,18 @@ struct Decider {
     by_origin: BTreeMap<(NodeId, u64), RequestId>,
     /// Which node each replica asked from.
     replica_node: BTreeMap<String, NodeId>,
+    /// The newest request each node made for each replica (a node numbers its requests in
+    /// order): a request re-sent after it was answered, which crossed its answer, is stale.
+    newest: BTreeMap<(NodeId, String), u64>,
     next: u64,
     /// Until every live member was heard (or the grace is over): the calls held, the
     /// nodes heard, the end of the grace.
     held: Vec<(NodeId, Message)>,
     heard: BTreeSet<NodeId>,
     ready_at: Option<Instant>,
+    /// Roll calls in progress, and when each node was last called.
+    calls: BTreeMap<NodeId, RollCall>,
+    called: BTreeMap<NodeId, Instant>,
 }
 
 impl Relay {
@@ -87,7 +127,10 @@ impl Relay {
         let resend = self.next_resend.filter(|_| !self.pending.is_empty());
         let core = self.decider.as_ref().and_then(|d| d.core.poll_timeout());
         let grace = self.decider.as_ref().and_then(|d| d.ready_at);
-        [resend, core, grace].into_iter().flatten().min()
+        let calls = self.decider.as_ref().and_then(|d| {
+            d.calls.values().map(|c| if c.sent < ROLL_CALL_PINGS { c.next_ping } else { c.deadline }).min()
+        });
+        [resend, core, grace, calls].into_iter().flatten().min()
     }
 }
 
@@ -165,7 +208,101 @@ impl Node {
             {
                 self.lh_decide(from, m, now);
             }
+            // Answered whoever asks (a member): the roll call needs this node's meshd, nothing more.
+            Message::LhPing { nonce } => {
+                if let Some(addr) = self.lh_addr(from) {
+                    self.send_datagram(addr, Message::LhPong { nonce });
+                }
+            }
+            Message::LhPong { nonce } => {
+                if let Some(d) = self.lh.decider.as_mut() {
+                    if d.calls.get(&from).is_some_and(|c| c.nonce == nonce) {
+                        d.calls.remove(&from);
+                    }
+                }
+            }
             _ => {}
+        }
+    }
+
+    /// While requests wait in the decider's core: calls the nodes that hold replicas the
+    /// decider knows of and asked nothing that waits (once per [`ROLL_CALL_EVERY`]).
+    fn lh_roll_call(&mut self, now: Instant) {
+        let me = self.cfg.id;
+        let Some(d) = self.lh.decider.as_mut() else { return };
+        if d.origin.is_empty() || d.ready_at.is_some() {
+            return;
+        }
+        let asking: BTreeSet<NodeId> = d.by_origin.keys().map(|(n, _)| *n).collect();
+        let silent: BTreeSet<NodeId> =
+            d.replica_node.values().copied().filter(|n| *n != me && !asking.contains(n)).collect();
+        let mut pings = Vec::new();
+        for n in silent {
+            if d.calls.contains_key(&n) || d.called.get(&n).is_some_and(|t| now < *t + ROLL_CALL_EVERY) {
+                continue;
+            }
+            d.next += 1;
+            let nonce = d.next;
+            d.called.insert(n, now);
+            d.calls.insert(
+                n,
+                RollCall { nonce, sent: 1, next_ping: now + ROLL_CALL_GAP, deadline: now + ROLL_CALL_WITHIN },
+            );
+            pings.push((n, nonce));
+        }
+        for (n, nonce) in pings {
+            if let Some(addr) = self.lh_addr(n) {
+                self.send_datagram(addr, Message::LhPing { nonce });
+            }
+        }
+    }
+
+    /// Roll calls due: the next ping, or the verdict on a node that did not answer.
+    fn lh_roll_call_due(&mut self, now: Instant) {
+        let Some(d) = self.lh.decider.as_mut() else { return };
+        let mut pings = Vec::new();
+        let mut absent = Vec::new();
+        for (n, c) in d.calls.iter_mut() {
+            if now >= c.deadline {
+                absent.push(*n);
+            } else if c.sent < ROLL_CALL_PINGS && now >= c.next_ping {
+                c.sent += 1;
+                c.next_ping = now + ROLL_CALL_GAP;
+                pings.push((*n, c.nonce));
+            }
+        }
+        let mut gone = Vec::new();
+        for n in &absent {
+            d.calls.remove(n);
+            let replicas: Vec<String> =
+                d.replica_node.iter().filter(|(_, node)| *node == n).map(|(r, _)| r.clone()).collect();
+            for r in &replicas {
+                d.core.replica_gone(now, r);
+            }
+            gone.push((*n, replicas.len()));
+        }
+        for (n, nonce) in pings {
+            if let Some(addr) = self.lh_addr(n) {
+                self.send_datagram(addr, Message::LhPing { nonce });
+            }
+        }
+        for (n, k) in gone {
+            let who = match &self.phase {
+                Phase::Running(r) => Self::describe(&r.roster, n),
+                _ => format!("node {n}"),
+            };
+            self.log(
+                super::Level::Info,
+                format!(
+                    "lighthouse: {who} did not answer the roll call within {} ms: its {} leave the quorum being \
+                     formed (a heartbeat brings them back)",
+                    ROLL_CALL_WITHIN.as_millis(),
+                    if k == 1 { "replica".to_string() } else { format!("{k} replicas") }
+                ),
+            );
+        }
+        if !absent.is_empty() {
+            self.lh_drain();
         }
     }
 
@@ -190,10 +327,13 @@ impl Node {
             origin: BTreeMap::new(),
             by_origin: BTreeMap::new(),
             replica_node: BTreeMap::new(),
+            newest: BTreeMap::new(),
             next: 0,
             held: Vec::new(),
             heard: [me].into_iter().collect(),
             ready_at: Some(now + TAKEOVER_GRACE),
+            calls: BTreeMap::new(),
+            called: BTreeMap::new(),
         });
         if d.ready_at.is_some() {
             d.heard.insert(from);
@@ -241,9 +381,17 @@ impl Node {
         match msg {
             Message::LhAsk { req, member, seen } => {
                 d.core.observe_quorum_id(seen);
-                if d.by_origin.contains_key(&(from, req)) {
+                // Held already, or answered (a resend that crossed its answer): the core would
+                // take it for the replica's next request and answer that one instead.
+                let key = (from, member.replica_id.clone());
+                if d.by_origin.contains_key(&(from, req)) || d.newest.get(&key).is_some_and(|n| req <= *n) {
                     return;
                 }
+                if d.newest.len() >= MAX_NEWEST {
+                    let known = &d.replica_node;
+                    d.newest.retain(|(_, r), _| known.contains_key(r));
+                }
+                d.newest.insert(key, req);
                 d.next += 1;
                 let id = RequestId(d.next);
                 d.origin.insert(id, (from, req));
@@ -320,6 +468,7 @@ impl Node {
             d.replica_node.remove(r);
             d.core.replica_gone(now, r);
         }
+        d.newest.retain(|(n, _), _| *n != id);
         let reqs: Vec<(u64, RequestId)> =
             d.by_origin.iter().filter(|((n, _), _)| *n == id).map(|((_, q), r)| (*q, *r)).collect();
         for (q, r) in reqs {
@@ -367,5 +516,7 @@ impl Node {
                 self.lh_drain();
             }
         }
+        self.lh_roll_call_due(now);
+        self.lh_roll_call(now);
     }
 }

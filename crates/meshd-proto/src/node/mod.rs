@@ -247,6 +247,10 @@ pub enum Event {
         /// now and asks for the next quorum.
         abort: Option<AbortGroup>,
     },
+    /// `--fault-tolerance node`: the running job's roster changed (a node joined in a lost
+    /// node's slot or a new one; its `epoch` grew). The IO lets the joiner's connections in
+    /// (the tunnel's routes and the members it serves).
+    RosterChanged(Roster),
     /// The answer to [`Input::Store`] request `req`.
     StoreReply {
         /// The request.
@@ -570,6 +574,11 @@ impl Node {
         self.outbox.push_back(Transmit { to, frame: Frame::Rdzv(msg), delivery: Delivery::Reliable });
     }
 
+    /// `msg` as one datagram: lost rather than late (a roll call repeats its own).
+    fn send_datagram(&mut self, to: SocketAddr, msg: Message) {
+        self.outbox.push_back(Transmit { to, frame: Frame::Rdzv(msg), delivery: Delivery::Datagram });
+    }
+
     fn broadcast(&mut self, roster: &Roster, msg: &Message) {
         for m in roster.members.iter().filter(|m| m.id != self.cfg.id) {
             self.outbox.push_back(Transmit {
@@ -617,7 +626,9 @@ impl Node {
             | Message::LhBeat { .. }
             | Message::LhCancel { .. }
             | Message::LhGone { .. }
-            | Message::LhAnswer { .. } => return self.lh_message(node, msg, now),
+            | Message::LhAnswer { .. }
+            | Message::LhPing { .. }
+            | Message::LhPong { .. } => return self.lh_message(node, msg, now),
             _ => {}
         }
         match &mut self.phase {

@@ -122,7 +122,9 @@ impl Node {
             | Message::LhBeat { .. }
             | Message::LhCancel { .. }
             | Message::LhGone { .. }
-            | Message::LhAnswer { .. } => {}
+            | Message::LhAnswer { .. }
+            | Message::LhPing { .. }
+            | Message::LhPong { .. } => {}
         }
     }
 

@@ -178,6 +178,7 @@ struct SimNode {
     /// Lighthouse answers to this node's ranks: (when, request, quorum).
     lh_answers: Vec<(Duration, u64, crate::lighthouse::Quorum)>,
     groups_lost: Vec<SocketAddr>,
+    rosters_changed: Vec<Roster>,
     next_store_req: u64,
 }
 
@@ -228,6 +229,7 @@ impl NodeSim {
                 store_replies: Vec::new(),
                 lh_answers: Vec::new(),
                 groups_lost: Vec::new(),
+                rosters_changed: Vec::new(),
                 next_store_req: 0,
             })
             .collect();
@@ -372,6 +374,12 @@ impl NodeSim {
     /// ([`Event::GroupLost`]), in order.
     pub fn groups_lost(&self, i: usize) -> &[SocketAddr] {
         &self.nodes[i].groups_lost
+    }
+
+    /// The running job's rosters node `i` was told of after its launch
+    /// ([`Event::RosterChanged`]: a node joined), in order.
+    pub fn rosters_changed(&self, i: usize) -> &[Roster] {
+        &self.nodes[i].rosters_changed
     }
 
     /// Starts every node now.
@@ -727,6 +735,7 @@ impl NodeSim {
             }
             Event::PeerFinished(_) => {}
             Event::GroupLost { addr, .. } => self.nodes[i].groups_lost.push(addr),
+            Event::RosterChanged(r) => self.nodes[i].rosters_changed.push(r),
             Event::StopRanks => {
                 self.stops.push(Stopped { at: self.now, node: i, restart: core.restart() });
                 let n = &mut self.nodes[i];

@@ -326,6 +326,10 @@ impl Actor {
             // The core's store stops waiting for it by itself.
             Event::PeerFinished(_) => {}
             Event::GroupLost { addr, who, abort } => edge.group_lost(addr, &who, abort),
+            Event::RosterChanged(roster) => {
+                self.publish_status();
+                edge.roster_changed(&roster, self.mesh.node());
+            }
             Event::RoundFailed { reason, cause, restarting, .. } => {
                 self.nccl_root = None;
                 edge.round_failed(&reason, cause.as_deref(), restarting).await;

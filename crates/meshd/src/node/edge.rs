@@ -72,6 +72,9 @@ pub(crate) trait Edge {
     /// Forward `signal` to the ranks (`from`: the node that asked).
     fn forward(&mut self, _signal: i32, _from: Option<&str>) {}
 
+    /// `--fault-tolerance node`: the running job's roster changed (a node joined).
+    fn roster_changed(&mut self, _roster: &Roster, _me: NodeId) {}
+
     /// `--fault-tolerance node`: the replica group at `addr` was dropped from the running
     /// job (`who`, in words); end the ranks' connections to it (and `abort`'s).
     fn group_lost(

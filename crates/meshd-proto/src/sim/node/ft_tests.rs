@@ -144,6 +144,11 @@ fn a_replacement_joins_the_running_job_in_the_lost_nodes_slot() {
             l.roster
         );
         assert_eq!(l.roster.members.len(), 3, "seed {seed}");
+        // The survivors were told of the joiner (their tunnels let it in).
+        for i in (0..3).filter(|i| *i != lost) {
+            let told = s.rosters_changed(i).iter().any(|r| r.members.iter().any(|m| m.id == l.id));
+            assert!(told, "seed {seed}: node {i} was told the new roster: {:?}", s.rosters_changed(i));
+        }
         s.run_until(secs(60.0), |s| s.all_ended()).expect("the job ends");
         assert!(s.stops().is_empty(), "seed {seed}: nobody stopped: {:?}", s.stops());
         assert_eq!(s.outcomes().len(), 3, "seed {seed}");
@@ -171,6 +176,16 @@ fn member(i: usize, life: u64, step: u64) -> crate::lighthouse::Member {
     }
 }
 
+/// A node's request ids grow, as meshd's actor numbers them (the decider takes a smaller one
+/// for a stale resend): step `step`'s first request, then its `k`-th again.
+fn req_of(step: u64, k: u64) -> u64 {
+    step * 1000 + k
+}
+
+fn step_of(req: u64) -> u64 {
+    req / 1000
+}
+
 /// Runs `steps` quorum steps on the nodes still running; `fault(s, step, mid)` is called
 /// before each step's requests (`mid` false) and right after they went out (`mid` true: in
 /// the middle of the quorum).
@@ -189,25 +204,34 @@ fn quorum_steps(s: &mut NodeSim, steps: u64, mut fault: impl FnMut(&mut NodeSim,
         let live: Vec<usize> = (0..s.len()).filter(|&i| s.is_running(i)).collect();
         let seen: Vec<usize> = (0..s.len()).map(|i| s.lh_answers(i).len()).collect();
         for &i in &live {
-            s.input(i, Input::LhQuorum { req: step, member: member(i, 1, step) });
+            s.input(i, Input::LhQuorum { req: req_of(step, 0), member: member(i, 1, step) });
         }
         fault(s, step, true);
         let t0 = s.now();
+        let answered =
+            |s: &NodeSim, i: usize| s.lh_answers(i)[seen[i]..].iter().any(|a| step_of(a.1) == step);
+        let mut again: u64 = 0;
         loop {
             let alive: Vec<usize> = live.iter().copied().filter(|&i| s.is_running(i)).collect();
-            let done = alive.iter().all(|&i| s.lh_answers(i)[seen[i]..].iter().any(|a| a.1 == step));
-            if done {
+            if alive.iter().all(|&i| answered(s, i)) {
                 break;
             }
             assert!(
                 s.now() - t0 < secs(15.0),
                 "seed {}: step {step}: no quorum for {:?} within 15 s",
                 s.seed(),
-                alive
-                    .iter()
-                    .filter(|&&i| !s.lh_answers(i)[seen[i]..].iter().any(|a| a.1 == step))
-                    .collect::<Vec<_>>()
+                alive.iter().filter(|&&i| !answered(s, i)).collect::<Vec<_>>()
             );
+            // Groups that have their quorum go on, as torchft's would (their next step's
+            // request): after a partition healed, the other side's groups join with them,
+            // not with groups that are waiting no more.
+            if s.now() - t0 >= secs(1.5) * (again as u32 + 1) {
+                again += 1;
+                let going_on: Vec<usize> = alive.iter().copied().filter(|&i| answered(s, i)).collect();
+                for i in going_on {
+                    s.input(i, Input::LhQuorum { req: req_of(step, again), member: member(i, 1, step) });
+                }
+            }
             for &i in &alive {
                 s.input(i, Input::LhHeartbeat { replica_id: member(i, 1, 0).replica_id });
             }
@@ -215,7 +239,7 @@ fn quorum_steps(s: &mut NodeSim, steps: u64, mut fault: impl FnMut(&mut NodeSim,
         }
         for (i, from) in seen.iter().enumerate() {
             for a in &s.lh_answers(i)[*from..] {
-                answers.push((i, a.1, a.2.clone()));
+                answers.push((i, step_of(a.1), a.2.clone()));
             }
         }
     }
@@ -277,7 +301,8 @@ fn decider(s: &NodeSim) -> usize {
 
 #[test]
 fn lighthouse_quorums_are_identical_and_ids_increase_when_the_decider_dies_mid_quorum() {
-    for seed in 1..21 {
+    let only: Option<u64> = std::env::var("MESHD_SIM_SEED").ok().and_then(|s| s.parse().ok());
+    for seed in (1..21).filter(|s| only.is_none_or(|o| o == *s)) {
         let mut s = ft_lh(4, seed, 0.0);
         launched(&mut s);
         let d = decider(&s);
@@ -329,7 +354,8 @@ fn a_replacement_in_the_deciders_slot_decides_and_is_answered() {
 
 #[test]
 fn lighthouse_quorums_hold_under_datagram_loss_and_a_partition() {
-    for seed in 1..21 {
+    let only: Option<u64> = std::env::var("MESHD_SIM_SEED").ok().and_then(|s| s.parse().ok());
+    for seed in (1..21).filter(|s| only.is_none_or(|o| o == *s)) {
         let mut s = ft_lh(5, seed, 0.05);
         launched(&mut s);
         let st = quorum_steps(&mut s, 6, |s, step, mid| {
@@ -341,5 +367,73 @@ fn lighthouse_quorums_hold_under_datagram_loss_and_a_partition() {
             }
         });
         check_quorums(seed, &st);
+    }
+}
+
+/// Every live node's answer to its request of `step` (asked at `t0`): how long each took.
+fn answered_within(s: &NodeSim, from: &[usize], step: u64, t0: Duration) -> Vec<(usize, Duration, usize)> {
+    from.iter()
+        .filter_map(|&i| {
+            s.lh_answers(i)
+                .iter()
+                .find(|a| step_of(a.1) == step)
+                .map(|a| (i, a.0 - t0, a.2.participants.len()))
+        })
+        .collect()
+}
+
+/// The roll call: a worker's node dies (SIGKILL: no word from it) between two steps; the
+/// survivors' next quorum forms without it well within torchft's 1 s join timeout and
+/// before the mesh declares the node dead (a suspicion period, 1-2 s).
+#[test]
+fn a_dead_groups_node_misses_the_roll_call_and_the_quorum_forms_without_waiting() {
+    for seed in 1..21 {
+        let mut s = ft_lh(4, seed, 0.0);
+        launched(&mut s);
+        let d = decider(&s);
+        let victim = (0..4).find(|&i| i != d).expect("a worker");
+        let mut t_ask = Duration::ZERO;
+        quorum_steps(&mut s, 4, |s, step, mid| {
+            if step == 2 && !mid {
+                s.crash(victim);
+                t_ask = s.now();
+            }
+        });
+        let survivors: Vec<usize> = (0..4).filter(|&i| i != victim).collect();
+        let took = answered_within(&s, &survivors, 2, t_ask);
+        assert_eq!(took.len(), 3, "seed {seed}: every survivor answered: {took:?}");
+        for (i, t, n) in &took {
+            assert_eq!(*n, 3, "seed {seed}: node {i}: the dead group left the quorum");
+            assert!(*t < secs(0.7), "seed {seed}: node {i} waited {t:?} for a quorum without the dead group");
+        }
+    }
+}
+
+/// The roll call leaves out no live group: a group whose ranks ask half a second after the
+/// others (a slower step) has a meshd that answers, and the quorum waits for it as torchft's
+/// join timeout says.
+#[test]
+fn a_slow_but_live_group_answers_the_roll_call_and_is_in_the_quorum() {
+    for seed in 1..21 {
+        let mut s = ft_lh(4, seed, 0.0);
+        launched(&mut s);
+        quorum_steps(&mut s, 2, |_, _, _| {});
+        let slow = 3;
+        for i in 0..3 {
+            s.input(i, Input::LhQuorum { req: req_of(2, 0), member: member(i, 1, 2) });
+        }
+        for _ in 0..5 {
+            for i in 0..4 {
+                s.input(i, Input::LhHeartbeat { replica_id: member(i, 1, 0).replica_id });
+            }
+            s.run_for(secs(0.1));
+        }
+        s.input(slow, Input::LhQuorum { req: req_of(2, 0), member: member(slow, 1, 2) });
+        s.run_for(secs(2.0));
+        for i in 0..4 {
+            let a = s.lh_answers(i).iter().find(|a| step_of(a.1) == 2);
+            let n = a.map(|a| a.2.participants.len());
+            assert_eq!(n, Some(4), "seed {seed}: node {i}: all 4 groups in the quorum: {a:?}");
+        }
     }
 }
