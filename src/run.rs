@@ -434,13 +434,6 @@ pub fn prepare(a: &JobArgs, cmd: &[String], env: &EnvConfig) -> Result<Prepared>
              `meshd token --file ~/.meshd-token` and pass --token-file on every node"
         );
     }
-    if a.fault_tolerance == FaultToleranceArg::Node && a.collective.forced() == Some(Collective::Tunnel) {
-        bail!(
-            "--fault-tolerance node with --collective tunnel is not supported yet: the replica groups' \
-             connections to each other (torchft's stores, managers and process groups) need TCP between the \
-             nodes; use --fault-tolerance job behind a one-port firewall"
-        );
-    }
     let (peers, unresolved) =
         if a.standalone { (Vec::new(), Vec::new()) } else { common::peers(peer_text.as_deref(), port)? };
     if peers.is_empty() && unresolved.is_empty() && max > 1 {

@@ -184,6 +184,8 @@ struct Job {
     args: Vec<String>,
     ks: Vec<usize>,
     steps: u32,
+    /// Each host's extra environment (a replacement gets its host's).
+    envs: Vec<Vec<(&'static str, String)>>,
 }
 
 impl Job {
@@ -193,20 +195,29 @@ impl Job {
         name: &str,
         steps: u32,
         warm: i64,
+        firewall: bool,
         extra_env: &dyn Fn(usize) -> Vec<(&'static str, String)>,
     ) -> Job {
         let torch = torches::Torch::current(true).expect("torch 2 with torchft");
         let mut lab = Lab::new(3);
+        if firewall {
+            // Only meshd's UDP port between the hosts: every TCP connection torchft makes
+            // (stores, managers, Gloo, checkpoints) must go through the tunnel.
+            for i in 0..3 {
+                lab.firewall_only_udp(i, 29400);
+            }
+        }
         let logs = Logs::new(name);
         let args = ft_args(&lab, &torch.python, "2:3", &[]);
-        let ks: Vec<usize> = (0..3).map(|i| spawn(&mut lab, i, &args, &logs, steps, &extra_env(i))).collect();
+        let envs: Vec<Vec<(&'static str, String)>> = (0..3).map(extra_env).collect();
+        let ks: Vec<usize> = (0..3).map(|i| spawn(&mut lab, i, &args, &logs, steps, &envs[i])).collect();
         let started = wait_lines(&logs, Duration::from_secs(120), |l| {
             let groups: std::collections::BTreeSet<u64> =
                 l.iter().filter(|l| l.step >= warm).map(|l| l.group).collect();
             groups.len() == 3
         });
         assert!(started, "every group reaches step {warm}:\n{}", logs.outputs());
-        Job { lab, logs, args, ks, steps }
+        Job { lab, logs, args, ks, steps, envs }
     }
 
     /// Loses host `victim`'s node by `fault`, checks that the survivors commit without it,
@@ -252,7 +263,8 @@ impl Job {
         }
         // The replacement: the same command on the same host.
         let t_rep = now_secs();
-        self.ks[victim] = spawn(&mut self.lab, victim, &self.args, &self.logs, self.steps, &[]);
+        self.ks[victim] =
+            spawn(&mut self.lab, victim, &self.args, &self.logs, self.steps, &self.envs[victim]);
         let healed = wait_lines(&self.logs, Duration::from_secs(120), |l| {
             l.iter().any(|x| x.t > t_rep && x.group == vgroup && x.committed && x.participants == 3)
         });
@@ -328,16 +340,33 @@ fn survivors_kept(before: &BTreeMap<(u64, u64), Vec<u64>>, lines: &[Line], chang
     restarted
 }
 
-/// Scenarios (a), (b), (d): a whole node lost at step 20 (by `fault`): the survivors keep
-/// their processes and go on committing, a replacement started with the same command heals
-/// from a peer and commits, and the final weights agree across groups.
-fn node_lost_and_replaced(victim: usize, fault: Fault, name: &str) -> Figures {
+/// How a scenario's job runs.
+#[derive(Clone, Copy, Debug, Default)]
+struct Setup {
+    /// Only meshd's UDP port open between the hosts (the tunnel carries every connection).
+    firewall: bool,
+    /// torchft's default checkpoint transport (HTTP, at `http://{gethostname()}:port`)
+    /// instead of the process group's.
+    http_checkpoints: bool,
+}
+
+/// Scenarios (a), (b), (c), (d): a whole node lost at step 20 (by `fault`): the survivors
+/// keep their processes and go on committing, a replacement started with the same command
+/// heals from a peer and commits, and the final weights agree across groups.
+fn node_lost_and_replaced(victim: usize, fault: Fault, name: &str, setup: Setup) -> Figures {
     let extra = |_| -> Vec<(&'static str, String)> {
+        let mut v = Vec::new();
         // The ranks' own timeouts long (60 s, torchft's default) for a cut link: the
         // survivors must not be saved by them.
-        if fault == Fault::LinkCut { vec![("FT_TIMEOUT", "60".into())] } else { Vec::new() }
+        if fault == Fault::LinkCut {
+            v.push(("FT_TIMEOUT", "60".into()));
+        }
+        if setup.http_checkpoints {
+            v.push(("FT_TRANSPORT", "http".into()));
+        }
+        v
     };
-    let mut job = Job::start(name, 5000, 20, &extra);
+    let mut job = Job::start(name, 5000, 20, setup.firewall, &extra);
     let before = pids_by_rank(&job.logs.lines());
     let limit = Duration::from_secs(if fault == Fault::LinkCut { 30 } else { 60 });
     let (vgroup, next, first) = job.lose_and_replace(victim, fault, limit);
@@ -349,6 +378,19 @@ fn node_lost_and_replaced(victim: usize, fault: Fault, name: &str) -> Figures {
          committed step {:.2} s; survivor restarts {}",
         f.next_commit, f.first_replacement_commit, f.survivor_restarts
     );
+    if std::env::var_os("MESHD_LAB_SHOW").is_some() {
+        for (i, e) in errs.iter().enumerate() {
+            eprintln!("==== meshd on host {i}:\n{e}");
+        }
+    }
+    if setup.firewall {
+        // Every survivor's ranks went through the tunnel, and meshd reset their tunnelled
+        // connections with the lost node when the mesh dropped it.
+        for (i, e) in errs.iter().enumerate().filter(|(i, _)| *i != victim) {
+            assert!(e.contains("collective: tunnel"), "host {i} ran through the tunnel:\n{e}");
+            assert!(e.contains("tunnelled connection"), "host {i} reset the lost node's connections:\n{e}");
+        }
+    }
     if fault == Fault::LinkCut {
         // meshd ended the survivors' connections to the cut-off node.
         for (i, e) in errs.iter().enumerate().filter(|(i, _)| *i != victim) {
@@ -375,13 +417,32 @@ fn pids_by_rank(lines: &[Line]) -> BTreeMap<(u64, u64), Vec<u64>> {
 // The decider is the first live member in roster order (by address): host 1 holds the
 // lowest (198.19.0.7); host 2 (198.19.0.19) is a worker.
 
+/// (a), with torchft's default checkpoint transport: the replacement heals over HTTP from
+/// the address torchft advertises (`http://{gethostname()}:port`; the lab's hosts share
+/// one name, which resolves to loopback), which meshd makes this node's own.
 #[test]
 fn a_killed_node_leaves_the_quorum_the_others_train_on_and_its_replacement_heals() {
     lab_or_skip!();
     if torches::Torch::current(true).is_none() {
         return;
     }
-    let f = node_lost_and_replaced(2, Fault::Kill, "worker killed");
+    let setup = Setup { http_checkpoints: true, ..Setup::default() };
+    let f = node_lost_and_replaced(2, Fault::Kill, "worker killed", setup);
+    assert_eq!(f.survivor_restarts, 0);
+}
+
+/// (c): behind a firewall that drops all TCP between the hosts (only meshd's UDP port is
+/// open), the same: every connection torchft makes goes through the tunnel, a lost node's
+/// tunnelled connections are reset at once, and the replacement (a new node id at the same
+/// address) is let in by the survivors' tunnels.
+#[test]
+fn behind_a_one_port_firewall_a_killed_node_is_replaced_without_stopping_the_others() {
+    lab_or_skip!();
+    if torches::Torch::current(true).is_none() {
+        return;
+    }
+    let setup = Setup { firewall: true, ..Setup::default() };
+    let f = node_lost_and_replaced(2, Fault::Kill, "firewalled worker killed", setup);
     assert_eq!(f.survivor_restarts, 0);
 }
 
@@ -393,7 +454,7 @@ fn a_cut_off_node_does_not_hold_the_survivors_for_their_timeout() {
     if torches::Torch::current(true).is_none() {
         return;
     }
-    let f = node_lost_and_replaced(2, Fault::LinkCut, "worker's link cut");
+    let f = node_lost_and_replaced(2, Fault::LinkCut, "worker's link cut", Setup::default());
     assert!(f.next_commit < 30.0);
 }
 
@@ -409,7 +470,7 @@ fn a_failed_rank_restarts_its_node_only_and_the_deciders_loss_is_survived() {
     let extra = |i: usize| -> Vec<(&'static str, String)> {
         if i == 0 { vec![("FT_FAIL_AT", "15".into())] } else { Vec::new() }
     };
-    let mut job = Job::start("rank failure then decider killed", 5000, 10, &extra);
+    let mut job = Job::start("rank failure then decider killed", 5000, 10, false, &extra);
     // Host 0's rank 1 exits 3 at step 15 (once): host 0's ranks restart, nobody else's.
     let g0 = group_of_host(&job.lab, &job.logs, 0).expect("host 0's group");
     let before = pids_by_rank(&job.logs.lines());

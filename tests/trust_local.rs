@@ -108,32 +108,6 @@ fn the_tunnel_without_a_token_is_refused() {
     assert!(err.contains("--collective tunnel needs a token") && err.contains("--token-file"), "{err}");
 }
 
-/// `--fault-tolerance node` through the tunnel is refused at start, naming why and what to
-/// do instead (the replica groups' connections need TCP between the nodes).
-#[test]
-fn fault_tolerance_through_the_tunnel_is_refused_at_start() {
-    let out = meshd(
-        &[
-            "run",
-            "--nnodes",
-            "2",
-            "--peers",
-            "127.0.0.1:29775",
-            "--port",
-            "29774",
-            "--fault-tolerance",
-            "node",
-        ]
-        .into_iter()
-        .chain(["--collective", "tunnel", "--", "true"])
-        .collect::<Vec<_>>(),
-        &[("MESHD_TOKEN", "t")],
-    );
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
-    assert!(err.contains("not supported yet") && err.contains("--fault-tolerance job"), "{err}");
-}
-
 #[test]
 fn a_multi_node_mesh_without_a_token_is_refused_unless_insecure() {
     for cmd in [

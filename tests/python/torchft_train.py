@@ -16,6 +16,9 @@ FT_LOG: a directory where each process also appends its lines to
 group gets the live weights from a peer over the process group (torchft's PGTransport, as
 its train_ddp.py example), not from a checkpoint file.
 
+FT_TRANSPORT=http: torchft's default checkpoint transport (HTTPTransport: the healing group
+fetches from `http://{socket.gethostname()}:port/checkpoint/`) instead of PGTransport.
+
 FT_DDP=wrapper trains through torchft's DistributedDataParallel; the default averages the
 gradients with torchft's Manager.allreduce itself (what that wrapper's comm hook calls).
 The reason: in torchft 0.2.0 an allreduce that fails inside `wait()` (a peer lost in the
@@ -73,9 +76,10 @@ def state_dict():
 
 
 pg = ProcessGroupGloo(timeout=TIMEOUT)
+HTTP = os.environ.get("FT_TRANSPORT") == "http"
 manager = Manager(
     pg=pg,
-    checkpoint_transport=PGTransport(pg, timeout=TIMEOUT, device=torch.device("cpu")),
+    checkpoint_transport=None if HTTP else PGTransport(pg, timeout=TIMEOUT, device=torch.device("cpu")),
     min_replica_size=1,
     load_state_dict=load_state_dict,
     state_dict=state_dict,

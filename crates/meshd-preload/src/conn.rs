@@ -433,7 +433,7 @@ fn fresh_connect(fd: c_int, domain: c_int, dest: SocketAddr, peer: Addr) -> Resu
         return Err(e);
     }
     let cfg = config();
-    if cfg.peers.contains(&dest.ip()) {
+    if cfg.is_peer(dest.ip()) {
         return tunnel(fd, dest, peer, cfg);
     }
     let (b, n) = peer.to_sockaddr();

@@ -22,6 +22,9 @@
 //! - [`names`]: `getpeername` (the destination), `getsockname` (the bound address or this
 //!   node's, `MESHD_NODE_ADDR`), `getsockopt`/`setsockopt`.
 //! - [`io`]: reads and writes never see the status byte, and a reset reads as a reset.
+//! - [`host`]: `gethostname` answers `MESHD_HOSTNAME` when meshd sets it
+//!   (`--fault-tolerance node`: torchft advertises `http://{gethostname()}:port`, which must
+//!   reach this node from the others).
 //! - [`table`]: the process's lock-free entries of its tunnelled sockets (no lock a child
 //!   forked while another thread held it could wait on).
 //! - [`wire`]: the tunnel socket's requests and status bytes. [`sys`]: the C library.
@@ -32,6 +35,7 @@
 //! are read once at load (a constructor, before any thread exists), the table is atomics.
 
 mod conn;
+mod host;
 mod ident;
 mod io;
 mod names;
@@ -58,6 +62,12 @@ pub struct Config {
     /// `MESHD_TUNNEL`, as a ready `sockaddr_un` and its length.
     pub path: Option<(sockaddr_un, socklen_t)>,
     pub peers: Vec<IpAddr>,
+    /// `MESHD_TUNNEL_PEERS_FILE` (NUL-terminated): the roster's other nodes as meshd keeps
+    /// them while the job runs (a node that joins later is added), read by [`Config::is_peer`]
+    /// for a destination that `peers` does not list.
+    pub peers_file: Option<Vec<u8>>,
+    /// `MESHD_HOSTNAME`: what `gethostname` answers ([`host`]), when set.
+    pub hostname: Option<Vec<u8>>,
     /// This node's address (`getsockname` of a tunnelled fd).
     pub node: Option<IpAddr>,
     /// The longest a connect waits for meshd's answer (`MESHD_TUNNEL_TIMEOUT_MS`, 30 s).
@@ -87,6 +97,12 @@ impl Config {
         Config {
             path,
             peers: var("MESHD_TUNNEL_PEERS").map(|s| parse_peers(&s)).unwrap_or_default(),
+            peers_file: var("MESHD_TUNNEL_PEERS_FILE").filter(|p| !p.contains('\0')).map(|p| {
+                let mut b = p.into_bytes();
+                b.push(0);
+                b
+            }),
+            hostname: var("MESHD_HOSTNAME").map(String::into_bytes),
             node: var("MESHD_NODE_ADDR").and_then(|s| s.parse::<IpAddr>().ok()),
             timeout: var("MESHD_TUNNEL_TIMEOUT_MS")
                 .and_then(|s| s.parse().ok())
@@ -94,6 +110,22 @@ impl Config {
                 .unwrap_or(Duration::from_secs(30)),
             debug: var("MESHD_TUNNEL_DEBUG").is_some_and(|v| v != "0"),
         }
+    }
+}
+
+impl Config {
+    /// Whether a connect to `ip` goes through meshd: `ip` is another roster node's address,
+    /// in the environment's list or (a node that joined the running job since the rank
+    /// started) in meshd's peers file. Loopback never is.
+    pub fn is_peer(&self, ip: IpAddr) -> bool {
+        let ip = ip.to_canonical();
+        if self.peers.contains(&ip) {
+            return true;
+        }
+        if ip.is_loopback() || ip.is_unspecified() || self.path.is_none() {
+            return false;
+        }
+        self.peers_file.as_deref().is_some_and(|f| sys::file_lists(f, ip))
     }
 }
 

@@ -39,7 +39,7 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const c_void, len: socklen_t)
     });
     let cfg = crate::config();
     if let (Some(dest), Some(peer)) = (dest, peer) {
-        if cfg.peers.contains(&dest.ip()) && conn::is_tcp(fd) {
+        if conn::is_tcp(fd) && cfg.is_peer(dest.ip()) {
             if cfg.debug {
                 say(&format!("connect {dest} through meshd"));
             }

@@ -49,6 +49,7 @@ pub const F_SETFL: c_int = 4;
 pub const FD_CLOEXEC: c_int = 1;
 pub const O_NONBLOCK: c_int = 0o4000;
 pub const O_CLOEXEC: c_int = 0o2_000_000;
+pub const O_RDONLY: c_int = 0;
 pub const MSG_DONTWAIT: c_int = 0x40;
 pub const CLOCK_MONOTONIC: c_int = 1;
 
@@ -56,6 +57,7 @@ pub const EINTR: c_int = 4;
 pub const EAGAIN: c_int = 11;
 pub const EFAULT: c_int = 14;
 pub const EINVAL: c_int = 22;
+pub const ENAMETOOLONG: c_int = 36;
 pub const EPIPE: c_int = 32;
 pub const ENOSYS: c_int = 38;
 pub const ENOPROTOOPT: c_int = 92;
@@ -126,6 +128,7 @@ unsafe extern "C" {
     pub fn socket(domain: c_int, ty: c_int, protocol: c_int) -> c_int;
     pub fn bind(fd: c_int, addr: *const c_void, len: socklen_t) -> c_int;
     pub fn fcntl(fd: c_int, cmd: c_int, ...) -> c_int;
+    fn open(path: *const c_char, flags: c_int, ...) -> c_int;
     pub fn dup3(old: c_int, new: c_int, flags: c_int) -> c_int;
     pub fn close(fd: c_int) -> c_int;
     pub fn poll(fds: *mut pollfd, n: u64, timeout: c_int) -> c_int;
@@ -193,6 +196,8 @@ pub type SendToFn =
     unsafe extern "C" fn(c_int, *const c_void, usize, c_int, *const c_void, socklen_t) -> isize;
 pub type SendMsgFn = unsafe extern "C" fn(c_int, *const msghdr, c_int) -> isize;
 pub type ShutdownFn = unsafe extern "C" fn(c_int, c_int) -> c_int;
+pub type GetHostnameFn = unsafe extern "C" fn(*mut c_char, usize) -> c_int;
+pub type GetHostnameChkFn = unsafe extern "C" fn(*mut c_char, usize, usize) -> c_int;
 pub type ReadChkFn = unsafe extern "C" fn(c_int, *mut c_void, usize, usize) -> isize;
 pub type RecvChkFn = unsafe extern "C" fn(c_int, *mut c_void, usize, usize, c_int) -> isize;
 pub type RecvFromChkFn =
@@ -218,6 +223,8 @@ reals! {
     __read_chk: ReadChkFn,
     __recv_chk: RecvChkFn,
     __recvfrom_chk: RecvFromChkFn,
+    gethostname: GetHostnameFn,
+    __gethostname_chk: GetHostnameChkFn,
 }
 
 pub fn set_errno(e: c_int) {
@@ -330,4 +337,36 @@ pub fn sock_name(fd: c_int, buf: &mut [u8; 128]) -> Option<usize> {
     // SAFETY: a valid buffer and its length.
     let rc = unsafe { f(fd, buf.as_mut_ptr().cast(), &mut len) };
     (rc == 0).then_some((len as usize).min(buf.len()))
+}
+
+/// Whether the file at `path` (NUL-terminated), a comma-separated list of addresses as
+/// `MESHD_TUNNEL_PEERS`, lists `ip` (canonical). Reads at most 16 KiB (about a thousand
+/// addresses) into the stack with the real `read`: no allocation, no lock.
+pub fn file_lists(path: &[u8], ip: std::net::IpAddr) -> bool {
+    if path.last() != Some(&0) {
+        return false;
+    }
+    // SAFETY: a NUL-terminated path; O_RDONLY takes no mode.
+    let fd = unsafe { open(path.as_ptr().cast(), O_RDONLY | O_CLOEXEC) };
+    if fd < 0 {
+        return false;
+    }
+    let mut buf = [0u8; 16 << 10];
+    let mut n = 0;
+    if let Some(read) = real::read() {
+        while n < buf.len() {
+            let rest = &mut buf[n..];
+            // SAFETY: `rest` is a valid buffer of its length.
+            let r = unsafe { read(fd, rest.as_mut_ptr().cast(), rest.len()) };
+            if r > 0 {
+                n += r as usize;
+            } else if r == 0 || errno() != EINTR {
+                break;
+            }
+        }
+    }
+    // SAFETY: our own descriptor, closed once.
+    unsafe { close(fd) };
+    let Ok(text) = std::str::from_utf8(&buf[..n]) else { return false };
+    text.split(',').filter_map(|p| p.trim().parse::<std::net::IpAddr>().ok()).any(|p| p.to_canonical() == ip)
 }

@@ -78,6 +78,19 @@ fn serve(mut s: UnixStream) {
     }
 }
 
+/// What `gethostname` answers in these tests (`MESHD_HOSTNAME`).
+const HOSTNAME: &str = "198.19.0.7";
+
+/// The peers file of these tests: one address of a node that "joined" after the start,
+/// beside garbage meshd never writes. NUL-terminated, as the configuration holds it.
+fn peers_file() -> Vec<u8> {
+    let path = std::env::temp_dir().join(format!("meshd-preload-test-{}.peers", std::process::id()));
+    std::fs::write(&path, "nonsense, 198.18.77.1,::ffff:198.18.77.2\n").expect("peers file");
+    let mut b = path.to_str().expect("utf-8 path").as_bytes().to_vec();
+    b.push(0);
+    b
+}
+
 /// Starts the fake meshd and sets the configuration (once per test process).
 fn setup() {
     static STARTED: OnceLock<()> = OnceLock::new();
@@ -96,6 +109,8 @@ fn setup() {
         let cfg = Config {
             path: Some((a, (2 + p.len() + 1) as socklen_t)),
             peers: vec!["127.0.0.2".parse().expect("ip")],
+            peers_file: Some(peers_file()),
+            hostname: Some(HOSTNAME.as_bytes().to_vec()),
             node: Some("127.0.0.1".parse().expect("ip")),
             timeout: Duration::from_secs(10),
             debug: false,
@@ -437,4 +452,39 @@ fn a_dropped_tunnel_reads_as_a_reset_also_by_name_only() {
         assert_eq!(n, 0, "then end of file");
         close_fd(fd);
     }
+}
+
+#[test]
+fn a_node_that_joined_later_is_a_peer_through_the_file_and_loopback_never_is() {
+    setup();
+    let cfg = crate::config();
+    let ip = |s: &str| s.parse::<std::net::IpAddr>().expect("ip");
+    assert!(cfg.is_peer(ip("127.0.0.2")), "the environment's list");
+    assert!(cfg.is_peer(ip("198.18.77.1")), "listed in the file");
+    assert!(cfg.is_peer(ip("198.18.77.2")), "an IPv4-mapped entry reads as IPv4");
+    assert!(cfg.is_peer(ip("::ffff:198.18.77.1")), "an IPv4-mapped destination too");
+    assert!(!cfg.is_peer(ip("198.18.77.3")), "not listed");
+    assert!(!cfg.is_peer(ip("127.0.0.3")), "loopback is never looked up");
+    assert!(!crate::sys::file_lists(b"/nonexistent/meshd-peers\0", ip("198.18.77.1")), "no file: nobody");
+    assert!(!crate::sys::file_lists(b"/no/nul", ip("198.18.77.1")), "a path without its NUL is refused");
+}
+
+#[test]
+fn gethostname_answers_meshd_s_name_as_glibc_would() {
+    setup();
+    let mut buf = [0x55 as std::ffi::c_char; 64];
+    // SAFETY: a valid buffer of its length.
+    assert_eq!(unsafe { crate::host::gethostname(buf.as_mut_ptr(), buf.len()) }, 0);
+    // SAFETY: gethostname wrote a NUL-terminated string into `buf`.
+    let got = unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) };
+    assert_eq!(got.to_str().expect("utf-8"), HOSTNAME);
+    // Too small a buffer: ENAMETOOLONG, as glibc.
+    // SAFETY: as above.
+    assert_eq!(unsafe { crate::host::gethostname(buf.as_mut_ptr(), HOSTNAME.len()) }, -1);
+    assert_eq!(errno(), ENAMETOOLONG);
+    // The fortified entry honours the smaller of the two lengths.
+    // SAFETY: as above.
+    assert_eq!(unsafe { crate::host::__gethostname_chk(buf.as_mut_ptr(), 64, 4) }, -1);
+    // SAFETY: as above.
+    assert_eq!(unsafe { crate::host::__gethostname_chk(buf.as_mut_ptr(), 64, 64) }, 0);
 }

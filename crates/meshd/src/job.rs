@@ -121,8 +121,7 @@ pub async fn run(
         }
     };
     // Tunnel mode: peers' tunnel streams, and the counters, shared by every round.
-    let tunnel_in = crate::tunnel::incoming(mesh.transport());
-    let tunnel_stats = Arc::new(crate::tunnel::TunnelStats::default());
+    let tunnel_host = crate::tunnel::Host::new(mesh.transport());
     let mut io = JobIo {
         cfg: cfg.clone(),
         run_id: run_id.to_string(),
@@ -132,8 +131,7 @@ pub async fn run(
         incoming,
         dirs,
         redirected,
-        tunnel_in,
-        tunnel_stats,
+        tunnel_host,
         mesh_started: Some(mesh.started()),
         round_began: Instant::now(),
         roster_at: Instant::now(),
@@ -208,6 +206,9 @@ struct Round {
     local_done: bool,
     /// `--fault-tolerance node`: the replica group's TCPStore (stopped with the round).
     ft_store: Option<crate::tcpstore::TcpStoreHandle>,
+    /// `--fault-tolerance node` without the tunnel: the preload library the ranks load
+    /// (for `gethostname`; the tunnel holds its own).
+    preload: Option<crate::tunnel::Preload>,
 }
 
 /// The job's IO edges, driven by the actor.
@@ -221,8 +222,7 @@ pub(crate) struct JobIo {
     incoming: Arc<tokio::sync::Mutex<tokio::sync::mpsc::Receiver<DataStream>>>,
     dirs: Option<cause::LogDirs>,
     redirected: bool,
-    tunnel_in: Option<crate::tunnel::Incoming>,
-    tunnel_stats: Arc<crate::tunnel::TunnelStats>,
+    tunnel_host: crate::tunnel::Host,
     /// Round 0 only: when the mesh started and when it had its interface and port.
     mesh_started: Option<(Instant, Instant)>,
     round_began: Instant,
@@ -344,14 +344,6 @@ impl Edge for JobIo {
         // `--fault-tolerance node`: this node's own store (torchrun's agent store) for its
         // replica group, reached by the other groups too (torchft's cross-group rendezvous).
         let ft = self.cfg.fault_tolerance == core::FaultTolerance::Node;
-        if ft && verdict.collective == Collective::Tunnel {
-            return Input::SpawnFailed(
-                "--fault-tolerance node needs TCP between the nodes, and the preflight found it blocked (only \
-                 meshd's UDP port is open: the tunnel); the tunnel does not carry the replica groups' \
-                 connections yet: open TCP between the nodes, or use --fault-tolerance job"
-                    .into(),
-            );
-        }
         let mut ft_store = None;
         if ft {
             match crate::tcpstore::TcpStoreServer::bind(SocketAddr::new(self.addr.ip(), 0))
@@ -373,6 +365,7 @@ impl Edge for JobIo {
             store: s.local_addr(),
             lighthouse: self.lighthouse.as_ref().map(|l| l.addr),
             restarts: self.ft_launches,
+            hostname: std::env::var("MESHD_HOSTNAME").unwrap_or_else(|_| url_host(self.addr.ip())),
         });
         if ft {
             self.ft_launches += 1;
@@ -382,17 +375,33 @@ impl Edge for JobIo {
         let round_dir = self.dirs.as_ref().map(|d| d.round(restart, &globals));
         let tunnel = (verdict.collective == Collective::Tunnel)
             .then(|| {
-                crate::tunnel::start_for_round(
+                self.tunnel_host.start_round(
                     roster,
                     node_rank,
+                    &ft_store.iter().map(|s| s.local_addr().port()).collect::<Vec<_>>(),
                     svc.as_ref().map(|s| s.path()),
                     self.cfg.preload_lib.as_deref(),
-                    &self.transport,
-                    self.tunnel_in.as_ref(),
-                    &self.tunnel_stats,
                 )
             })
             .flatten();
+        // `--fault-tolerance node`: the ranks load meshd's preload library for `gethostname`
+        // (MESHD_HOSTNAME), the tunnel's copy when there is one.
+        let preload = match (&ft_env, &tunnel, svc.as_ref().and_then(|s| s.path().parent())) {
+            (Some(_), None, Some(dir)) => {
+                match crate::tunnel::Preload::write(dir, self.cfg.preload_lib.as_deref()) {
+                    Ok(p) => Some(p),
+                    Err(e) => {
+                        warn!(
+                            "cannot write meshd's preload library in {}: {e}; torchft's ranks advertise their host \
+                         name, which other nodes may not reach",
+                            dir.display()
+                        );
+                        None
+                    }
+                }
+            }
+            _ => None,
+        };
         let ranks: Vec<RankSpec> = (0..roster.members[node_rank].nproc)
             .map(|l| {
                 let mut env = rank_env(
@@ -437,9 +446,12 @@ impl Edge for JobIo {
                 if let Some(s) = &svc {
                     env.push(("MESHD_SOCKET".into(), s.path().display().to_string()));
                 }
+                // The ranks inherit meshd's LD_PRELOAD: meshd's library goes first.
+                let user_preload = std::env::var("LD_PRELOAD").ok();
                 if let Some(t) = &tunnel {
-                    // The ranks inherit meshd's LD_PRELOAD: the tunnel's library goes first.
-                    env.extend(t.env(std::env::var("LD_PRELOAD").ok().as_deref()));
+                    env.extend(t.env(user_preload.as_deref()));
+                } else if let Some(p) = &preload {
+                    env.push(p.env(user_preload.as_deref()));
                 }
                 if let Some(id) = nccl_id {
                     env.push((
@@ -472,6 +484,7 @@ impl Edge for JobIo {
             served,
             local_done: false,
             ft_store,
+            preload,
         };
         let input = match Supervisor::spawn(&self.cfg.cmd, &ranks, &round_out).await {
             Ok(sup) => {
@@ -508,6 +521,7 @@ impl Edge for JobIo {
             info!("ring collectives to the next node: {}", served.line());
         }
         drop(r.ft_store.take());
+        drop(r.preload.take());
         // Kept for the cause's error file path.
         self.round = Some(Round { sup: None, ..r });
     }
@@ -523,8 +537,34 @@ impl Edge for JobIo {
         }
     }
 
+    fn roster_changed(&mut self, roster: &Roster, me: NodeId) {
+        let Some(r) = self.round.as_mut() else { return };
+        if let Some(t) = r.tunnel.as_mut() {
+            t.set_roster(roster, me);
+        }
+        if let Some(rank) = roster.node_rank(me) {
+            r.node_rank = rank;
+        }
+        r.roster = roster.clone();
+    }
+
     fn group_lost(&mut self, addr: std::net::SocketAddr, who: &str, abort: Option<core::AbortGroup>) {
         let (ip, who) = (addr.ip(), who.to_string());
+        // Tunnelled connections are meshd's own to end: at once, here.
+        let tunnelled =
+            self.round.as_ref().and_then(|r| r.tunnel.as_ref()).map_or(0, |t| t.cut(ip, abort.as_ref()));
+        if tunnelled > 0 {
+            info!(
+                "reset {} of this node's ranks with {who}{}, so that their collectives with it fail now, not at \
+                 their timeout",
+                crate::plural(tunnelled as u64, "tunnelled connection"),
+                if abort.is_some() {
+                    " (and with the other replica groups: the step is lost with it)"
+                } else {
+                    ""
+                }
+            );
+        }
         tokio::task::spawn_blocking(move || {
             let root = std::process::id() as i32;
             let all = crate::tunnel::listeners::sockets();
@@ -545,7 +585,7 @@ impl Edge for JobIo {
                      now, not at their timeout",
                     crate::plural(cut.cut as u64, "TCP connection")
                 );
-            } else if cut.failed.is_empty() {
+            } else if cut.failed.is_empty() && tunnelled == 0 {
                 info!("this node's ranks held no TCP connections to {who}");
             }
             if !cut.failed.is_empty() {
@@ -678,7 +718,7 @@ mod failure;
 mod phases;
 
 use env::set_env;
-pub use env::{FtEnv, cross_check, ft_rank_env, rank_env, slurm_rank_env};
+pub use env::{FtEnv, cross_check, ft_rank_env, rank_env, slurm_rank_env, url_host};
 use failure::{describe_member, rank_failure, stalled};
 use phases::Phases;
 pub use phases::mark_cpu_start;

@@ -220,6 +220,10 @@ pub struct TunnelConfig {
     pub job_root: i32,
     /// Count `job_root`'s own listeners as the job's (a test process playing both parts).
     pub job_root_itself: bool,
+    /// meshd's own listeners on this node's roster address that peers' ranks may reach
+    /// (`--fault-tolerance node`: the replica group's TCPStore, which the other groups use
+    /// for torchft's cross-group rendezvous).
+    pub own_ports: Vec<u16>,
     /// Tunnelled connections one other node may hold with this one, each way
     /// ([`far::MAX_PER_PEER`] in a job).
     pub per_peer: usize,
@@ -231,13 +235,104 @@ pub struct TunnelConfig {
     pub preload_lib: Option<PathBuf>,
 }
 
-/// A running tunnel; dropping it stops it and removes its socket and library.
+/// The round's other nodes as the tunnel serves them: replaced while the round runs when
+/// a node joins the running job (`--fault-tolerance node`, [`Tunnel::set_roster`]).
+#[derive(Debug, Default)]
+struct Routes {
+    /// Their addresses on the chosen interface -> their meshd.
+    to: HashMap<IpAddr, SocketAddr>,
+    /// Members whose streams are served: id -> roster address.
+    members: HashMap<NodeId, IpAddr>,
+}
+
+type LiveRoutes = Arc<std::sync::RwLock<Routes>>;
+
+fn read_routes(r: &LiveRoutes) -> std::sync::RwLockReadGuard<'_, Routes> {
+    r.read().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The tunnelled connections open now, at both ends, so that those with a lost node (and,
+/// after a lost quorum, those with the other replica groups) can be ended at once
+/// ([`Tunnel::cut`]) rather than at the ranks' own timeouts.
+#[derive(Debug, Default)]
+struct Conns {
+    next: AtomicU64,
+    open: std::sync::Mutex<HashMap<u64, Conn>>,
+}
+
+#[derive(Debug)]
+struct Conn {
+    /// The other node's roster address.
+    peer: IpAddr,
+    /// The listening end: the destination the rank connected to (on the peer at the near
+    /// end, on this node at the far end).
+    listener: SocketAddr,
+    /// Ends the connection as a failure (both sides reset).
+    cut: tokio::sync::oneshot::Sender<()>,
+}
+
+/// A registered connection; dropping it unregisters it.
+struct ConnGuard {
+    conns: Arc<Conns>,
+    id: u64,
+}
+
+impl Drop for ConnGuard {
+    fn drop(&mut self) {
+        self.conns.lock().remove(&self.id);
+    }
+}
+
+impl Conns {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Conn>> {
+        self.open.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn register(self: &Arc<Self>, peer: IpAddr, listener: SocketAddr) -> (ConnGuard, Cut) {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let conn = Conn { peer: peer.to_canonical(), listener: canonical(listener), cut: tx };
+        self.lock().insert(id, conn);
+        (ConnGuard { conns: self.clone(), id }, rx)
+    }
+
+    /// Ends every connection `which(peer, listener)` picks; how many.
+    fn cut(&self, which: impl Fn(IpAddr, SocketAddr) -> bool) -> usize {
+        let mut open = self.lock();
+        let ids: Vec<u64> =
+            open.iter().filter(|(_, c)| which(c.peer, c.listener)).map(|(id, _)| *id).collect();
+        ids.iter()
+            .filter_map(|id| open.remove(id))
+            .map(|c| c.cut.send(()).is_ok())
+            .filter(|sent| *sent)
+            .count()
+    }
+}
+
+/// A connection's cut signal (see [`Conns`]).
+type Cut = tokio::sync::oneshot::Receiver<()>;
+
+/// What ends a piped connection besides its two sides: meshd's cut, and at the near end the
+/// rank's socket closed entirely (see [`pipe`]).
+struct Ends {
+    closed: Option<std::os::fd::RawFd>,
+    cut: Cut,
+}
+
+fn canonical(a: SocketAddr) -> SocketAddr {
+    SocketAddr::new(a.ip().to_canonical(), a.port())
+}
+
+/// A running tunnel; dropping it stops it and removes its socket, peers file and library.
 #[derive(Debug)]
 pub struct Tunnel {
     socket: PathBuf,
-    lib: PathBuf,
-    wrote_lib: bool,
+    peers_file: PathBuf,
+    lib: Preload,
     peers: String,
+    local_ip: IpAddr,
+    routes: LiveRoutes,
+    conns: Arc<Conns>,
     tasks: Vec<JoinHandle<()>>,
     stats: Arc<TunnelStats>,
     budget: Arc<Budget>,
@@ -291,14 +386,20 @@ impl Tunnel {
         let _ = std::fs::remove_file(&socket);
         let listener = UnixListener::bind(&socket)?;
         std::fs::set_permissions(&socket, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
-        let (lib, wrote_lib) = preload_library(&cfg.dir, cfg.preload_lib.as_deref())?;
-        let mut peers: Vec<IpAddr> = cfg.routes.keys().copied().collect();
-        peers.sort();
-        let peers = peers.iter().map(|ip| ip.to_string()).collect::<Vec<_>>().join(",");
+        let lib = Preload::write(&cfg.dir, cfg.preload_lib.as_deref())?;
+        let peers = peer_list(cfg.routes.keys());
+        let peers_file = cfg.dir.join("tunnel-peers");
+        write_peers_file(&peers_file, &peers)?;
+        let routes: LiveRoutes =
+            Arc::new(std::sync::RwLock::new(Routes { to: cfg.routes.clone(), members: cfg.members.clone() }));
+        let conns = Arc::new(Conns::default());
         let budget = Arc::new(cfg.files.map_or_else(Budget::for_this_process, Budget::new));
+        let local_ip = cfg.local_ip;
         let far = Arc::new(far::Far {
             ports: Arc::new(listeners::JobPorts::new(cfg.job_root, cfg.job_root_itself)),
             cfg: Arc::new(cfg),
+            routes: routes.clone(),
+            conns: conns.clone(),
             stats: stats.clone(),
             budget: budget.clone(),
             logged: Default::default(),
@@ -306,13 +407,56 @@ impl Tunnel {
         });
         let near = Near {
             cfg: far.cfg.clone(),
+            routes: routes.clone(),
+            conns: conns.clone(),
             transport,
             stats: stats.clone(),
             budget: budget.clone(),
             per_peer: Default::default(),
         };
         let tasks = vec![tokio::spawn(near.serve(listener)), tokio::spawn(far::far(incoming, far))];
-        Ok(Tunnel { socket, lib, wrote_lib, peers, tasks, stats, budget })
+        Ok(Tunnel { socket, peers_file, lib, peers, local_ip, routes, conns, tasks, stats, budget })
+    }
+
+    /// The running job's roster changed (`--fault-tolerance node`: a node joined in a lost
+    /// node's slot or a new one): its address is routed and its streams served from now on,
+    /// and the ranks' preload library finds it in the peers file.
+    pub fn set_roster(&mut self, roster: &meshd_proto::rendezvous::Roster, me: NodeId) {
+        let others = || roster.members.iter().filter(|m| m.id != me);
+        let routes = Routes {
+            to: others().map(|m| (m.addr.ip().to_canonical(), m.addr)).collect(),
+            members: others().map(|m| (m.id, m.addr.ip().to_canonical())).collect(),
+        };
+        let peers = peer_list(routes.to.keys());
+        *self.routes.write().unwrap_or_else(|p| p.into_inner()) = routes;
+        if peers != self.peers {
+            if let Err(e) = write_peers_file(&self.peers_file, &peers) {
+                warn!(
+                    "tunnel: cannot write {}: {e}; the ranks' connections to nodes that joined since they started \
+                     will not go through the tunnel",
+                    self.peers_file.display()
+                );
+            }
+            debug!("tunnel: peers now {peers}");
+            self.peers = peers;
+        }
+    }
+
+    /// Ends, as failures (the ranks see their connections reset), the tunnelled connections
+    /// with `lost`, and with `abort`'s peers except those whose listening end is one of its
+    /// `keep` endpoints (the quorum's managers and stores). Returns how many.
+    pub fn cut(&self, lost: IpAddr, abort: Option<&meshd_proto::node::AbortGroup>) -> usize {
+        let lost = lost.to_canonical();
+        let peers: Vec<IpAddr> =
+            abort.map(|a| a.peers.iter().map(|p| p.to_canonical()).collect()).unwrap_or_default();
+        let keep: Vec<SocketAddr> =
+            abort.map(|a| a.keep.iter().copied().map(canonical).collect()).unwrap_or_default();
+        self.conns.cut(|peer, listener| peer == lost || (peers.contains(&peer) && !keep.contains(&listener)))
+    }
+
+    /// This node's roster address (the far end's only destination).
+    pub fn local_ip(&self) -> IpAddr {
+        self.local_ip
     }
 
     /// Tunnelled connections this node can hold (both ends together).
@@ -321,18 +465,19 @@ impl Tunnel {
     }
 
     /// The ranks' environment: `LD_PRELOAD` (the library first, then `user_preload`),
-    /// `MESHD_TUNNEL`, `MESHD_TUNNEL_PEERS`.
+    /// `MESHD_TUNNEL`, `MESHD_TUNNEL_PEERS`, `MESHD_TUNNEL_PEERS_FILE`.
     pub fn env(&self, user_preload: Option<&str>) -> Vec<(String, String)> {
-        let lib = self.lib.display().to_string();
-        let preload = match user_preload.filter(|p| !p.trim().is_empty()) {
-            Some(u) => format!("{lib}:{u}"),
-            None => lib,
-        };
         vec![
-            ("LD_PRELOAD".into(), preload),
+            self.lib.env(user_preload),
             ("MESHD_TUNNEL".into(), self.socket.display().to_string()),
             ("MESHD_TUNNEL_PEERS".into(), self.peers.clone()),
+            ("MESHD_TUNNEL_PEERS_FILE".into(), self.peers_file.display().to_string()),
         ]
+    }
+
+    /// The preload library the ranks load.
+    pub fn preload(&self) -> &Preload {
+        &self.lib
     }
 
     /// The counters.
@@ -347,41 +492,92 @@ impl Drop for Tunnel {
             t.abort();
         }
         let _ = std::fs::remove_file(&self.socket);
-        if self.wrote_lib {
-            let _ = std::fs::remove_file(&self.lib);
-        }
+        let _ = std::fs::remove_file(&self.peers_file);
     }
 }
 
-/// Where the ranks load the library from: `given` when set, else the embedded bytes written
-/// to `dir` (owner-only), else (when `dir` is on a noexec mount, where the dynamic loader
-/// cannot map it) `libmeshd_preload.so` next to the meshd executable. Returns the path and
-/// whether it was written here.
-fn preload_library(dir: &Path, given: Option<&Path>) -> std::io::Result<(PathBuf, bool)> {
-    if let Some(p) = given {
-        return Ok((p.to_path_buf(), false));
-    }
-    if noexec(dir) {
-        if let Some(beside) = std::env::current_exe()
-            .ok()
-            .map(|e| e.with_file_name("libmeshd_preload.so"))
-            .filter(|p| p.exists())
-        {
-            return Ok((beside, false));
-        }
-        warn!(
-            "{} is on a noexec mount: the ranks cannot load the tunnel's library from there; set \
-             MESHD_PRELOAD_LIB, or XDG_RUNTIME_DIR to a directory that allows it",
-            dir.display()
-        );
-    }
+/// `ips`, sorted, comma-separated (`MESHD_TUNNEL_PEERS` and the peers file).
+fn peer_list<'a>(ips: impl Iterator<Item = &'a IpAddr>) -> String {
+    let mut v: Vec<IpAddr> = ips.copied().collect();
+    v.sort();
+    v.iter().map(|ip| ip.to_string()).collect::<Vec<_>>().join(",")
+}
+
+/// Writes the peers file whole (a temporary file renamed over it, owner-only): a rank that
+/// reads it at the same moment sees the old list or the new one.
+fn write_peers_file(path: &Path, peers: &str) -> std::io::Result<()> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
-    let lib = dir.join("libmeshd_preload.so");
-    let _ = std::fs::remove_file(&lib);
-    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o500).open(&lib)?;
-    f.write_all(PRELOAD)?;
-    Ok((lib, true))
+    let tmp = path.with_extension(format!("{}.tmp", std::process::id()));
+    let _ = std::fs::remove_file(&tmp);
+    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&tmp)?;
+    f.write_all(peers.as_bytes())?;
+    drop(f);
+    std::fs::rename(&tmp, path)
+}
+
+/// The preload library (`libmeshd_preload.so`) as the ranks load it; dropping it removes
+/// the copy meshd wrote. The tunnel's ranks load it, and so do the ranks of
+/// `--fault-tolerance node` (for `gethostname`, crates/meshd-preload's `host`).
+#[derive(Debug)]
+pub struct Preload {
+    path: PathBuf,
+    wrote: bool,
+}
+
+impl Preload {
+    /// Where the ranks load the library from: `given` when set, else the embedded bytes
+    /// written to `dir` (owner-only), else (when `dir` is on a noexec mount, where the
+    /// dynamic loader cannot map it) `libmeshd_preload.so` next to the meshd executable.
+    pub fn write(dir: &Path, given: Option<&Path>) -> std::io::Result<Preload> {
+        if let Some(p) = given {
+            return Ok(Preload { path: p.to_path_buf(), wrote: false });
+        }
+        if noexec(dir) {
+            if let Some(beside) = std::env::current_exe()
+                .ok()
+                .map(|e| e.with_file_name("libmeshd_preload.so"))
+                .filter(|p| p.exists())
+            {
+                return Ok(Preload { path: beside, wrote: false });
+            }
+            warn!(
+                "{} is on a noexec mount: the ranks cannot load meshd's preload library from there; set \
+                 MESHD_PRELOAD_LIB, or XDG_RUNTIME_DIR to a directory that allows it",
+                dir.display()
+            );
+        }
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let lib = dir.join("libmeshd_preload.so");
+        let _ = std::fs::remove_file(&lib);
+        let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o500).open(&lib)?;
+        f.write_all(PRELOAD)?;
+        Ok(Preload { path: lib, wrote: true })
+    }
+
+    /// Its path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// `LD_PRELOAD` for the ranks: the library first, then `user_preload`.
+    pub fn env(&self, user_preload: Option<&str>) -> (String, String) {
+        let lib = self.path.display().to_string();
+        let preload = match user_preload.filter(|p| !p.trim().is_empty()) {
+            Some(u) => format!("{lib}:{u}"),
+            None => lib,
+        };
+        ("LD_PRELOAD".into(), preload)
+    }
+}
+
+impl Drop for Preload {
+    fn drop(&mut self) {
+        if self.wrote {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
 }
 
 fn noexec(dir: &Path) -> bool {
@@ -397,6 +593,8 @@ fn noexec(dir: &Path) -> bool {
 /// The near end: ranks' requests on the tunnel socket.
 struct Near {
     cfg: Arc<TunnelConfig>,
+    routes: LiveRoutes,
+    conns: Arc<Conns>,
     transport: Transport,
     stats: Arc<TunnelStats>,
     budget: Arc<Budget>,
@@ -462,7 +660,8 @@ impl Near {
             let _ = s.write_all(&[fail(wire::FAILED, "malformed request from a rank".into())]).await;
             return;
         };
-        let Some(node) = self.cfg.routes.get(&dest.ip().to_canonical()).copied() else {
+        let route = read_routes(&self.routes).to.get(&dest.ip().to_canonical()).copied();
+        let Some(node) = route else {
             let _ =
                 s.write_all(&[fail(wire::UNREACHABLE, format!("{dest} is not another roster node"))]).await;
             return;
@@ -518,11 +717,13 @@ impl Near {
         set_sndbuf(&s, UNIX_SNDBUF);
         let fd = std::os::fd::AsRawFd::as_raw_fd(&s);
         let (r, w) = s.into_split();
+        let (registered, cut) = self.conns.register(node.ip(), dest);
         // A failure closes the socket at once, without the half-close a dropped write half
         // would send first: the rank then sees its peer gone (the preload library's reset,
         // see its doc), not an end of file.
-        pipe(r, w, send, recv, stats, Some(fd), tokio::net::unix::OwnedWriteHalf::forget).await;
-        drop((peer_permit, file_permit));
+        let ends = Ends { closed: Some(fd), cut };
+        pipe(r, w, send, recv, stats, ends, tokio::net::unix::OwnedWriteHalf::forget).await;
+        drop((registered, peer_permit, file_permit));
     }
 }
 
@@ -579,18 +780,21 @@ fn reset_on_close(tcp: &TcpStream) {
 /// then nothing more can reach the rank, so the stream's receive side is stopped (the far
 /// application's next write is reset, as TCP answers data for a closed socket) and the
 /// connection's files are freed, instead of being held until the far application closes.
+///
+/// `ends.cut` fires when meshd ends the connection ([`Tunnel::cut`]): a failure, as above.
 async fn pipe<R, W>(
     mut r: R,
     mut w: W,
     mut send: quinn::SendStream,
     mut recv: quinn::RecvStream,
     stats: &TunnelStats,
-    closed: Option<std::os::fd::RawFd>,
+    ends: Ends,
     abort: impl FnOnce(W),
 ) where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
+    let Ends { closed, mut cut } = ends;
     stats.active.fetch_add(1, Ordering::Relaxed);
     let failed = {
         let up = async {
@@ -628,10 +832,14 @@ async fn pipe<R, W>(
             }
         };
         tokio::pin!(up, down);
-        let (mut up_done, mut down_done) = (false, false);
+        let (mut up_done, mut down_done, mut uncut) = (false, false, false);
         let mut hangup = tokio::time::interval(HANGUP_CHECK);
         loop {
             tokio::select! {
+                c = &mut cut, if !uncut => {
+                    if c.is_ok() { break true; }
+                    uncut = true; // the registry is gone: nobody can cut any more
+                }
                 res = &mut up, if !up_done => {
                     if res.is_err() { break true; }
                     up_done = true;
@@ -660,21 +868,49 @@ async fn pipe<R, W>(
     drop(r);
 }
 
-/// Starts the tunnel of one round of `roster` on node `node_rank`, next to the local
-/// service's socket `service_socket` (in the job's owner-only directory); says why when it
-/// cannot (the ranks then run without it, and their connections to other nodes fail).
-/// `preload_lib`: the library the user gave ([`TunnelConfig::preload_lib`]).
-pub fn start_for_round(
+/// What every round's tunnel on a node shares: the transport, the far end's queue of peers'
+/// tunnel streams (taken from the transport once), the counters.
+#[derive(Debug)]
+pub struct Host {
+    transport: Transport,
+    incoming: Option<Incoming>,
+    stats: Arc<TunnelStats>,
+}
+
+impl Host {
+    /// Takes `transport`'s tunnel streams.
+    pub fn new(transport: &Transport) -> Host {
+        Host { transport: transport.clone(), incoming: incoming(transport), stats: Arc::default() }
+    }
+
+    /// Starts the tunnel of one round of `roster` on node `node_rank`, next to the local
+    /// service's socket `service_socket` (in the job's owner-only directory); peers' ranks
+    /// may reach meshd's own listeners `own_ports` too. Says why when it cannot (the ranks
+    /// then run without it, and their connections to other nodes fail). `preload_lib`: the
+    /// library the user gave ([`TunnelConfig::preload_lib`]).
+    pub fn start_round(
+        &self,
+        roster: &meshd_proto::rendezvous::Roster,
+        node_rank: usize,
+        own_ports: &[u16],
+        service_socket: Option<&Path>,
+        preload_lib: Option<&Path>,
+    ) -> Option<Tunnel> {
+        start_for_round(roster, node_rank, own_ports, service_socket, preload_lib, self)
+    }
+}
+
+fn start_for_round(
     roster: &meshd_proto::rendezvous::Roster,
     node_rank: usize,
+    own_ports: &[u16],
     service_socket: Option<&Path>,
     preload_lib: Option<&Path>,
-    transport: &Transport,
-    incoming: Option<&Incoming>,
-    stats: &Arc<TunnelStats>,
+    host: &Host,
 ) -> Option<Tunnel> {
+    let (transport, stats) = (&host.transport, &host.stats);
     let me = roster.members.get(node_rank)?;
-    let (Some(dir), Some(incoming)) = (service_socket.and_then(Path::parent), incoming) else {
+    let (Some(dir), Some(incoming)) = (service_socket.and_then(Path::parent), host.incoming.as_ref()) else {
         warn!("tunnel mode, but no local service directory: the ranks' connections to other nodes will fail");
         return None;
     };
@@ -696,6 +932,7 @@ pub fn start_for_round(
         preload_lib: preload_lib.map(Path::to_path_buf),
         job_root: std::process::id() as i32,
         job_root_itself: false,
+        own_ports: own_ports.to_vec(),
         per_peer: far::MAX_PER_PEER,
         files: None,
     };
@@ -710,7 +947,7 @@ pub fn start_for_round(
                  connect, io_uring, raw syscalls, sendfile/splice and SO_PEERCRED (docs/PROTOCOL.md, \
                  \"What cannot be made invisible\")",
                 t.peers,
-                t.lib.display(),
+                t.lib.path().display(),
                 t.capacity()
             );
             Some(t)

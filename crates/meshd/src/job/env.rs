@@ -190,6 +190,18 @@ pub struct FtEnv {
     pub lighthouse: Option<SocketAddr>,
     /// Restarts of this node's ranks so far (TORCHELASTIC_RESTART_COUNT).
     pub restarts: u32,
+    /// MESHD_HOSTNAME: what the ranks' `gethostname` answers (meshd's preload library):
+    /// torchft advertises `http://{gethostname()}:port` for its manager and checkpoint
+    /// server, which must reach this node from the others ([`url_host`]).
+    pub hostname: String,
+}
+
+/// `ip` as a URL's host: IPv6 in brackets (`http://{host}:{port}` must parse).
+pub fn url_host(ip: std::net::IpAddr) -> String {
+    match ip.to_canonical() {
+        std::net::IpAddr::V4(v4) => v4.to_string(),
+        std::net::IpAddr::V6(v6) => format!("[{v6}]"),
+    }
 }
 
 /// `--fault-tolerance node`: the rank's world is its own node (torchft's replica group, as a
@@ -217,5 +229,6 @@ pub fn ft_rank_env(env: &mut Vec<(String, String)>, local_rank: u32, nproc: u32,
     if let Some(l) = ft.lighthouse {
         set("TORCHFT_LIGHTHOUSE", format!("http://{l}"));
     }
+    set("MESHD_HOSTNAME", ft.hostname.clone());
     env.retain(|(k, _)| k != "MESHD_NCCL_UNIQUE_ID");
 }

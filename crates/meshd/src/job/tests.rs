@@ -137,6 +137,7 @@ fn fault_tolerance_node_gives_each_node_a_world_of_its_own() {
         store: "198.19.0.30:40001".parse().expect("addr"),
         lighthouse: Some("127.0.0.1:40002".parse().expect("addr")),
         restarts: 1,
+        hostname: url_host("198.19.0.30".parse().expect("ip")),
     };
     ft_rank_env(&mut env, 1, 2, &ft);
     let want = [
@@ -156,6 +157,7 @@ fn fault_tolerance_node_gives_each_node_a_world_of_its_own() {
         ("REPLICA_GROUP_ID", "2"),
         ("NUM_REPLICA_GROUPS", "8"),
         ("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:40002"),
+        ("MESHD_HOSTNAME", "198.19.0.30"),
         ("GLOO_SOCKET_IFNAME", "eth1"),
     ];
     for (k, v) in want {
@@ -167,4 +169,11 @@ fn fault_tolerance_node_gives_each_node_a_world_of_its_own() {
     dedup.sort();
     dedup.dedup();
     assert_eq!(names.len(), dedup.len(), "every variable once: {names:?}");
+}
+
+#[test]
+fn a_url_host_is_the_address_with_ipv6_in_brackets() {
+    assert_eq!(url_host("198.19.0.30".parse().expect("ip")), "198.19.0.30");
+    assert_eq!(url_host("::ffff:198.19.0.30".parse().expect("ip")), "198.19.0.30");
+    assert_eq!(url_host("fd00::30".parse().expect("ip")), "[fd00::30]");
 }

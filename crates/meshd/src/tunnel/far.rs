@@ -87,6 +87,8 @@ impl Refusal {
 /// The far end's state for one round.
 pub(super) struct Far {
     pub cfg: Arc<TunnelConfig>,
+    pub routes: super::LiveRoutes,
+    pub conns: Arc<super::Conns>,
     pub stats: Arc<TunnelStats>,
     pub ports: Arc<JobPorts>,
     pub budget: Arc<Budget>,
@@ -103,7 +105,8 @@ impl Far {
 
     /// The checks that need no /proc: who asks, and for which address.
     fn admit(&self, t: &TunnelStream) -> Result<(SocketAddr, [OwnedSemaphorePermit; 2]), Refusal> {
-        let roster_ip = *self.cfg.members.get(&t.node).ok_or(Refusal::NotMember)?;
+        let roster_ip = super::read_routes(&self.routes).members.get(&t.node).copied();
+        let roster_ip = roster_ip.ok_or(Refusal::NotMember)?;
         if roster_ip.to_canonical() != t.from.ip().to_canonical() {
             return Err(Refusal::WrongAddress { roster: roster_ip });
         }
@@ -155,7 +158,12 @@ async fn serve(mut t: TunnelStream, far: &Far) {
             let ports = far.ports.clone();
             let port = dest.port();
             let ip = dest.ip();
-            match tokio::task::spawn_blocking(move || ports.check(ip, port)).await {
+            let own = far.cfg.own_ports.contains(&port);
+            match tokio::task::spawn_blocking(
+                move || if own { PortCheck::Job } else { ports.check(ip, port) },
+            )
+            .await
+            {
                 Ok(PortCheck::Job) => Ok((dest, permits)),
                 Ok(PortCheck::NotListening) => Err(None),
                 Ok(PortCheck::Outside) | Err(_) => Err(Some(Refusal::NotTheJobs(port))),
@@ -201,14 +209,16 @@ async fn serve(mut t: TunnelStream, far: &Far) {
     let _ = tcp.set_nodelay(true);
     far.stats.served.fetch_add(1, Ordering::Relaxed);
     let (r, w) = tcp.into_split();
+    let (registered, cut) = far.conns.register(t.from.ip(), dest);
     // A failure is passed on as TCP RST: linger 0, then close (without the FIN a dropped
     // write half would send first).
-    pipe(r, w, t.send, t.recv, &far.stats, None, |w: tokio::net::tcp::OwnedWriteHalf| {
+    let ends = super::Ends { closed: None, cut };
+    pipe(r, w, t.send, t.recv, &far.stats, ends, |w: tokio::net::tcp::OwnedWriteHalf| {
         reset_on_close(w.as_ref());
         w.forget();
     })
     .await;
-    drop(permits);
+    drop((registered, permits));
 }
 
 /// Answers `status` and ends the stream; a peer that does not take the byte in time gets

@@ -77,6 +77,7 @@ fn pair_with(name: &str, b_listeners_are_the_jobs: bool) -> Pair {
         // The test's own listeners play the ranks'.
         job_root: std::process::id() as i32,
         job_root_itself: me == 0 || b_listeners_are_the_jobs,
+        own_ports: Vec::new(),
         per_peer: if me == 0 { 3 } else { 2 },
         files: None,
     };
@@ -387,4 +388,96 @@ async fn a_lost_far_node_reads_and_writes_as_econnreset_through_the_preload_libr
         drop(server.await.expect("server"));
         assert!(out.contains("FIRST errno 104 LATER_RECV 0 LATER_SEND errno 32"), "{mode}: {out}");
     }
+}
+
+/// Reads `u` to its end; whether it ended in time (a reset or an end of file).
+async fn ends(u: &mut UnixStream) -> bool {
+    let mut rest = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), u.read_to_end(&mut rest)).await.is_ok()
+}
+
+/// `--fault-tolerance node`: the connections with a lost node are ended at once, at both
+/// ends, and only those; after a lost quorum, also those with the other groups except the
+/// ones to a kept endpoint (a manager, a store).
+#[tokio::test]
+async fn a_cut_ends_the_lost_nodes_connections_at_both_ends_and_keeps_what_it_must() {
+    let p = pair("cut");
+    let l1 = TcpListener::bind("127.0.0.2:0").await.expect("listen");
+    let l2 = TcpListener::bind("127.0.0.2:0").await.expect("listen");
+    let (d1, d2) = (l1.local_addr().expect("addr"), l2.local_addr().expect("addr"));
+    let (mut u1, s1) = open(&p, d1).await;
+    let (mut srv1, _) = l1.accept().await.expect("accept");
+    let (mut u2, s2) = open(&p, d2).await;
+    let (mut srv2, _) = l2.accept().await.expect("accept");
+    assert_eq!((s1, s2), (wire::OK, wire::OK));
+
+    // A lost node that is not b: nothing of a's is cut.
+    assert_eq!(p.a.cut("127.0.0.9".parse().expect("ip"), None), 0);
+    // After a lost quorum: b is one of the other groups, d2 is a kept endpoint (b's store).
+    let abort =
+        meshd_proto::node::AbortGroup { peers: vec!["127.0.0.2".parse().expect("ip")], keep: vec![d2] };
+    assert_eq!(p.a.cut("127.0.0.9".parse().expect("ip"), Some(&abort)), 1, "d1 only");
+    assert!(ends(&mut u1).await, "the rank's socket to d1 ends");
+    let mut rest = Vec::new();
+    let far =
+        tokio::time::timeout(Duration::from_secs(5), srv1.read_to_end(&mut rest)).await.expect("in time");
+    assert!(far.is_err() || rest.is_empty(), "the far application sees its connection end: {far:?}");
+    // The kept one still carries bytes both ways.
+    u2.write_all(b"ping").await.expect("write");
+    let mut four = [0u8; 4];
+    tokio::time::timeout(Duration::from_secs(5), srv2.read_exact(&mut four))
+        .await
+        .expect("in time")
+        .expect("read");
+    assert_eq!(&four, b"ping");
+    // b is lost: the rest goes, at b's far end too (b cuts what it serves for a).
+    assert_eq!(p.b.cut("127.0.0.1".parse().expect("ip"), None), 1);
+    assert!(ends(&mut u2).await, "the rank's socket to d2 ends");
+    assert_eq!(p.a.cut("127.0.0.2".parse().expect("ip"), None), 0, "nothing left to cut");
+}
+
+/// A node that joins the running job (`--fault-tolerance node`) is served once the roster
+/// says so, and the ranks' preload library finds its address in the peers file.
+#[tokio::test]
+async fn a_node_that_joins_the_running_job_is_let_in_and_listed() {
+    let mut p = pair("join");
+    let listener = TcpListener::bind("127.0.0.2:0").await.expect("listen");
+    let dest = listener.local_addr().expect("addr");
+    // b's roster without a: a's streams are refused ("not a member").
+    let member = |id: u128, addr: SocketAddr| meshd_proto::rendezvous::RosterMember {
+        id: NodeId::from_u128(id),
+        addr,
+        nproc: 1,
+        hostname: String::new(),
+    };
+    let (a_addr, b_addr) = (p._transports[0].local_addr(), p._transports[1].local_addr());
+    let mut roster = meshd_proto::rendezvous::Roster {
+        run_hash: 7,
+        restart: 0,
+        epoch: 0,
+        master_port: 0,
+        members: vec![member(2, b_addr)],
+    };
+    p.b.set_roster(&roster, NodeId::from_u128(2));
+    let mut u = UnixStream::connect(&p.a.socket).await.expect("tunnel socket");
+    u.write_all(&encode_request(dest)).await.expect("request");
+    let mut st = [0u8; 1];
+    u.read_exact(&mut st).await.expect("status");
+    assert_eq!(st[0], wire::UNREACHABLE, "not a member of b's roster");
+    // a joins: served.
+    roster.members.push(member(1, a_addr));
+    roster.epoch += 1;
+    p.b.set_roster(&roster, NodeId::from_u128(2));
+    let mut u = UnixStream::connect(&p.a.socket).await.expect("tunnel socket");
+    u.write_all(&encode_request(dest)).await.expect("request");
+    u.read_exact(&mut st).await.expect("status");
+    assert_eq!(st[0], wire::OK);
+    // a's own list: a third node at 127.0.0.3 joins; its address is in a's peers file.
+    roster.members.push(member(3, "127.0.0.3:9".parse().expect("addr")));
+    p.a.set_roster(&roster, NodeId::from_u128(1));
+    let file = std::fs::read_to_string(&p.a.peers_file).expect("peers file");
+    assert_eq!(file, "127.0.0.2,127.0.0.3");
+    let env = p.a.env(None);
+    let listed = p.a.peers_file.display().to_string();
+    assert!(env.iter().any(|(k, v)| k == "MESHD_TUNNEL_PEERS_FILE" && *v == listed), "{env:?}");
 }
