@@ -307,15 +307,21 @@ impl Edge for JobIo {
         if let Some(w) = verdict.tcp_warning(&iface) {
             warn!("{w}");
         }
+        // A node admitted to a running job (`--fault-tolerance node`) ran no preflight of its
+        // own: it takes the job's collective.
+        let (passed, line) = if verdict.checks.is_empty() && roster.members.len() > 1 {
+            ("the running job's", format!("{} (as the job was launched)", verdict.collective.name()))
+        } else {
+            ("preflight passed", verdict.collective_line())
+        };
         // The QUIC ring serves meshd's client in tunnel mode too (MESHD_SOCKET stays set).
         if verdict.collective.uses_quic_ring() {
             info!(
-                "preflight passed; collective: {}; ring over {} to the next node (MESHD_LANES), or the data plane where its link is ready",
-                verdict.collective_line(),
+                "{passed}; collective: {line}; ring over {} to the next node (MESHD_LANES), or the data plane where its link is ready",
                 crate::plural(ring.lanes.get() as u64, "lane")
             );
         } else {
-            info!("preflight passed; collective: {}", verdict.collective_line());
+            info!("{passed}; collective: {line}");
         }
         let activity = Arc::new(supervisor::output::Activity::default());
         let Some(store) = self.store.clone() else {
