@@ -23,7 +23,7 @@ use std::collections::{BTreeSet, VecDeque};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-pub use crate::job_msg::{Message, RankFailure};
+pub use crate::job_msg::{FailureSource, Message, RankFailure};
 pub use crate::roster::{Roster, RosterMember};
 
 /// A candidate for the roster, as the membership layer sees it.
