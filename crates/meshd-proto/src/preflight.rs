@@ -115,6 +115,18 @@ pub struct NodeReport {
     pub nccl_note: String,
 }
 
+impl NodeReport {
+    /// The NCCL id's root address, when the master has an id (on the wire "" is none).
+    pub fn nccl_root_addr(&self) -> Option<&str> {
+        Some(self.nccl_root.as_str()).filter(|r| !r.is_empty())
+    }
+
+    /// Why the master has no NCCL id, when it said.
+    pub fn nccl_missing(&self) -> Option<&str> {
+        Some(self.nccl_note.as_str()).filter(|n| !n.is_empty())
+    }
+}
+
 /// What a check of the report looks at.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub enum CheckKind {
@@ -411,30 +423,29 @@ pub fn evaluate(
     if let Some(master) = roster.master() {
         if let Some(r) = reports.get(&master.id) {
             let ip = master.addr.ip().to_string();
-            let root_ip = r.nccl_root.rsplit_once(':').map(|(h, _)| h.trim_matches(['[', ']'])).unwrap_or("");
             // No libnccl is not a failure: everything but MESHD_NCCL_UNIQUE_ID works, and
             // meshd said so once at start. The check passes and says what is missing.
-            let (ok, detail) = if r.nccl_root.is_empty() {
-                (
-                    true,
-                    format!(
-                        "no NCCL unique id: {}",
-                        if r.nccl_note.is_empty() { "libnccl not loaded" } else { &r.nccl_note }
-                    ),
-                )
-            } else if root_ip == ip {
-                (
-                    true,
-                    format!(
-                        "root {} is on the master's chosen interface (probed from every node in the tcp check)",
-                        r.nccl_root
-                    ),
-                )
-            } else {
-                (
-                    false,
-                    format!("root {} is not the master's address {ip} on the chosen interface", r.nccl_root),
-                )
+            let (ok, detail) = match r.nccl_root_addr() {
+                None => {
+                    (true, format!("no NCCL unique id: {}", r.nccl_missing().unwrap_or("libnccl not loaded")))
+                }
+                Some(root) => {
+                    let root_ip =
+                        root.rsplit_once(':').map(|(h, _)| h.trim_matches(['[', ']'])).unwrap_or("");
+                    if root_ip == ip {
+                        (
+                            true,
+                            format!(
+                                "root {root} is on the master's chosen interface (probed from every node in the tcp check)"
+                            ),
+                        )
+                    } else {
+                        (
+                            false,
+                            format!("root {root} is not the master's address {ip} on the chosen interface"),
+                        )
+                    }
+                }
             };
             checks.push(Check { kind: CheckKind::NcclId, ok, detail, fatal: false });
         }
@@ -475,7 +486,8 @@ pub fn evaluate(
     }
     let nccl_impossible = forced == Some(Collective::Nccl) && !tcp_ok;
     let ok = !nccl_impossible && checks.iter().all(|c| c.ok || !c.fatal);
-    let nccl_id = roster.master().and_then(|m| reports.get(&m.id)).is_some_and(|r| !r.nccl_root.is_empty());
+    let nccl_id =
+        roster.master().and_then(|m| reports.get(&m.id)).is_some_and(|r| r.nccl_root_addr().is_some());
     Verdict { ok, collective, checks, tcp_blocked, nccl_id, nodes: roster.members.len() }
 }
 

@@ -83,23 +83,33 @@ pub enum Input {
     MasterPort(u16),
     /// Answer to [`Event::StartPreflight`]: the preflight listener is bound.
     PreflightReady {
+        /// The round that asked (the roster's `restart`): an answer of an earlier round is
+        /// dropped.
+        round: u32,
         /// Its TCP port on the chosen interface.
         tcp_port: u16,
         /// The NCCL unique id (master only; `None` when it could not make one).
         nccl_id: Option<Vec<u8>>,
         /// Why there is no id, when the master has none.
-        nccl_note: String,
+        nccl_note: Option<String>,
         /// This node's own failures (MASTER_PORT cannot be bound on the master).
         problems: Vec<TcpProbe>,
     },
     /// Answer to [`Event::StartPreflight`]: the listener could not be bound.
-    PreflightFailed(String),
+    PreflightFailed {
+        /// The round that asked (an answer of an earlier round is dropped).
+        round: u32,
+        /// Why, in words.
+        why: String,
+    },
     /// Answer to [`Event::Dial`].
     Dialed {
+        /// The round that asked (an answer of an earlier round is dropped).
+        round: u32,
         /// One result per target (and the NCCL root probe, if any).
         probes: Vec<TcpProbe>,
-        /// The NCCL id's root address as decoded here ("" without an id).
-        nccl_root: String,
+        /// The NCCL id's root address as decoded here (`None` without an id).
+        nccl_root: Option<String>,
     },
     /// A store request of the IO (a rank's `store_set` / `store_get`, the library's) for
     /// restart round `round`: answered by [`Event::StoreReply`] with the same `req`.
@@ -192,7 +202,8 @@ pub enum Event {
     /// The roster of this round is agreed.
     RosterAgreed(Roster),
     /// Bind the preflight listener (and MASTER_PORT and the NCCL id on the master); answer
-    /// [`Input::PreflightReady`] or [`Input::PreflightFailed`].
+    /// [`Input::PreflightReady`] or [`Input::PreflightFailed`] with the roster's round
+    /// (`roster.restart`).
     StartPreflight {
         /// The roster.
         roster: Roster,
@@ -200,8 +211,10 @@ pub enum Event {
         master: bool,
     },
     /// Dial these TCP targets (and the NCCL id's root, if an id is given); answer
-    /// [`Input::Dialed`].
+    /// [`Input::Dialed`] with the same `round`.
     Dial {
+        /// The round that asks.
+        round: u32,
         /// Where to connect.
         targets: Vec<DialTarget>,
         /// The round's NCCL id (probe its root too).
@@ -511,6 +524,17 @@ impl Node {
             Input::Store { round, req, call } => self.store_call(round, req, call, now),
             i @ (Input::LhQuorum { .. } | Input::LhHeartbeat { .. } | Input::LhCancel { .. }) => {
                 self.lh_input(i, now)
+            }
+            // An IO answer of an earlier round (its request was overtaken by a restart).
+            Input::PreflightReady { round, .. }
+            | Input::PreflightFailed { round, .. }
+            | Input::Dialed { round, .. }
+                if round != self.restart =>
+            {
+                self.log(
+                    Level::Debug,
+                    format!("an IO answer of round {round} dropped in round {}", self.restart),
+                )
             }
             Input::Finish => {
                 self.local_finish = true;

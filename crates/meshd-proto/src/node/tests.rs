@@ -44,16 +44,17 @@ fn launched(max_restarts: u32) -> (Node, Instant) {
     );
     n.handle(
         Input::PreflightReady {
+            round: 0,
             tcp_port: 4000,
             nccl_id: None,
-            nccl_note: "no nccl".into(),
+            nccl_note: Some("no nccl".into()),
             problems: vec![],
         },
         now,
     );
     let ev = events(&mut n);
     assert!(matches!(&ev[..], [Event::Dial { targets, .. }] if targets.is_empty()), "{ev:?}");
-    n.handle(Input::Dialed { probes: vec![], nccl_root: String::new() }, now);
+    n.handle(Input::Dialed { round: 0, probes: vec![], nccl_root: None }, now);
     let ev = events(&mut n);
     assert!(matches!(&ev[..], [Event::Preflight(_), Event::Launch { verdict, .. }] if verdict.ok), "{ev:?}");
     n.handle(Input::RanksSpawned, now);
@@ -91,10 +92,10 @@ fn a_failed_rank_restarts_the_round_then_fails_with_its_status() {
     assert!(ev.iter().any(|e| matches!(e, Event::StartPreflight { .. })), "round 1 forms again: {ev:?}");
     assert_eq!(n.restart(), 1);
     n.handle(
-        Input::PreflightReady { tcp_port: 4001, nccl_id: None, nccl_note: String::new(), problems: vec![] },
+        Input::PreflightReady { round: 1, tcp_port: 4001, nccl_id: None, nccl_note: None, problems: vec![] },
         now,
     );
-    n.handle(Input::Dialed { probes: vec![], nccl_root: String::new() }, now);
+    n.handle(Input::Dialed { round: 1, probes: vec![], nccl_root: None }, now);
     n.handle(Input::RanksSpawned, now);
     let _ = events(&mut n);
     n.handle(
@@ -202,12 +203,40 @@ fn a_finish_before_the_launch_ends_the_round_when_it_runs() {
     n.handle(Input::Finish, now);
     let _ = events(&mut n);
     n.handle(
-        Input::PreflightReady { tcp_port: 4000, nccl_id: None, nccl_note: String::new(), problems: vec![] },
+        Input::PreflightReady { round: 0, tcp_port: 4000, nccl_id: None, nccl_note: None, problems: vec![] },
         now,
     );
-    n.handle(Input::Dialed { probes: vec![], nccl_root: String::new() }, now);
+    n.handle(Input::Dialed { round: 0, probes: vec![], nccl_root: None }, now);
     assert!(events(&mut n).iter().any(|e| matches!(e, Event::Launch { .. })));
     n.handle(Input::RanksSpawned, now);
     let ev = events(&mut n);
     assert!(matches!(&ev[..], [Event::Finished(o)] if o.code == 0), "{ev:?}");
+}
+
+/// Issue 31: an IO answer carries the round that asked, and the core (not the driver) drops
+/// one of an earlier round: a late bind failure or dial result of round 0 changes nothing
+/// in round 1.
+#[test]
+fn an_io_answer_of_an_earlier_round_is_dropped() {
+    let (mut n, now) = launched(1);
+    n.handle(Input::RankFailed { rank: Some(0), reason: "rank 0 exited 3".into(), cause: None }, now);
+    n.handle(Input::RanksStopped, now);
+    let ev = events(&mut n);
+    assert!(
+        ev.iter().any(|e| matches!(e, Event::StartPreflight { roster, .. } if roster.restart == 1)),
+        "{ev:?}"
+    );
+    // Round 0's answers, late: dropped.
+    n.handle(Input::PreflightFailed { round: 0, why: "preflight listener: gone".into() }, now);
+    n.handle(Input::Dialed { round: 0, probes: vec![], nccl_root: None }, now);
+    assert_eq!(events(&mut n), vec![], "a stale answer is no input of round 1");
+    // Round 1's own answers run it.
+    n.handle(
+        Input::PreflightReady { round: 1, tcp_port: 4001, nccl_id: None, nccl_note: None, problems: vec![] },
+        now,
+    );
+    assert!(matches!(&events(&mut n)[..], [Event::Dial { round: 1, .. }]));
+    n.handle(Input::Dialed { round: 1, probes: vec![], nccl_root: None }, now);
+    let ev = events(&mut n);
+    assert!(matches!(&ev[..], [Event::Preflight(_), Event::Launch { verdict, .. }] if verdict.ok), "{ev:?}");
 }

@@ -657,17 +657,18 @@ impl NodeSim {
     fn carry_out(&mut self, i: usize, core: &Node, ev: Event) -> bool {
         let d = self.cfg.io_delay;
         match ev {
-            Event::StartPreflight { master, .. } => {
+            Event::StartPreflight { roster, master } => {
                 let nccl_id = master.then(|| vec![7u8; 128]);
                 let input = Input::PreflightReady {
+                    round: roster.restart,
                     tcp_port: 40000,
                     nccl_id,
-                    nccl_note: String::new(),
+                    nccl_note: None,
                     problems: vec![],
                 };
                 self.io(i, d, input);
             }
-            Event::Dial { targets, .. } => {
+            Event::Dial { round, targets, .. } => {
                 let mut slowest = d;
                 let probes = targets
                     .into_iter()
@@ -688,7 +689,7 @@ impl NodeSim {
                         }
                     })
                     .collect();
-                self.io(i, slowest, Input::Dialed { probes, nccl_root: String::new() });
+                self.io(i, slowest, Input::Dialed { round, probes, nccl_root: None });
             }
             Event::Launch { roster, .. } => {
                 self.launches.push(Launch {
