@@ -36,7 +36,7 @@ use accept::*;
 pub use bind::udp_port_holder;
 use bind::*;
 use handshake::*;
-pub use handshake::{REFUSED_US, auth_failure_text};
+pub use handshake::{AuthFailure, REFUSED_US, RefusedBy, auth_failure_text};
 use sender::*;
 use udp::*;
 
@@ -159,15 +159,20 @@ impl std::fmt::Display for CongestionControl {
     }
 }
 
-impl std::str::FromStr for CongestionControl {
-    type Err = String;
+/// A congestion controller's name that is not one of [`CongestionControl`]'s.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown congestion control {0:?} (cubic, bbr or newreno)")]
+pub struct UnknownCongestionControl(pub String);
 
-    fn from_str(s: &str) -> Result<Self, String> {
+impl std::str::FromStr for CongestionControl {
+    type Err = UnknownCongestionControl;
+
+    fn from_str(s: &str) -> Result<Self, UnknownCongestionControl> {
         match s {
             "cubic" => Ok(CongestionControl::Cubic),
             "bbr" => Ok(CongestionControl::Bbr),
             "newreno" => Ok(CongestionControl::NewReno),
-            other => Err(format!("unknown congestion control {other:?} (cubic, bbr or newreno)")),
+            other => Err(UnknownCongestionControl(other.to_string())),
         }
     }
 }
@@ -222,13 +227,13 @@ pub enum TransportError {
         /// Why, in words.
         reason: String,
     },
-    /// The peer refused us (`reason` starts with [`REFUSED_US`]) or we refused it.
+    /// The peer refused us or we refused it.
     #[error("{}", auth_failure_text(*.addr, .reason))]
     Auth {
         /// The peer.
         addr: SocketAddr,
-        /// Why, in words.
-        reason: String,
+        /// Who refused, and why.
+        reason: AuthFailure,
     },
 }
 
@@ -257,8 +262,8 @@ pub enum TransportEvent {
     AuthFailed {
         /// Peer address.
         addr: SocketAddr,
-        /// Why, in words.
-        reason: String,
+        /// Who refused, and why.
+        reason: AuthFailure,
     },
 }
 
