@@ -79,8 +79,13 @@ pub enum Input {
     HeardFrom(NodeId),
     /// More addresses to join through (names that resolved late).
     Seeds(Vec<SocketAddr>),
-    /// MASTER_PORT to offer from now on.
-    MasterPort(u16),
+    /// Answer to [`Event::RoundBegan`]: the MASTER_PORT this node offers in that round.
+    MasterPort {
+        /// The round that asked (an answer of an earlier round is dropped).
+        round: u32,
+        /// A free TCP port on the chosen interface.
+        port: u16,
+    },
     /// Answer to [`Event::StartPreflight`]: the preflight listener is bound.
     PreflightReady {
         /// The round that asked (the roster's `restart`): an answer of an earlier round is
@@ -194,7 +199,9 @@ pub enum Event {
     /// Waiting for nodes: the progress report (the IO adds what only it knows: listed
     /// peers that never answered, authentication refusals).
     Waiting(WaitReport),
-    /// A restart round began (`restart` > 0): a fresh MASTER_PORT may be offered.
+    /// A round began (round 0 at the start, then every restart round): answer
+    /// [`Input::MasterPort`] with the MASTER_PORT to offer should this node be master. The
+    /// round proposes no roster before.
     RoundBegan {
         /// The round.
         restart: u32,
@@ -514,11 +521,11 @@ impl Node {
                 let seeds: Vec<SocketAddr> = seeds.into_iter().filter(|s| *s != self.cfg.addr).collect();
                 self.membership.add_seeds(&seeds, now);
             }
-            Input::MasterPort(p) => {
-                self.cfg.master_port = p;
+            Input::MasterPort { round, port } if round == self.restart => {
                 if let Phase::Rdzv(r) = &mut self.phase {
-                    r.rdzv.set_master_port(p);
+                    r.rdzv.set_master_port(port, now);
                 }
+                self.drain_rdzv(now);
             }
             Input::Leave => self.membership.leave(now),
             Input::Store { round, req, call } => self.store_call(round, req, call, now),
@@ -526,7 +533,8 @@ impl Node {
                 self.lh_input(i, now)
             }
             // An IO answer of an earlier round (its request was overtaken by a restart).
-            Input::PreflightReady { round, .. }
+            Input::MasterPort { round, .. }
+            | Input::PreflightReady { round, .. }
             | Input::PreflightFailed { round, .. }
             | Input::Dialed { round, .. }
                 if round != self.restart =>

@@ -17,7 +17,6 @@ fn config(max_restarts: u32) -> NodeConfig {
         rdzv_timeout: Duration::from_secs(30),
         preflight_timeout: Duration::from_secs(20),
         max_restarts,
-        master_port: 29500,
         report: LocalFacts { nproc: 2, iface: "lo".into(), ..LocalFacts::default() },
         seed: 1,
         timing: Timing::default(),
@@ -27,10 +26,20 @@ fn config(max_restarts: u32) -> NodeConfig {
     }
 }
 
+/// The node's events but membership and log lines; a round's MASTER_PORT is answered on
+/// the way (as the actor does).
 fn events(n: &mut Node) -> Vec<Event> {
-    std::iter::from_fn(|| n.poll_event())
-        .filter(|e| !matches!(e, Event::Member(_) | Event::Log(..)))
-        .collect()
+    let mut out = Vec::new();
+    while let Some(e) = n.poll_event() {
+        match e {
+            Event::Member(_) | Event::Log(..) => {}
+            Event::RoundBegan { restart } => {
+                n.handle(Input::MasterPort { round: restart, port: 29500 }, Instant::now())
+            }
+            e => out.push(e),
+        }
+    }
+    out
 }
 
 /// Runs a single node up to its launch; returns it and the time.
@@ -239,4 +248,26 @@ fn an_io_answer_of_an_earlier_round_is_dropped() {
     n.handle(Input::Dialed { round: 1, probes: vec![], nccl_root: None }, now);
     let ev = events(&mut n);
     assert!(matches!(&ev[..], [Event::Preflight(_), Event::Launch { verdict, .. }] if verdict.ok), "{ev:?}");
+}
+
+/// Issue 31: one MASTER_PORT path. Every round, round 0 included, asks the IO for its port
+/// (`RoundBegan`) and proposes no roster before the answer; the roster carries that port.
+#[test]
+fn every_round_asks_for_its_master_port_and_proposes_nothing_before() {
+    let now = Instant::now();
+    let mut n = Node::new(config(0), now);
+    let ev: Vec<Event> = std::iter::from_fn(|| n.poll_event())
+        .filter(|e| !matches!(e, Event::Member(_) | Event::Log(..)))
+        .collect();
+    assert_eq!(ev, vec![Event::RoundBegan { restart: 0 }]);
+    n.handle_timeout(now + std::time::Duration::from_millis(500));
+    assert!(n.poll_transmit().is_none() && n.roster().is_none(), "no roster without a port");
+    // An answer for another round changes nothing.
+    n.handle(Input::MasterPort { round: 3, port: 1 }, now);
+    assert!(n.roster().is_none());
+    n.handle(Input::MasterPort { round: 0, port: 29555 }, now);
+    match &events(&mut n)[..] {
+        [Event::RosterAgreed(r), Event::StartPreflight { .. }] => assert_eq!(r.master_port, 29555),
+        other => panic!("{other:?}"),
+    }
 }

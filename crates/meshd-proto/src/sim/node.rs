@@ -411,7 +411,6 @@ impl NodeSim {
             rdzv_timeout: self.cfg.rdzv_timeout,
             preflight_timeout: Duration::from_secs(20),
             max_restarts: self.cfg.max_restarts,
-            master_port: 29500,
             seed: self.rng.next_u64(),
             timing: self.cfg.timing.clone(),
             store: crate::store::StoreConfig::default(),
@@ -597,6 +596,11 @@ impl NodeSim {
             }
             while let Some(ev) = core.poll_event() {
                 any = true;
+                // The round's MASTER_PORT, at once (as meshd's actor answers).
+                if let Event::RoundBegan { restart } = ev {
+                    core.handle(Input::MasterPort { round: restart, port: 29500 }, self.at(self.now));
+                    continue;
+                }
                 if self.carry_out(i, &core, ev) {
                     finished = true;
                 }

@@ -279,7 +279,7 @@ impl Actor {
                 self.listeners = None;
                 self.nccl_root = None;
                 let port = edge.round_began(self.mesh.addr().ip());
-                self.core.handle(Input::MasterPort(port), Instant::now());
+                self.core.handle(Input::MasterPort { round: restart, port }, Instant::now());
             }
             Event::RosterAgreed(roster) => {
                 self.publish_status();
