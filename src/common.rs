@@ -98,12 +98,12 @@ pub type Listed = Vec<(String, SocketAddr)>;
 /// `--peers` from the flag or SLURM_STEP_NODELIST / SLURM_JOB_NODELIST, parsed and resolved: the addresses, and
 /// the entries that did not resolve yet (the mesh keeps trying them: DNS may lag behind a
 /// node's start) or must be re-resolved (`dns:` names).
-pub fn peers(flag: Option<&str>, port: u16) -> Result<(Listed, Vec<PeerSpec>)> {
+pub fn peers(flag: Option<&str>, port: u16, slurm_nodelist: Option<&str>) -> Result<(Listed, Vec<PeerSpec>)> {
     let text = match flag {
         Some(p) => p.to_string(),
         // Inside a step, the step's nodes (SLURM_STEP_NODELIST), not the allocation's.
-        None => match meshd::peers::slurm_nodelist(|k| std::env::var(k).ok()) {
-            Some((_, list)) => meshd::peers::expand_hostlist(&list)?.join(","),
+        None => match slurm_nodelist {
+            Some(list) => meshd::peers::expand_hostlist(list)?.join(","),
             None => return Ok((Vec::new(), Vec::new())),
         },
     };
@@ -129,8 +129,12 @@ pub fn peers(flag: Option<&str>, port: u16) -> Result<(Listed, Vec<PeerSpec>)> {
 
 /// `--peers` resolved once, for commands that do not wait (`ifaces`, `status`): an entry
 /// that does not resolve is an error naming it when nothing else resolved.
-pub fn peers_now(flag: Option<&str>, port: u16) -> Result<Vec<(String, SocketAddr)>> {
-    let (addrs, later) = peers(flag, port)?;
+pub fn peers_now(
+    flag: Option<&str>,
+    port: u16,
+    slurm_nodelist: Option<&str>,
+) -> Result<Vec<(String, SocketAddr)>> {
+    let (addrs, later) = peers(flag, port, slurm_nodelist)?;
     let never: Vec<PeerSpec> = later.into_iter().filter(|s| matches!(s, PeerSpec::Host { .. })).collect();
     if addrs.is_empty() && !never.is_empty() {
         let (_, errors) = meshd::peers::resolve(&never, port);

@@ -31,7 +31,7 @@ impl Args {
 
 pub async fn main(a: Args, env: &crate::env::EnvConfig) -> Result<ExitCode> {
     let ifs = interfaces::list()?;
-    let peers = common::peers_now(a.peers.as_deref(), a.net.port)?;
+    let peers = common::peers_now(a.peers.as_deref(), a.net.port, env.slurm.nodelist.as_deref())?;
     let mut reach = interfaces::routes(&ifs, &peers, a.net.port);
     if reach.iter().any(|r| !r.is_self) {
         probe_all(&mut reach, &a.net, env).await?;

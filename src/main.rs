@@ -59,21 +59,21 @@ enum Cmd {
 /// 8 per core, and each arena keeps its own free memory: over a long job meshd's RSS grew
 /// well past the heap in use, spread over many arenas (docs/PERFORMANCE.md, "Memory over a
 /// long job"). So arenas are capped at `workers` (the runtime's threads do nearly all of
-/// meshd's allocation), unless the user set `MALLOC_ARENA_MAX` or `GLIBC_TUNABLES`.
-fn tune_allocator(workers: usize) {
+/// meshd's allocation), unless the user set `MALLOC_ARENA_MAX` or `GLIBC_TUNABLES`
+/// (`user_tuned`).
+fn tune_allocator(workers: usize, user_tuned: bool) {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt only sets allocator parameters; it is called before any other thread
     // exists.
     unsafe {
         libc::mallopt(libc::M_TRIM_THRESHOLD, 64 << 20);
         libc::mallopt(libc::M_MMAP_THRESHOLD, 8 << 20);
-        let user_set = ["MALLOC_ARENA_MAX", "GLIBC_TUNABLES"].iter().any(|v| std::env::var_os(v).is_some());
-        if !user_set {
+        if !user_tuned {
             libc::mallopt(libc::M_ARENA_MAX, workers.clamp(2, 8) as libc::c_int);
         }
     }
     #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-    let _ = workers;
+    let _ = (workers, user_tuned);
 }
 
 impl Cmd {
@@ -116,19 +116,18 @@ fn main() -> ExitCode {
     }
     common::init_tracing();
     tracing::debug!("open-files limit {} (hard {})", files.soft, files.hard);
-    // meshd's own tuning variables, read once: the library reads no environment.
+    // The environment meshd reads, read once (src/env.rs): the library reads none.
     let env = env::EnvConfig::from_env();
     // One worker per 8 cores, from 2 to 8: meshd shares the machine with the job's own
     // processes, but on a many-core GPU node the QUIC ring's lanes need cores of their own.
-    let threads = std::env::var("MESHD_THREADS")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
+    let threads = env
+        .threads
         .unwrap_or_else(|| {
             let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
             (cores / 8).clamp(2, 8)
         })
         .max(1);
-    tune_allocator(threads);
+    tune_allocator(threads, env.allocator_tuned);
     let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(threads).enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {

@@ -274,13 +274,9 @@ pub fn seed_list(peers: Option<&str>, endpoint: Option<&str>, port: u16) -> Opti
 /// The Python that runs a script given torchrun's way: `MESHD_PYTHON`, else torchrun's
 /// `PYTHON_EXEC`, else the `python3` (or `python`) beside meshd's own executable (meshd
 /// installed into a virtual environment's `bin/`), else `python3` on PATH.
-pub fn python() -> String {
-    for v in ["MESHD_PYTHON", "PYTHON_EXEC"] {
-        if let Ok(p) = std::env::var(v) {
-            if !p.trim().is_empty() {
-                return p;
-            }
-        }
+pub fn python(env: &EnvConfig) -> String {
+    if let Some(p) = &env.python {
+        return p.clone();
     }
     if let Some(dir) = std::env::current_exe().ok().and_then(|e| e.parent().map(|d| d.to_path_buf())) {
         for name in ["python3", "python"] {
@@ -394,7 +390,7 @@ pub fn prepare(a: &JobArgs, cmd: &[String], env: &EnvConfig) -> Result<Prepared>
     }
     // Under SLURM, the step's node count and node list (srun -N2 in a 4-node allocation
     // runs on 2 nodes; srun --preserve-env leaves SLURM_NNODES at the allocation's).
-    let slurm_nnodes = meshd::peers::slurm_nnodes(|k| std::env::var(k).ok()).map(|(_, n)| n);
+    let slurm_nnodes = env.slurm.nnodes.clone();
     let mut port = a.net.port;
     let (nnodes, peer_text) = if a.standalone {
         if let Some(n) = a.nnodes.as_deref().filter(|n| parse_nnodes(n).ok() != Some((1, 1))) {
@@ -414,7 +410,7 @@ pub fn prepare(a: &JobArgs, cmd: &[String], env: &EnvConfig) -> Result<Prepared>
         let nnodes = nnodes_or_default(
             a.nnodes.as_deref().or(slurm_nnodes.as_deref()),
             peer_text.as_deref(),
-            meshd::peers::slurm_nodelist(|k| std::env::var(k).ok()).is_some(),
+            env.slurm.nodelist.is_some(),
         )?;
         (nnodes, peer_text)
     };
@@ -423,7 +419,7 @@ pub fn prepare(a: &JobArgs, cmd: &[String], env: &EnvConfig) -> Result<Prepared>
     // GPUs through the CUDA driver (else /dev/nvidiaN): both `auto` and the preflight use it.
     let (gpus, cuda_driver) = match meshd_nccl::cuda_info() {
         Ok(c) => (c.devices, c.driver_version),
-        Err(_) => (nproc_gpus(), 0),
+        Err(_) => (nproc_gpus(env.cuda_visible.as_deref()), 0),
     };
     let nproc = nproc(&a.nproc_per_node, gpus)?;
     let token = a.net.token_for(max)?;
@@ -434,8 +430,11 @@ pub fn prepare(a: &JobArgs, cmd: &[String], env: &EnvConfig) -> Result<Prepared>
              `meshd token --file ~/.meshd-token` and pass --token-file on every node"
         );
     }
-    let (peers, unresolved) =
-        if a.standalone { (Vec::new(), Vec::new()) } else { common::peers(peer_text.as_deref(), port)? };
+    let (peers, unresolved) = if a.standalone {
+        (Vec::new(), Vec::new())
+    } else {
+        common::peers(peer_text.as_deref(), port, env.slurm.nodelist.as_deref())?
+    };
     if peers.is_empty() && unresolved.is_empty() && max > 1 {
         bail!(
             "--nnodes {nnodes} needs --peers (or --rdzv-endpoint, or SLURM's node list): at least one other \
@@ -461,15 +460,13 @@ pub fn prepare(a: &JobArgs, cmd: &[String], env: &EnvConfig) -> Result<Prepared>
     // through), nor on the command (nodes started with different commands must meet, so that
     // the preflight can refuse the launch and say which node differs). Jobs with different
     // tokens are kept apart by authentication.
-    let run_id = a.run_id.clone().unwrap_or_else(|| match std::env::var("SLURM_JOB_ID") {
-        Ok(job) if !job.is_empty() => format!("meshd-slurm-{:012x}", stable_hash(&[job.as_bytes()]) >> 16),
-        _ => "meshd-default".to_string(),
+    let run_id = a.run_id.clone().unwrap_or_else(|| match &env.slurm.job_id {
+        Some(job) => format!("meshd-slurm-{:012x}", stable_hash(&[job.as_bytes()]) >> 16),
+        None => "meshd-default".to_string(),
     });
     // NCCL only where it can be used: GPUs visible, NCCL asked for, or a library named.
     // Elsewhere nothing is searched or loaded (libnccl is large; its search is not free).
-    let wants_nccl = gpus > 0
-        || a.collective == CollectiveArg::Nccl
-        || std::env::var_os("MESHD_NCCL_LIB").is_some_and(|v| !v.is_empty());
+    let wants_nccl = gpus > 0 || a.collective == CollectiveArg::Nccl || env.nccl_lib;
     let (nccl_version, nccl_note) = if !wants_nccl {
         tracing::debug!("no GPU visible: NCCL not looked for (MESHD_NCCL_UNIQUE_ID will not be set)");
         (0, Some("no GPU visible on the master: NCCL not loaded".to_string()))
@@ -577,8 +574,8 @@ pub fn nccl_missing(e: &meshd_nccl::NcclError) -> (String, String) {
     )
 }
 
-/// GPUs visible on this host (/dev/nvidiaN; CUDA_VISIBLE_DEVICES narrows it).
-pub fn nproc_gpus() -> u32 {
+/// GPUs visible on this host (/dev/nvidiaN; `cuda_visible`, CUDA_VISIBLE_DEVICES, narrows it).
+pub fn nproc_gpus(cuda_visible: Option<&str>) -> u32 {
     let dev = std::fs::read_dir("/dev")
         .map(|d| {
             d.flatten()
@@ -591,8 +588,8 @@ pub fn nproc_gpus() -> u32 {
                 .count() as u32
         })
         .unwrap_or(0);
-    match std::env::var("CUDA_VISIBLE_DEVICES") {
-        Ok(v) if dev > 0 => {
+    match cuda_visible {
+        Some(v) if dev > 0 => {
             (v.split(',').filter(|s| !s.trim().is_empty() && s.trim() != "-1").count() as u32).min(dev)
         }
         _ => dev,
@@ -605,7 +602,7 @@ pub fn nproc_gpus() -> u32 {
 pub const RDZV_TIMEOUT_EXIT: u8 = 1;
 
 pub async fn main(a: Args, signals: Signals, env: &EnvConfig) -> Result<ExitCode> {
-    let cmd = command(&a, &python())?;
+    let cmd = command(&a, &python(env))?;
     tracing::debug!("command of every rank: {}", show_cmd(&cmd));
     let p = prepare(&a.job, &cmd, env)?;
     let mut sig = signals.clone();

@@ -28,7 +28,8 @@ impl Args {
 }
 
 pub async fn main(a: Args, env: &crate::env::EnvConfig) -> Result<ExitCode> {
-    let mut targets: Vec<(String, SocketAddr)> = common::peers_now(a.peers.as_deref(), a.net.port)?;
+    let mut targets: Vec<(String, SocketAddr)> =
+        common::peers_now(a.peers.as_deref(), a.net.port, env.slurm.nodelist.as_deref())?;
     if targets.is_empty() {
         targets.push(("this host".into(), SocketAddr::from(([127, 0, 0, 1], a.net.port))));
     }

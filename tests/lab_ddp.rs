@@ -8,7 +8,7 @@
 
 mod lab;
 mod torches;
-use lab::{Lab, meshd};
+use lab::Lab;
 use std::time::Duration;
 use torches::Torch;
 
@@ -27,9 +27,10 @@ fn firewalled_lab() -> Lab {
 fn ddp_matrix(t: &Torch, collective: &str, mode: &str) {
     let mut lab = firewalled_lab();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/python/ddp_matrix.py");
-    let peers = lab.peers();
-    let args = [meshd(), "run", "--nnodes", "3", "--peers", &peers, "--nproc-per-node", "2"];
-    let args = [&args[..], &["--collective", collective, "--", &t.python, script, "--mode", mode]].concat();
+    let args = lab
+        .meshd_run()
+        .flags(&["--nproc-per-node", "2", "--collective", collective])
+        .cmd(&[&t.python, script, "--mode", mode]);
     let mut env = vec![("MESHD_TOKEN", "ddp".to_string())];
     env.extend(t.env());
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();

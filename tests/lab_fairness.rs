@@ -17,7 +17,7 @@
 //! for a loaded machine; every run prints its figures and the plane's link counters.
 
 mod lab;
-use lab::{Lab, meshd};
+use lab::{Lab, meshd, serial};
 use serde_json::Value;
 use std::time::{Duration, Instant};
 
@@ -28,13 +28,6 @@ const RATE_MBIT: u32 = 40;
 const QUEUE_MS: u32 = 20;
 /// One allreduce: with two nodes each link carries the whole buffer once, 0.84 s alone.
 const SIZE: &str = "4194304";
-
-/// The two tests share this machine's CPU and must not share it with each other.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// `meshd bench allreduce` of [`SIZE`] on both hosts, `iters` times, the ring on the plane.
 fn bench_args(peers: &str, iters: u32) -> Vec<String> {

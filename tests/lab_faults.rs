@@ -6,7 +6,7 @@
 //! the figures are for reports, never asserted.
 
 mod lab;
-use lab::{Lab, meshd};
+use lab::Lab;
 use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -80,14 +80,8 @@ impl Drop for Marks {
 /// `meshd run` arguments: every host listed, `nnodes` expected, the rank script `script`
 /// (run by `sh -c` after the launch marker).
 fn run_args(lab: &Lab, nnodes: &str, extra: &[&str], script: &str) -> Vec<String> {
-    let mut a: Vec<String> = [meshd(), "run", "--nnodes", nnodes, "--peers", &lab.peers(), "--grace", "1s"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    a.extend(extra.iter().map(|s| s.to_string()));
-    a.extend(["--", "sh", "-c"].iter().map(|s| s.to_string()));
-    a.push(format!("{MARK}; {script}"));
-    a
+    let script = format!("{MARK}; {script}");
+    lab.meshd_run().nnodes(nnodes).flags(&["--grace", "1s"]).flags(extra).cmd(&["sh", "-c", &script])
 }
 
 fn spawn(lab: &mut Lab, i: usize, args: &[String], marks: &Marks) -> usize {
@@ -485,10 +479,10 @@ fn store_sets_are_everywhere_and_agree_under_packet_loss() {
         lab.loss(i, 5);
     }
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/python/store_check.py");
-    let peers = lab.peers();
-    let args = [meshd(), "run", "--nnodes", "3", "--peers", &peers, "--nproc-per-node", "2"];
-    let args: Vec<&str> =
-        args.into_iter().chain(["--rdzv-timeout", "90s", "--", "/usr/bin/python3", script]).collect();
+    let args = lab
+        .meshd_run()
+        .flags(&["--nproc-per-node", "2", "--rdzv-timeout", "90s"])
+        .cmd(&["/usr/bin/python3", script]);
     let res = lab.run_on_all(&args, &[TOKEN, ("STORE_CHECK_FILL", "0")], Duration::from_secs(180));
     for (i, (code, out, err)) in res.iter().enumerate() {
         assert_eq!(*code, Some(0), "host {i}:\n{out}\n{err}");

@@ -11,7 +11,7 @@ mod hostile;
 mod lab;
 
 use hostile::*;
-use lab::{Lab, meshd};
+use lab::{Lab, meshd, serial};
 use meshd::transport::auth::Token;
 use meshd::transport::{Transport, TransportConfig, TransportEvent};
 use meshd_proto::NodeId;
@@ -54,12 +54,6 @@ fn mark() -> usize {
     PEAK.store(live, Ordering::Relaxed);
     BIGGEST.store(0, Ordering::Relaxed);
     live
-}
-
-/// The hostile cases run one at a time (they measure memory and time).
-static SERIAL: Mutex<()> = Mutex::new(());
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 // ---- in-process log capture ---------------------------------------------------------------

@@ -64,8 +64,7 @@ fn run_behind_a_one_port_firewall_warns_once_on_every_node_and_tunnels() {
     lab_or_skip!();
     let mut lab = Lab::new(3);
     lab.firewall_only_udp(2, 29400);
-    let peers = lab.peers();
-    let args = [meshd(), "run", "--nnodes", "3", "--peers", &peers, "--rdzv-timeout", "30s", "--", "true"];
+    let args = lab.meshd_run().flags(&["--rdzv-timeout", "30s"]).cmd(&["true"]);
     for (i, (code, out, err)) in
         lab.run_on_all(&args, &[("MESHD_TOKEN", "fw")], Duration::from_secs(60)).into_iter().enumerate()
     {

@@ -17,10 +17,8 @@ fn firewalled_lab() -> Lab {
 }
 
 fn run3(lab: &mut Lab, t: &Torch, collective: &str, cmd: &[&str]) -> Vec<(Option<i32>, String, String)> {
-    let peers = lab.peers();
-    let mut args = vec![meshd(), "run", "--nnodes", "3", "--peers", &peers, "--nproc-per-node", "2"];
-    args.extend_from_slice(&["--collective", collective, "--", &t.python]);
-    args.extend_from_slice(cmd);
+    let cmd = [&[t.python.as_str()][..], cmd].concat();
+    let args = lab.meshd_run().flags(&["--nproc-per-node", "2", "--collective", collective]).cmd(&cmd);
     let mut env = vec![("MESHD_TOKEN", "quic".to_string())];
     env.extend(t.env());
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();

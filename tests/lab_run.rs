@@ -6,22 +6,6 @@ use lab::{Lab, meshd};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-/// Starts the same `meshd run` line on every host; returns (exit code, stdout, stderr) each.
-fn run_everywhere(
-    lab: &mut Lab,
-    extra: &[&str],
-    cmd: &[&str],
-    limit: Duration,
-) -> Vec<(Option<i32>, String, String)> {
-    let peers = lab.peers();
-    let n = lab.hosts.len().to_string();
-    let mut args = vec![meshd(), "run", "--nnodes", &n, "--peers", &peers, "--rdzv-timeout", "60s"];
-    args.extend_from_slice(extra);
-    args.push("--");
-    args.extend_from_slice(cmd);
-    lab.run_on_all(&args, &[("MESHD_TOKEN", "lab-secret")], limit)
-}
-
 fn env_lines(out: &str) -> Vec<BTreeMap<String, String>> {
     // Each rank prints one line: "[rank N] K=V K=V ..."
     out.lines()
@@ -45,8 +29,7 @@ fn three_hosts_two_procs_get_the_exact_environment() {
     );
     let logs = std::env::temp_dir().join(format!("meshd-logdir-{}", std::process::id()));
     let logs_s = logs.display().to_string();
-    let res = run_everywhere(
-        &mut lab,
+    let res = lab.run_everywhere(
         &["--nproc-per-node", "2", "--log-dir", &logs_s],
         &["sh", "-c", &script],
         Duration::from_secs(60),
@@ -114,8 +97,7 @@ fn one_failing_rank_stops_the_job_on_every_node() {
     // Rank 4 fails after a moment; every other rank would sleep for a minute.
     let script = "if [ \"$RANK\" = 4 ]; then sleep 1; exit 7; fi; sleep 60";
     let t = std::time::Instant::now();
-    let res = run_everywhere(
-        &mut lab,
+    let res = lab.run_everywhere(
         &["--nproc-per-node", "2", "--grace", "2s"],
         &["sh", "-c", script],
         Duration::from_secs(45),
@@ -231,8 +213,7 @@ fn max_restarts_restarts_every_rank_and_succeeds() {
     let mut lab = Lab::new(3);
     let script = "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ] && [ \"$RANK\" = 3 ]; then exit 3; fi; \
                   if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then sleep 30; fi; echo RESTARTED count=$TORCHELASTIC_RESTART_COUNT";
-    let res = run_everywhere(
-        &mut lab,
+    let res = lab.run_everywhere(
         &["--nproc-per-node", "2", "--max-restarts", "1", "--grace", "1s"],
         &["sh", "-c", script],
         Duration::from_secs(60),
@@ -458,7 +439,7 @@ fn a_rank_killed_by_a_signal_gives_128_plus_n_on_every_node() {
     lab_or_skip!();
     let mut lab = Lab::new(3);
     let script = "if [ \"$RANK\" = 2 ]; then echo last-words-5e2 >&2; sleep 1; kill -9 $$; fi; sleep 60";
-    let res = run_everywhere(&mut lab, &["--grace", "1s"], &["sh", "-c", script], Duration::from_secs(45));
+    let res = lab.run_everywhere(&["--grace", "1s"], &["sh", "-c", script], Duration::from_secs(45));
     for (i, (code, _, err)) in res.iter().enumerate() {
         assert_eq!(*code, Some(137), "host {i} must exit 128+9:\n{err}");
         assert!(err.contains("killed by signal 9 (SIGKILL)"), "host {i}:\n{err}");

@@ -8,8 +8,7 @@ use std::time::Duration;
 fn status_lists_every_member_with_role_state_and_rtt() {
     lab_or_skip!();
     let mut lab = Lab::new(3);
-    let peers = lab.peers();
-    let args = [meshd(), "run", "--nnodes", "3", "--peers", &peers, "--", "sleep", "6"];
+    let args = lab.meshd_run().cmd(&["sleep", "6"]);
     let ks: Vec<usize> = (0..3).map(|i| lab.spawn(i, &args, &[("MESHD_TOKEN", "st")])).collect();
     std::thread::sleep(Duration::from_secs(3));
     let q = lab.spawn(0, &[meshd(), "status", "--json"], &[("MESHD_TOKEN", "st")]);

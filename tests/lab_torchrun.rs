@@ -161,12 +161,10 @@ fn every_variable_torchrun_sets_for_a_rank_meshd_sets_with_the_same_meaning(t) {
     let torchrun_took = started.elapsed();
     let torchrun = set_by_launcher(&res, &parent_env(&tenv));
 
-    let peers = lab.peers();
     let mut menv = vec![("MESHD_TOKEN", "envdiff".to_string())];
     menv.extend(t.env());
     let menv: Vec<(&str, &str)> = menv.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let args = [meshd(), "run", "--nnodes", "3", "--peers", &peers, "--nproc-per-node", "2", "--run-id", run_id];
-    let args = [&args[..], &["--", &t.python, script]].concat();
+    let args = lab.meshd_run().flags(&["--nproc-per-node", "2", "--run-id", run_id]).cmd(&[&t.python, script]);
     let started = std::time::Instant::now();
     let res = lab.run_on_all(&args, &menv, Duration::from_secs(180));
     eprintln!("FIGURE torchrun job {torchrun_took:?}, meshd job {:?} ({})", started.elapsed(), t.label());

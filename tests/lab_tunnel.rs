@@ -373,12 +373,7 @@ fn tunnelled_connections_past_the_open_files_limit_are_refused_and_the_tunnel_li
 /// each host of `lab`.
 fn python_test_job(lab: &Lab, python: &str, script: &str) -> Vec<String> {
     let script = format!("{}/tests/python/{script}", env!("CARGO_MANIFEST_DIR"));
-    let n = lab.hosts.len().to_string();
-    [lab::meshd(), "run", "--nnodes", &n, "--peers", &lab.peers(), "--nproc-per-node", "1"]
-        .into_iter()
-        .chain(["--collective", "tunnel", "--", python, &script])
-        .map(String::from)
-        .collect()
+    lab.meshd_run().flags(&["--nproc-per-node", "1", "--collective", "tunnel"]).cmd(&[python, &script])
 }
 
 // Issue 29, item 8: plain sockets cannot tell the tunnel from TCP (tests/python/

@@ -59,16 +59,6 @@ fn cpu_seconds(pid: u32) -> f64 {
 
 /// Sends `sig` to meshd child `k` and waits for it: it must exit within 1.5 s with
 /// `code`; prints the time as a FIGURE line for `what`. Returns its stdout and stderr.
-fn stop_within_a_second(lab: &mut Lab, k: usize, sig: i32, code: i32, what: &str) -> (String, String) {
-    let t = Instant::now();
-    lab.signal(k, sig);
-    let (got, out, err) = lab.wait(k, Duration::from_secs(10));
-    println!("FIGURE {what}: exit after {:?}", t.elapsed());
-    assert!(t.elapsed() < Duration::from_millis(1500), "{what} took {:?}:\n{err}", t.elapsed());
-    assert_eq!(got, Some(code), "{err}");
-    (out, err)
-}
-
 /// Waiting nodes sleep: two of three nodes up, the third never comes; over 2 s each
 /// waiting meshd uses well under a tenth of a core (it spun at 65-94% of one before).
 /// Then SIGINT and SIGTERM each end the wait within a second, with 130 and 143.
@@ -89,9 +79,9 @@ fn waiting_nodes_sleep_and_end_on_sigint_and_sigterm_within_a_second() {
         println!("FIGURE waiting meshd: {used:.2} CPU-s over 2 s");
         assert!(used < 0.2, "a waiting meshd used {used:.2} CPU-s in 2 s");
     }
-    let (_, err) = stop_within_a_second(&mut lab, k0, libc::SIGINT, 130, "SIGINT while waiting for nodes");
+    let (_, err) = lab.stop_within_a_second(k0, libc::SIGINT, 130, "SIGINT while waiting for nodes");
     assert!(err.contains("interrupted (SIGINT) while waiting for nodes"), "{err}");
-    stop_within_a_second(&mut lab, k1, libc::SIGTERM, 143, "SIGTERM while waiting for nodes");
+    lab.stop_within_a_second(k1, libc::SIGTERM, 143, "SIGTERM while waiting for nodes");
 }
 
 /// A restart round that waits for a node that is gone still ends on SIGINT at once.
@@ -139,7 +129,7 @@ fn sigint_ends_a_restart_round_wait() {
     // Host 0 stops round 1 (its peer died) and waits in round 2 for a node that is gone.
     std::thread::sleep(Duration::from_secs(4));
     assert!(!lab.exited(k0), "host 0 should be waiting for round 2");
-    let (_, err) = stop_within_a_second(&mut lab, k0, libc::SIGINT, 130, "SIGINT in a restart round's wait");
+    let (_, err) = lab.stop_within_a_second(k0, libc::SIGINT, 130, "SIGINT in a restart round's wait");
     assert!(err.contains("restart round"), "{err}");
 }
 
@@ -208,7 +198,7 @@ fn sigint_ends_the_preflight_wait() {
     let k1 = lab.spawn(1, &args, &[TOKEN]);
     // Roster in well under a second; the preflight's TCP probes then wait 2 s.
     std::thread::sleep(Duration::from_millis(1000));
-    let (out, err) = stop_within_a_second(&mut lab, k0, libc::SIGINT, 130, "SIGINT during the preflight");
+    let (out, err) = lab.stop_within_a_second(k0, libc::SIGINT, 130, "SIGINT during the preflight");
     assert!(err.contains("during the preflight"), "the signal came in another phase:\n{err}");
     assert!(!out.contains("LAUNCHED"), "{out}");
     let (code1, out1, err1) = lab.wait(k1, Duration::from_secs(15));

@@ -1,6 +1,7 @@
 //! Collectives across several meshd nodes on loopback (no root needed): world sizes from 1
 //! to 5 nodes, 1 or 2 processes each, odd lengths, every dtype the client supports.
 
+mod lab;
 mod torches;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -112,30 +113,11 @@ fn in_place_requests_that_cannot_be_served_are_refused_with_the_cause() {
 #[test]
 fn rust_library_allreduce_broadcast_barrier() {
     use meshd::collective::{CollectiveBuffer, RingNet};
-    use meshd::mesh::MeshConfig;
     use meshd::proto::reduce::{DType, ReduceOp};
-    use meshd::transport::auth::Token;
     use std::num::NonZeroUsize;
 
     async fn node(port: u16) -> (usize, Vec<u8>, Vec<u8>, Vec<u8>) {
-        let peers = (29711..=29713)
-            .map(|p| (format!("127.0.0.1:{p}"), std::net::SocketAddr::from(([127, 0, 0, 1], p))))
-            .collect();
-        let mut node = meshd::Node::spawn(meshd::NodeConfig::new(MeshConfig {
-            plane: Some(true),
-            ..MeshConfig::new(
-                meshd::random_node_id(),
-                port,
-                Some(Token::new("library-test")),
-                "library-test",
-                peers,
-                3,
-            )
-        }))
-        .await
-        .expect("node");
-        let roster = node.roster().await.expect("roster");
-        let rank = roster.node_rank(node.id()).expect("in the roster");
+        let (node, rank) = lab::library::node(&[29711, 29712, 29713], port, "library-test").await;
         let mut ring: RingNet = node.ring().expect("ring");
         // This test covers the QUIC streams path (tests/loopback_plane.rs the data plane).
         ring.use_plane = false;
@@ -495,28 +477,8 @@ fn wait_bounded(mut c: std::process::Child, limit: Duration) -> std::process::Ou
 /// winner of the shared key.
 #[test]
 fn rust_library_store_sets_arrive_everywhere_and_converge() {
-    use meshd::mesh::MeshConfig;
-    use meshd::transport::auth::Token;
-
     async fn node(port: u16) -> (usize, Vec<Vec<u8>>, Vec<u8>) {
-        let peers = (29721..=29723)
-            .map(|p| (format!("127.0.0.1:{p}"), std::net::SocketAddr::from(([127, 0, 0, 1], p))))
-            .collect();
-        let mut node = meshd::Node::spawn(meshd::NodeConfig::new(MeshConfig {
-            plane: Some(true),
-            ..MeshConfig::new(
-                meshd::random_node_id(),
-                port,
-                Some(Token::new("library-store-test")),
-                "library-store-test",
-                peers,
-                3,
-            )
-        }))
-        .await
-        .expect("node");
-        let roster = node.roster().await.expect("roster");
-        let rank = roster.node_rank(node.id()).expect("in the roster");
+        let (node, rank) = lab::library::node(&[29721, 29722, 29723], port, "library-store-test").await;
         node.store_set(format!("rank{rank}"), vec![rank as u8; 3]).await.expect("own key");
         node.store_set("same", format!("from {rank}").into_bytes()).await.expect("shared key");
         node.store_set(format!("done{rank}"), vec![1]).await.expect("done key");

@@ -4,6 +4,7 @@
 //! stranger changing nothing.
 
 mod hostile;
+mod lab;
 
 use meshd::collective::{CollectiveBuffer, RingNet};
 use meshd::mesh::MeshConfig;
@@ -43,24 +44,12 @@ fn junk(stop: Arc<std::sync::atomic::AtomicBool>) -> std::thread::JoinHandle<u64
 }
 
 async fn node(port: u16) -> Result<(), String> {
-    let peers = PORTS
-        .iter()
-        .map(|&p| (format!("127.0.0.1:{p}"), std::net::SocketAddr::from(([127, 0, 0, 1], p))))
-        .collect();
     // Three plane lanes on two nodes, one on the third: a sender uses the lanes both
     // ends run (3 between the first two, 1 to and from the third).
     let lanes = if port == PORTS[2] { 1 } else { 3 };
     let mut node = meshd::Node::spawn(meshd::NodeConfig::new(MeshConfig {
-        plane: Some(true),
         plane_lanes: std::num::NonZeroUsize::new(lanes),
-        ..MeshConfig::new(
-            meshd::random_node_id(),
-            port,
-            Some(Token::new("plane-test")),
-            "plane-test",
-            peers,
-            3,
-        )
+        ..lab::library::mesh(&PORTS, port, "plane-test")
     }))
     .await
     .map_err(|e| e.to_string())?;

@@ -11,6 +11,8 @@
 //! with a clear message unless `MESHD_LAB_SKIP=1` says to skip on purpose.
 #![allow(dead_code)]
 
+pub mod library;
+
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
@@ -177,9 +179,10 @@ impl Lab {
     }
 
     /// Starts `args` in host `i`'s namespace; killed at teardown if still running.
-    pub fn spawn(&mut self, i: usize, args: &[&str], envs: &[(&str, &str)]) -> usize {
+    pub fn spawn<S: AsRef<str>>(&mut self, i: usize, args: &[S], envs: &[(&str, &str)]) -> usize {
+        let args: Vec<&str> = args.iter().map(AsRef::as_ref).collect();
         let mut c = Command::new("ip");
-        c.args(["netns", "exec", &self.hosts[i].ns]).args(args);
+        c.args(["netns", "exec", &self.hosts[i].ns]).args(&args);
         // A multi-node mesh needs a token (or --insecure), as users run it: meshd gets the
         // lab's unless the test gives its own.
         if args.first() == Some(&meshd()) && !envs.iter().any(|(k, _)| *k == "MESHD_TOKEN") {
@@ -230,9 +233,9 @@ impl Lab {
 
     /// Starts the same `args` on every host at once (the identical command) and waits for
     /// each, bounded by `limit`: (exit code, stdout, stderr) per host, in host order.
-    pub fn run_on_all(
+    pub fn run_on_all<S: AsRef<str>>(
         &mut self,
-        args: &[&str],
+        args: &[S],
         envs: &[(&str, &str)],
         limit: Duration,
     ) -> Vec<(Option<i32>, String, String)> {
@@ -241,8 +244,44 @@ impl Lab {
         ks.into_iter().map(|k| self.wait(k, deadline.saturating_duration_since(Instant::now()))).collect()
     }
 
+    /// Starts the same `meshd run` line on every host (`--nnodes` all of them, `--peers`
+    /// every host, `--rdzv-timeout 60s`, then `extra`, `--` and `cmd`) with the token
+    /// `lab-secret`; returns (exit code, stdout, stderr) each, in host order.
+    pub fn run_everywhere(
+        &mut self,
+        extra: &[&str],
+        cmd: &[&str],
+        limit: Duration,
+    ) -> Vec<(Option<i32>, String, String)> {
+        let args = self.meshd_run().flags(&["--rdzv-timeout", "60s"]).flags(extra).cmd(cmd);
+        self.run_on_all(&args, &[("MESHD_TOKEN", "lab-secret")], limit)
+    }
+
+    /// `meshd run` for this lab: `--nnodes` every host and `--peers` every host's eth1,
+    /// unless the builder says otherwise.
+    pub fn meshd_run(&self) -> MeshdRun {
+        MeshdRun { nnodes: self.hosts.len().to_string(), peers: Some(self.peers()), flags: Vec::new() }
+    }
+
+    /// Sends `sig` to child `k` (a `meshd run`) and waits for it: it must exit with `code`
+    /// within 1.5 s. Returns its stdout and stderr.
+    pub fn stop_within_a_second(&mut self, k: usize, sig: i32, code: i32, what: &str) -> (String, String) {
+        let t = Instant::now();
+        self.signal(k, sig);
+        let (got, out, err) = self.wait(k, Duration::from_secs(10));
+        println!("FIGURE {what}: exit after {:?}", t.elapsed());
+        assert!(t.elapsed() < Duration::from_millis(1500), "{what} took {:?}:\n{err}", t.elapsed());
+        assert_eq!(got, Some(code), "{err}");
+        (out, err)
+    }
+
     /// Runs `args` in host `i` to completion (bounded by `limit`).
-    pub fn run(&mut self, i: usize, args: &[&str], limit: Duration) -> (Option<i32>, String, String) {
+    pub fn run<S: AsRef<str>>(
+        &mut self,
+        i: usize,
+        args: &[S],
+        limit: Duration,
+    ) -> (Option<i32>, String, String) {
         let k = self.spawn(i, args, &[]);
         self.wait(k, limit)
     }
@@ -426,6 +465,53 @@ impl Drop for Lab {
         }
         let _ = sh(&["ip", "netns", "del", &self.hub]);
     }
+}
+
+/// A `meshd run` command line ([`Lab::meshd_run`]): `--nnodes`, `--peers`, more flags, then
+/// `--` and the command every rank runs.
+#[derive(Clone, Debug)]
+pub struct MeshdRun {
+    nnodes: String,
+    peers: Option<String>,
+    flags: Vec<String>,
+}
+
+impl MeshdRun {
+    /// Another `--nnodes` (`N` or `MIN:MAX`).
+    pub fn nnodes(mut self, n: &str) -> Self {
+        self.nnodes = n.to_string();
+        self
+    }
+
+    /// Other `--peers`.
+    pub fn peers(mut self, peers: &str) -> Self {
+        self.peers = Some(peers.to_string());
+        self
+    }
+
+    /// More flags, in order.
+    pub fn flags(mut self, flags: &[&str]) -> Self {
+        self.flags.extend(flags.iter().map(|f| f.to_string()));
+        self
+    }
+
+    /// The whole line: meshd, `run`, the flags, `--`, then `cmd`.
+    pub fn cmd(&self, cmd: &[&str]) -> Vec<String> {
+        let mut v: Vec<String> = vec![meshd().into(), "run".into(), "--nnodes".into(), self.nnodes.clone()];
+        if let Some(p) = &self.peers {
+            v.extend(["--peers".to_string(), p.clone()]);
+        }
+        v.extend(self.flags.iter().cloned());
+        v.push("--".into());
+        v.extend(cmd.iter().map(|c| c.to_string()));
+        v
+    }
+}
+
+/// Tests of one binary that measure time or memory take this lock to run one at a time.
+pub fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// For the lab benchmarks: whether to run now (`cargo bench` passes `--bench`; `cargo test

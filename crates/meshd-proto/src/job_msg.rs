@@ -162,6 +162,73 @@ pub struct RankFailure {
     pub message: String,
     /// The traceback from the error file, else the rank's last stderr lines (bounded).
     pub traceback: String,
-    /// Where `traceback` came from: "error file", "stderr", "stall".
-    pub source: String,
+    /// Where `traceback` came from.
+    pub source: FailureSource,
+}
+
+/// Where a [`RankFailure`]'s traceback came from. On the wire it is its word
+/// ([`FailureSource::as_str`], a string as it always was): the encoding is unchanged.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FailureSource {
+    /// Not known (an empty word on the wire).
+    #[default]
+    Unknown,
+    /// The rank's error file (`TORCHELASTIC_ERROR_FILE`, `@record`).
+    ErrorFile,
+    /// The rank's last stderr lines.
+    Stderr,
+    /// The stacks of stalled ranks (`--stall-timeout`).
+    Stall,
+}
+
+impl FailureSource {
+    /// Its word: "error file", "stderr", "stall" ("" when not known).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailureSource::Unknown => "",
+            FailureSource::ErrorFile => "error file",
+            FailureSource::Stderr => "stderr",
+            FailureSource::Stall => "stall",
+        }
+    }
+
+    /// The source a word names (an unknown word: [`FailureSource::Unknown`]).
+    pub fn from_word(w: &str) -> FailureSource {
+        [FailureSource::ErrorFile, FailureSource::Stderr, FailureSource::Stall]
+            .into_iter()
+            .find(|s| s.as_str() == w)
+            .unwrap_or_default()
+    }
+}
+
+impl Serialize for FailureSource {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> Deserialize<'de> for FailureSource {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let w = String::deserialize(d)?;
+        Ok(FailureSource::from_word(&w))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::FailureSource;
+
+    /// The typed source travels as the word it always was: the same bytes as a string.
+    #[test]
+    fn a_failure_source_is_its_word_on_the_wire() {
+        for s in
+            [FailureSource::Unknown, FailureSource::ErrorFile, FailureSource::Stderr, FailureSource::Stall]
+        {
+            let bytes = crate::wire::encode(&s);
+            assert_eq!(bytes, crate::wire::encode(&s.as_str().to_string()));
+            assert_eq!(crate::wire::decode::<FailureSource>(&bytes).ok(), Some(s));
+        }
+        let other = crate::wire::encode(&"a word of a later version".to_string());
+        assert_eq!(crate::wire::decode::<FailureSource>(&other).ok(), Some(FailureSource::Unknown));
+    }
 }

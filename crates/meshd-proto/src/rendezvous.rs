@@ -23,7 +23,7 @@ use std::collections::{BTreeSet, VecDeque};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-pub use crate::job_msg::{Message, RankFailure};
+pub use crate::job_msg::{FailureSource, Message, RankFailure};
 pub use crate::roster::{Roster, RosterMember};
 
 /// A candidate for the roster, as the membership layer sees it.
@@ -97,7 +97,8 @@ pub struct Rendezvous {
     run_hash: u64,
     restart: u32,
     config: RdzvConfig,
-    master_port: u16,
+    /// `None` until the IO says which: this node proposes nothing before.
+    master_port: Option<u16>,
     candidates: Vec<Candidate>,
     last_change: Instant,
     epoch: u64,
@@ -115,13 +116,15 @@ pub struct Rendezvous {
 }
 
 impl Rendezvous {
-    /// A new round. `master_port` is the free TCP port this node offers should it be master.
+    /// A new round. `master_port` is the free TCP port this node offers should it be master;
+    /// with `None` it proposes nothing until [`Rendezvous::set_master_port`] (it acknowledges
+    /// others' proposals all the same).
     pub fn new(
         me: NodeId,
         run_hash: u64,
         restart: u32,
         config: RdzvConfig,
-        master_port: u16,
+        master_port: impl Into<Option<u16>>,
         now: Instant,
     ) -> Self {
         Rendezvous {
@@ -129,7 +132,7 @@ impl Rendezvous {
             run_hash,
             restart,
             config,
-            master_port,
+            master_port: master_port.into(),
             candidates: Vec::new(),
             last_change: now,
             epoch: 0,
@@ -218,10 +221,12 @@ impl Rendezvous {
         };
     }
 
-    /// Changes the MASTER_PORT this node offers in its next proposal (the IO found the
-    /// configured one taken, or picked a fresh one for this round).
-    pub fn set_master_port(&mut self, port: u16) {
-        self.master_port = port;
+    /// Sets the MASTER_PORT this node offers in its next proposal (the IO picked a free one
+    /// for this round); a proposal that waited for it goes out now.
+    pub fn set_master_port(&mut self, port: u16, now: Instant) {
+        self.master_port = Some(port);
+        self.step(now);
+        self.rearm(now);
     }
 
     /// The next message to send.
@@ -287,12 +292,13 @@ impl Rendezvous {
                 if members.first().map(|m| m.id) != Some(self.me) {
                     return;
                 }
+                let Some(master_port) = self.master_port else { return };
                 self.epoch += 1;
                 let roster = Roster {
                     run_hash: self.run_hash,
                     restart: self.restart,
                     epoch: self.epoch,
-                    master_port: self.master_port,
+                    master_port,
                     members,
                 };
                 if roster.checked_world_size().is_none() {

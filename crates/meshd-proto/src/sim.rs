@@ -17,6 +17,7 @@
 //! restarted meshd process would be: the old id is expected to be declared dead and the new
 //! one to join through node 0, the seed of every node.
 
+mod net;
 pub mod node;
 
 use crate::id::NodeId;
@@ -24,10 +25,10 @@ use crate::membership::{Delivery, MemberEvent, MemberStatus, Membership, Members
 use crate::meta::{IfaceAddr, NodeMeta};
 use crate::rng::Rng;
 use crate::wire;
-use std::cmp::{Ordering, Reverse};
-use std::collections::{BTreeMap, BinaryHeap, HashMap};
+use net::{Driven, Net};
+use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// The simulated network and cluster.
 #[derive(Clone, Debug)]
@@ -97,30 +98,6 @@ enum EventKind {
 }
 
 #[derive(Debug)]
-struct Event {
-    at: Duration,
-    seq: u64,
-    kind: EventKind,
-}
-
-impl PartialEq for Event {
-    fn eq(&self, other: &Self) -> bool {
-        (self.at, self.seq) == (other.at, other.seq)
-    }
-}
-impl Eq for Event {}
-impl PartialOrd for Event {
-    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
-        Some(self.cmp(other))
-    }
-}
-impl Ord for Event {
-    fn cmp(&self, other: &Self) -> Ordering {
-        (self.at, self.seq).cmp(&(other.at, other.seq))
-    }
-}
-
-#[derive(Debug)]
 struct SimNode {
     addr: SocketAddr,
     id: NodeId,
@@ -135,16 +112,11 @@ struct SimNode {
 pub struct Sim {
     config: SimConfig,
     rng: Rng,
-    base: Instant,
-    now: Duration,
+    net: Net<EventKind>,
     nodes: Vec<SimNode>,
     by_addr: HashMap<SocketAddr, usize>,
     /// Current id of every running node.
     by_id: BTreeMap<NodeId, usize>,
-    queue: BinaryHeap<Reverse<Event>>,
-    seq: u64,
-    /// Partition group of every node (all equal when healed).
-    group: Vec<usize>,
     verdicts: Vec<Verdict>,
     events: u64,
 }
@@ -165,16 +137,12 @@ impl Sim {
             .collect();
         let by_addr = nodes.iter().enumerate().map(|(i, n)| (n.addr, i)).collect();
         Sim {
-            group: vec![0; config.nodes],
+            net: Net::new(config.nodes, config.latency, config.loss),
             config,
             rng,
-            base: Instant::now(),
-            now: Duration::ZERO,
             nodes,
             by_addr,
             by_id: BTreeMap::new(),
-            queue: BinaryHeap::new(),
-            seq: 0,
             verdicts: Vec::new(),
             events: 0,
         }
@@ -187,7 +155,7 @@ impl Sim {
 
     /// Simulated time since the start.
     pub fn now(&self) -> Duration {
-        self.now
+        self.net.now()
     }
 
     /// Number of nodes (running or not).
@@ -273,35 +241,24 @@ impl Sim {
     /// Splits the network: nodes in different groups cannot reach each other. Nodes in no
     /// group form one more group together.
     pub fn partition(&mut self, groups: &[Vec<usize>]) {
-        self.group = partition_groups(self.nodes.len(), groups);
+        self.net.partition(groups);
     }
 
     /// Removes any partition.
     pub fn heal(&mut self) {
-        self.group = vec![0; self.nodes.len()];
+        self.net.heal();
     }
 
     /// Runs for `d` of simulated time.
     pub fn run_for(&mut self, d: Duration) {
-        let end = self.now + d;
+        let end = self.net.now() + d;
         self.run_to(end);
     }
 
     /// Runs until `pred` holds (checked every `check_interval`) or `limit` of simulated time
     /// has passed; returns the time it took, or `None` on timeout.
-    pub fn run_until(&mut self, limit: Duration, mut pred: impl FnMut(&Sim) -> bool) -> Option<Duration> {
-        let start = self.now;
-        let end = start + limit;
-        loop {
-            if pred(self) {
-                return Some(self.now - start);
-            }
-            if self.now >= end {
-                return None;
-            }
-            let step = (self.now + self.config.check_interval).min(end);
-            self.run_to(step);
-        }
+    pub fn run_until(&mut self, limit: Duration, pred: impl FnMut(&Sim) -> bool) -> Option<Duration> {
+        net::run_until(self, limit, pred)
     }
 
     /// Whether every running node sees every running node (itself included) Alive.
@@ -327,15 +284,11 @@ impl Sim {
         NodeId::from_u128(((self.rng.next_u64() as u128) << 64) | self.rng.next_u64() as u128)
     }
 
-    fn at(&self, d: Duration) -> Instant {
-        self.base + d
-    }
-
     fn boot(&mut self, i: usize) {
         if self.nodes[i].core.is_some() {
             return;
         }
-        let now = self.at(self.now);
+        let now = self.net.at(self.net.now());
         let addr = self.nodes[i].addr;
         let id = self.nodes[i].id;
         let core_seed = self.rng.next_u64();
@@ -347,35 +300,23 @@ impl Sim {
         self.after(i);
     }
 
-    fn push(&mut self, at: Duration, kind: EventKind) {
-        self.seq += 1;
-        self.queue.push(Reverse(Event { at, seq: self.seq, kind }));
-    }
-
     fn run_to(&mut self, end: Duration) {
-        while let Some(Reverse(ev)) = self.queue.peek() {
-            if ev.at > end {
-                break;
-            }
-            let Some(Reverse(ev)) = self.queue.pop() else {
-                break;
-            };
-            self.now = self.now.max(ev.at);
+        while let Some((at, kind)) = self.net.next_by(end) {
             self.events += 1;
-            match ev.kind {
+            let now = self.net.at(self.net.now());
+            match kind {
                 EventKind::Wake { node } => {
-                    if self.nodes[node].wake != Some(ev.at) {
+                    if self.nodes[node].wake != Some(at) {
                         continue; // superseded
                     }
                     self.nodes[node].wake = None;
-                    let now = self.at(self.now);
                     if let Some(c) = self.nodes[node].core.as_mut() {
                         c.handle_timeout(now);
                         self.after(node);
                     }
                 }
                 EventKind::Deliver { to, from, from_addr, bytes } => {
-                    if self.group[to] != self.group[from] || self.nodes[to].core.is_none() {
+                    if !self.net.reachable(to, from) || self.nodes[to].core.is_none() {
                         continue;
                     }
                     let msg: Message = match wire::decode(&bytes) {
@@ -386,7 +327,6 @@ impl Sim {
                         ),
                     };
                     self.nodes[to].stats.bytes_received += bytes.len() as u64;
-                    let now = self.at(self.now);
                     if let Some(c) = self.nodes[to].core.as_mut() {
                         c.handle_message(from_addr, msg, now);
                         self.after(to);
@@ -394,7 +334,7 @@ impl Sim {
                 }
             }
         }
-        self.now = self.now.max(end);
+        self.net.reach(end);
     }
 
     /// Drains node `i`'s transmits and events and reschedules its timer.
@@ -422,61 +362,59 @@ impl Sim {
             }
             let depart = match self.config.bandwidth {
                 Some(bw) if bw > 0 => {
-                    let start = node.egress_free.max(self.now);
+                    let start = node.egress_free.max(self.net.now());
                     let free = start + Duration::from_secs_f64(len as f64 / bw as f64);
                     node.egress_free = free;
                     free
                 }
-                _ => self.now,
+                _ => self.net.now(),
             };
             let Some(&to) = self.by_addr.get(&t.to) else {
                 continue;
             };
-            if t.delivery == Delivery::Datagram && self.rng.unit() < self.config.loss {
+            if t.delivery == Delivery::Datagram && self.net.lost(&mut self.rng) {
                 continue;
             }
-            if self.group[to] != self.group[i] {
+            if !self.net.reachable(to, i) {
                 continue;
             }
-            let (lo, hi) = self.config.latency;
-            let span = hi.saturating_sub(lo);
-            let latency = lo + span.mul_f64(self.rng.unit());
+            let latency = self.net.latency(&mut self.rng);
             let from_addr = self.nodes[i].addr;
-            self.push(depart + latency, EventKind::Deliver { to, from: i, from_addr, bytes });
+            self.net.push(depart + latency, EventKind::Deliver { to, from: i, from_addr, bytes });
         }
         while let Some(ev) = core.poll_event() {
             if let MemberEvent::Down(subject) = ev {
                 self.verdicts.push(Verdict {
-                    at: self.now,
+                    at: self.net.now(),
                     observer: i,
                     subject,
                     subject_running: self.by_id.contains_key(&subject),
                 });
             }
         }
-        let wake = core.poll_timeout().map(|t| t.saturating_duration_since(self.base).max(self.now));
+        let wake = core.poll_timeout().map(|t| self.net.since_start(t));
         self.nodes[i].core = Some(core);
         if wake != self.nodes[i].wake {
             self.nodes[i].wake = wake;
             if let Some(at) = wake {
-                self.push(at, EventKind::Wake { node: i });
+                self.net.push(at, EventKind::Wake { node: i });
             }
         }
     }
 }
 
-/// Each of `n` nodes' group for a partition into `groups` (nodes in none form one more
-/// group); shared by the membership and the whole-node simulators.
-pub(crate) fn partition_groups(n: usize, groups: &[Vec<usize>]) -> Vec<usize> {
-    let mut group = vec![groups.len() + 1; n];
-    for (g, members) in groups.iter().enumerate() {
-        for &i in members {
-            if let Some(slot) = group.get_mut(i) {
-                *slot = g;
-            }
-        }
+impl Driven for Sim {
+    fn sim_now(&self) -> Duration {
+        self.net.now()
     }
-    group
+
+    fn check_interval(&self) -> Duration {
+        self.config.check_interval
+    }
+
+    fn run_to(&mut self, end: Duration) {
+        Sim::run_to(self, end)
+    }
 }
 
 /// The fake address of node `i`: 10.x.y.z:29400.
@@ -507,119 +445,4 @@ fn node_meta(i: usize, addr: SocketAddr) -> NodeMeta {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn sim(nodes: usize, seed: u64, loss: f64) -> Sim {
-        Sim::new(SimConfig { nodes, seed, loss, ..SimConfig::default() })
-    }
-
-    /// Starts all nodes and waits until everyone sees everyone alive.
-    fn converge(s: &mut Sim, limit: Duration) -> Duration {
-        s.start_all();
-        let t = s.run_until(limit, Sim::converged);
-        match t {
-            Some(t) => t,
-            None => panic!("sim seed {}: {} nodes did not converge within {limit:?}", s.seed(), s.len()),
-        }
-    }
-
-    #[test]
-    fn eight_nodes_converge() {
-        let mut s = sim(8, 11, 0.0);
-        let t = converge(&mut s, Duration::from_secs(5));
-        assert!(t <= Duration::from_secs(1), "sim seed {}: {t:?}", s.seed());
-        assert_eq!(s.false_verdicts(), 0, "sim seed {}", s.seed());
-    }
-
-    #[test]
-    fn sixty_four_nodes_converge() {
-        let mut s = sim(64, 12, 0.0);
-        let t = converge(&mut s, Duration::from_secs(10));
-        assert!(t <= Duration::from_secs(2), "sim seed {}: {t:?}", s.seed());
-    }
-
-    #[test]
-    fn crashed_node_is_declared_dead_by_all() {
-        let mut s = sim(32, 13, 0.0);
-        converge(&mut s, Duration::from_secs(10));
-        let victim = s.id(5);
-        s.crash(5);
-        let t = s.run_until(Duration::from_secs(20), |s| s.all_see_gone(victim));
-        assert!(t.is_some(), "sim seed {}: crash not detected", s.seed());
-        let downs = s.verdicts().iter().filter(|v| v.subject == victim).count();
-        assert_eq!(downs, 31, "sim seed {}: every other node says Down once", s.seed());
-        assert_eq!(s.false_verdicts(), 0, "sim seed {}", s.seed());
-    }
-
-    #[test]
-    fn no_false_verdicts_under_ten_percent_loss() {
-        let mut s = sim(64, 14, 0.10);
-        converge(&mut s, Duration::from_secs(20));
-        s.run_for(Duration::from_secs(30));
-        assert_eq!(s.false_verdicts(), 0, "sim seed {}: {:?}", s.seed(), s.verdicts());
-        assert!(s.converged(), "sim seed {}", s.seed());
-    }
-
-    #[test]
-    fn partition_heals() {
-        let mut s = sim(16, 15, 0.0);
-        converge(&mut s, Duration::from_secs(10));
-        let a: Vec<usize> = (0..8).collect();
-        let b: Vec<usize> = (8..16).collect();
-        s.partition(&[a, b]);
-        let (x, y) = (s.id(1), s.id(9));
-        let split = s.run_until(Duration::from_secs(30), |s| {
-            s.core(1).and_then(|c| c.status(y)) == Some(MemberStatus::Dead)
-                && s.core(9).and_then(|c| c.status(x)) == Some(MemberStatus::Dead)
-        });
-        assert!(split.is_some(), "sim seed {}: sides never split", s.seed());
-        s.heal();
-        let t = s.run_until(Duration::from_secs(60), Sim::converged);
-        assert!(t.is_some(), "sim seed {}: partition never healed", s.seed());
-    }
-
-    #[test]
-    fn restarted_node_rejoins() {
-        let mut s = sim(16, 16, 0.0);
-        converge(&mut s, Duration::from_secs(10));
-        let old = s.id(3);
-        s.restart(3);
-        let t = s.run_until(Duration::from_secs(30), |s| s.converged() && s.all_see_gone(old));
-        assert!(t.is_some(), "sim seed {}: restarted node did not rejoin", s.seed());
-        assert_eq!(s.false_verdicts(), 0, "sim seed {}", s.seed());
-    }
-
-    #[test]
-    fn restarted_seed_rejoins() {
-        let mut s = sim(8, 17, 0.0);
-        converge(&mut s, Duration::from_secs(10));
-        s.restart(0);
-        let t = s.run_until(Duration::from_secs(30), Sim::converged);
-        assert!(t.is_some(), "sim seed {}: restarted seed did not rejoin", s.seed());
-    }
-
-    #[test]
-    fn same_seed_same_run() {
-        let run = |seed| {
-            let mut s = sim(8, seed, 0.1);
-            s.start_all();
-            s.run_for(Duration::from_secs(3));
-            (s.stats(), s.events_processed())
-        };
-        assert_eq!(run(5), run(5));
-        assert_ne!(run(5), run(6));
-    }
-
-    #[test]
-    #[ignore = "slow in debug builds; run with --release -- --ignored"]
-    fn thousand_nodes_converge_and_detect() {
-        let mut s = sim(1000, 18, 0.0);
-        converge(&mut s, Duration::from_secs(20));
-        let victim = s.id(500);
-        s.crash(500);
-        let t = s.run_until(Duration::from_secs(30), |s| s.all_see_gone(victim));
-        assert!(t.is_some(), "sim seed {}: crash not detected", s.seed());
-        assert_eq!(s.false_verdicts(), 0, "sim seed {}", s.seed());
-    }
-}
+mod tests;

@@ -144,14 +144,12 @@ pub async fn run(
         lighthouse: None,
         ft_launches: 0,
     };
-    let master_port = io.round_began(mesh.addr().ip());
     let core_cfg = crate::node::core_config(
         &mesh,
         &cfg.rdzv,
         cfg.rdzv_timeout,
         cfg.max_restarts,
         &cfg.preflight,
-        master_port,
         cfg.fault_tolerance,
     );
     let node = core::Node::new(core_cfg, Instant::now());

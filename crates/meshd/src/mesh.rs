@@ -107,14 +107,6 @@ pub enum MeshError {
     /// The task resolving peer names ended without an answer (it panicked).
     #[error("interface: the resolver task failed")]
     Resolver,
-    /// The preflight's TCP listener could not be opened on the chosen address.
-    #[error("preflight listener on {ip}: {error}")]
-    PreflightListener {
-        /// The chosen interface's address.
-        ip: IpAddr,
-        /// Why (part of the message, not a source: the CLI prints one line).
-        error: std::io::Error,
-    },
     /// The transport's data streams were already taken by another user of this mesh.
     #[error("the mesh transport's data streams were already taken")]
     DataStreamsTaken,
@@ -135,8 +127,8 @@ pub enum MeshError {
     Aborted(String),
     /// The peer list gives this node nothing to start from (no other node, no address of
     /// its own that others could reach).
-    #[error("{0}")]
-    Peers(String),
+    #[error(transparent)]
+    Peers(seed::NoSeed),
     /// The local torchft Lighthouse API could not listen (`--fault-tolerance node`).
     #[error("torchft Lighthouse API on 127.0.0.1: {0}")]
     Lighthouse(std::io::Error),

@@ -35,10 +35,40 @@ impl Drop for Helper {
     }
 }
 
+/// Why the NCCL root process gave no id. Io errors are part of the message, not a source
+/// (the id's note prints one line).
+#[derive(Debug, thiserror::Error)]
+pub enum NcclRootError {
+    /// meshd's own executable is not to be found.
+    #[error("cannot find the meshd executable: {0}")]
+    Exe(std::io::Error),
+    /// The child could not be started.
+    #[error("cannot start the NCCL root process: {0}")]
+    Spawn(std::io::Error),
+    /// The child has no stdout to read.
+    #[error("no stdout from the NCCL root process")]
+    NoStdout,
+    /// The child said nothing in time.
+    #[error("the NCCL root process gave no id within {0:?}")]
+    Timeout(Duration),
+    /// Its stdout could not be read.
+    #[error("{0}")]
+    Read(std::io::Error),
+    /// It ended without a line.
+    #[error("the NCCL root process exited without an id")]
+    Exited,
+    /// Its id does not parse.
+    #[error("{0}")]
+    BadId(String),
+    /// NCCL's own error, as the child reported it.
+    #[error("{0}")]
+    Nccl(String),
+}
+
 impl NcclRoot {
     /// Starts `meshd __nccl-root` bound to `iface` and waits (bounded) for its id.
-    pub async fn spawn(iface: &str, timeout: Duration) -> Result<NcclRoot, String> {
-        let exe = std::env::current_exe().map_err(|e| format!("cannot find the meshd executable: {e}"))?;
+    pub async fn spawn(iface: &str, timeout: Duration) -> Result<NcclRoot, NcclRootError> {
+        let exe = std::env::current_exe().map_err(NcclRootError::Exe)?;
         let mut cmd = tokio::process::Command::new(exe);
         // The token is meshd's alone: no child process sees it.
         cmd.env_remove("MESHD_TOKEN");
@@ -51,23 +81,23 @@ impl NcclRoot {
         if std::env::var_os("NCCL_SOCKET_IFNAME").is_none() {
             cmd.env("NCCL_SOCKET_IFNAME", format!("={iface}"));
         }
-        let mut child = cmd.spawn().map_err(|e| format!("cannot start the NCCL root process: {e}"))?;
+        let mut child = cmd.spawn().map_err(NcclRootError::Spawn)?;
         let pid = child.id().map(|p| p as i32).unwrap_or(0);
         // meshd's own: not an orphan of a rank (crate::supervisor::orphans).
         crate::supervisor::orphans::register_helper(pid);
         let guard = Helper(pid);
-        let stdout = child.stdout.take().ok_or("no stdout from the NCCL root process")?;
+        let stdout = child.stdout.take().ok_or(NcclRootError::NoStdout)?;
         let mut lines = BufReader::new(stdout).lines();
         let line = tokio::time::timeout(timeout, lines.next_line())
             .await
-            .map_err(|_| format!("the NCCL root process gave no id within {timeout:?}"))?
-            .map_err(|e| e.to_string())?
-            .ok_or("the NCCL root process exited without an id")?;
+            .map_err(|_| NcclRootError::Timeout(timeout))?
+            .map_err(NcclRootError::Read)?
+            .ok_or(NcclRootError::Exited)?;
         if let Some(hex) = line.strip_prefix("NCCLID ") {
-            let id = UniqueId::from_hex(hex.trim()).map_err(|e| e.to_string())?;
+            let id = UniqueId::from_hex(hex.trim()).map_err(|e| NcclRootError::BadId(e.to_string()))?;
             Ok(NcclRoot { id: id.0.to_vec(), _child: child, _helper: guard })
         } else {
-            Err(line.strip_prefix("NCCLERR ").unwrap_or(&line).to_string())
+            Err(NcclRootError::Nccl(line.strip_prefix("NCCLERR ").unwrap_or(&line).to_string()))
         }
     }
 }

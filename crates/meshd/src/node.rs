@@ -81,7 +81,6 @@ pub(crate) fn core_config(
     rdzv_timeout: Duration,
     max_restarts: u32,
     facts: &PreflightInput,
-    master_port: u16,
     fault_tolerance: core::FaultTolerance,
 ) -> core::NodeConfig {
     let iface = mesh.choice().name.clone();
@@ -95,7 +94,6 @@ pub(crate) fn core_config(
         rdzv_timeout,
         preflight_timeout: PREFLIGHT_TIMEOUT,
         max_restarts,
-        master_port,
         report: LocalFacts {
             cmd: facts.cmd.clone(),
             cmd_hash: facts.cmd_hash,
@@ -139,14 +137,12 @@ impl Node {
         let mesh = Mesh::start(cfg.mesh.clone()).await?;
         let transport = mesh.transport().clone();
         let incoming = transport.take_data_streams().ok_or(MeshError::DataStreamsTaken)?;
-        let master_port = crate::preflight::master_port(mesh.addr().ip(), None);
         let core_cfg = core_config(
             &mesh,
             &cfg.rdzv,
             cfg.rdzv_timeout,
             cfg.max_restarts,
             &cfg.preflight,
-            master_port,
             core::FaultTolerance::Job,
         );
         let core = core::Node::new(core_cfg, Instant::now());

@@ -69,6 +69,17 @@ impl Drop for Listeners {
     }
 }
 
+/// The preflight's listener could not be bound on the chosen address. The io error is part
+/// of the message, not a source (the report prints one line).
+#[derive(Debug, thiserror::Error)]
+#[error("preflight listener on {ip}: {error}")]
+pub struct ListenerError {
+    /// The chosen interface's address.
+    pub ip: IpAddr,
+    /// Why.
+    pub error: std::io::Error,
+}
+
 /// Binds node `me`'s preflight listener on `ip` (and MASTER_PORT when `master_port` is given, on
 /// the master). Returns its port, the listeners, and this node's own failures (MASTER_PORT
 /// taken); `Err` when not even the ephemeral listener can be bound.
@@ -76,8 +87,8 @@ pub async fn bind(
     me: NodeId,
     ip: IpAddr,
     master_port: Option<u16>,
-) -> Result<(u16, Listeners, Vec<TcpProbe>), String> {
-    let io = |e: std::io::Error| format!("preflight listener on {ip}: {e}");
+) -> Result<(u16, Listeners, Vec<TcpProbe>), ListenerError> {
+    let io = |error: std::io::Error| ListenerError { ip, error };
     let listener = TcpListener::bind(SocketAddr::new(ip, 0)).await.map_err(io)?;
     let port = listener.local_addr().map_err(io)?.port();
     let mut tasks = Listeners(vec![tokio::spawn(accept_forever(listener))]);
@@ -115,7 +126,7 @@ pub async fn dial_all(
     nccl_id: Option<Vec<u8>>,
     master: Option<NodeId>,
     limit: Duration,
-) -> (Vec<TcpProbe>, String) {
+) -> (Vec<TcpProbe>, Option<String>) {
     let mut set = tokio::task::JoinSet::new();
     for (i, t) in targets.into_iter().enumerate() {
         set.spawn(async move { (i, dial(t.to, t.addr, t.what, limit).await) });
@@ -145,5 +156,5 @@ pub async fn dial_all(
         }
     }
     done.sort_by_key(|(i, _)| *i);
-    (done.into_iter().map(|(_, p)| p).collect(), root.map(|r| r.to_string()).unwrap_or_default())
+    (done.into_iter().map(|(_, p)| p).collect(), root.map(|r| r.to_string()))
 }

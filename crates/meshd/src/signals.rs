@@ -76,9 +76,14 @@ pub fn signal_name(n: i32) -> &'static str {
     NAMED.iter().find(|(_, v)| *v == n).map_or("signal", |(k, _)| k)
 }
 
+/// A `--signals-to-handle` entry that names no signal meshd handles.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("--signals-to-handle: {0:?} is not one of SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2")]
+pub struct UnknownSignal(pub String);
+
 /// Parses `--signals-to-handle` (`SIGTERM,SIGINT,SIGHUP,SIGQUIT`; `TERM` and numbers too).
 /// SIGINT and SIGTERM always stop meshd (its contract: 130, 143), listed or not.
-pub fn parse_stops(s: &str) -> Result<Vec<i32>, String> {
+pub fn parse_stops(s: &str) -> Result<Vec<i32>, UnknownSignal> {
     let mut v = vec![libc::SIGINT, libc::SIGTERM];
     for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         let up = part.to_ascii_uppercase();
@@ -88,9 +93,7 @@ pub fn parse_stops(s: &str) -> Result<Vec<i32>, String> {
             .find(|(k, _)| *k == name)
             .map(|(_, n)| *n)
             .or_else(|| part.parse::<i32>().ok().filter(|n| NAMED.iter().any(|(_, v)| v == n)))
-            .ok_or_else(|| {
-                format!("--signals-to-handle: {part:?} is not one of SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2")
-            })?;
+            .ok_or_else(|| UnknownSignal(part.to_string()))?;
         if !v.contains(&n) {
             v.push(n);
         }

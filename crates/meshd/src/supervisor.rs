@@ -40,15 +40,34 @@ pub struct StdStreams {
     pub per_rank: Vec<(u32, u8)>,
 }
 
+/// Why a `--redirects` / `--tee` value does not parse.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum StdStreamsError {
+    /// A value that is not 0 to 3.
+    #[error("{0:?}: expected 0 (none), 1 (stdout), 2 (stderr) or 3 (both)")]
+    Streams(String),
+    /// A per-rank entry without its colon.
+    #[error("{0:?}: expected LOCAL_RANK:0..3")]
+    NoRank(String),
+    /// A per-rank entry whose rank is no number.
+    #[error("{part:?}: {rank:?} is not a local rank")]
+    NotARank {
+        /// The entry.
+        part: String,
+        /// Its rank.
+        rank: String,
+    },
+}
+
 impl StdStreams {
     /// Parses `0`..`3` or `LOCAL:0..3,...`.
-    pub fn parse(s: &str) -> Result<StdStreams, String> {
+    pub fn parse(s: &str) -> Result<StdStreams, StdStreamsError> {
         let bits = |v: &str| match v.trim() {
             "0" => Ok(0u8),
             "1" => Ok(1),
             "2" => Ok(2),
             "3" => Ok(3),
-            other => Err(format!("{other:?}: expected 0 (none), 1 (stdout), 2 (stderr) or 3 (both)")),
+            other => Err(StdStreamsError::Streams(other.to_string())),
         };
         let s = s.trim();
         if !s.contains(':') {
@@ -56,8 +75,11 @@ impl StdStreams {
         }
         let mut per_rank = Vec::new();
         for part in s.split(',').filter(|p| !p.trim().is_empty()) {
-            let (r, v) = part.split_once(':').ok_or_else(|| format!("{part:?}: expected LOCAL_RANK:0..3"))?;
-            let r = r.trim().parse::<u32>().map_err(|_| format!("{part:?}: {r:?} is not a local rank"))?;
+            let (r, v) = part.split_once(':').ok_or_else(|| StdStreamsError::NoRank(part.to_string()))?;
+            let r = r
+                .trim()
+                .parse::<u32>()
+                .map_err(|_| StdStreamsError::NotARank { part: part.to_string(), rank: r.to_string() })?;
             per_rank.push((r, bits(v)?));
         }
         Ok(StdStreams { all: 0, per_rank })

@@ -29,9 +29,6 @@ pub struct NodeConfig {
     pub preflight_timeout: Duration,
     /// Restarts allowed after a failure.
     pub max_restarts: u32,
-    /// MASTER_PORT offered should this node be master (the IO may change it per round with
-    /// [`Input::MasterPort`](super::Input::MasterPort)).
-    pub master_port: u16,
     /// What this node contributes to the preflight besides its TCP findings.
     pub report: LocalFacts,
     /// Seed of the core's own random choices (membership probe order): runs replay.

@@ -79,27 +79,42 @@ pub enum Input {
     HeardFrom(NodeId),
     /// More addresses to join through (names that resolved late).
     Seeds(Vec<SocketAddr>),
-    /// MASTER_PORT to offer from now on.
-    MasterPort(u16),
+    /// Answer to [`Event::RoundBegan`]: the MASTER_PORT this node offers in that round.
+    MasterPort {
+        /// The round that asked (an answer of an earlier round is dropped).
+        round: u32,
+        /// A free TCP port on the chosen interface.
+        port: u16,
+    },
     /// Answer to [`Event::StartPreflight`]: the preflight listener is bound.
     PreflightReady {
+        /// The round that asked (the roster's `restart`): an answer of an earlier round is
+        /// dropped.
+        round: u32,
         /// Its TCP port on the chosen interface.
         tcp_port: u16,
         /// The NCCL unique id (master only; `None` when it could not make one).
         nccl_id: Option<Vec<u8>>,
         /// Why there is no id, when the master has none.
-        nccl_note: String,
+        nccl_note: Option<String>,
         /// This node's own failures (MASTER_PORT cannot be bound on the master).
         problems: Vec<TcpProbe>,
     },
     /// Answer to [`Event::StartPreflight`]: the listener could not be bound.
-    PreflightFailed(String),
+    PreflightFailed {
+        /// The round that asked (an answer of an earlier round is dropped).
+        round: u32,
+        /// Why, in words.
+        why: String,
+    },
     /// Answer to [`Event::Dial`].
     Dialed {
+        /// The round that asked (an answer of an earlier round is dropped).
+        round: u32,
         /// One result per target (and the NCCL root probe, if any).
         probes: Vec<TcpProbe>,
-        /// The NCCL id's root address as decoded here ("" without an id).
-        nccl_root: String,
+        /// The NCCL id's root address as decoded here (`None` without an id).
+        nccl_root: Option<String>,
     },
     /// A store request of the IO (a rank's `store_set` / `store_get`, the library's) for
     /// restart round `round`: answered by [`Event::StoreReply`] with the same `req`.
@@ -184,7 +199,9 @@ pub enum Event {
     /// Waiting for nodes: the progress report (the IO adds what only it knows: listed
     /// peers that never answered, authentication refusals).
     Waiting(WaitReport),
-    /// A restart round began (`restart` > 0): a fresh MASTER_PORT may be offered.
+    /// A round began (round 0 at the start, then every restart round): answer
+    /// [`Input::MasterPort`] with the MASTER_PORT to offer should this node be master. The
+    /// round proposes no roster before.
     RoundBegan {
         /// The round.
         restart: u32,
@@ -192,7 +209,8 @@ pub enum Event {
     /// The roster of this round is agreed.
     RosterAgreed(Roster),
     /// Bind the preflight listener (and MASTER_PORT and the NCCL id on the master); answer
-    /// [`Input::PreflightReady`] or [`Input::PreflightFailed`].
+    /// [`Input::PreflightReady`] or [`Input::PreflightFailed`] with the roster's round
+    /// (`roster.restart`).
     StartPreflight {
         /// The roster.
         roster: Roster,
@@ -200,8 +218,10 @@ pub enum Event {
         master: bool,
     },
     /// Dial these TCP targets (and the NCCL id's root, if an id is given); answer
-    /// [`Input::Dialed`].
+    /// [`Input::Dialed`] with the same `round`.
     Dial {
+        /// The round that asks.
+        round: u32,
         /// Where to connect.
         targets: Vec<DialTarget>,
         /// The round's NCCL id (probe its root too).
@@ -505,16 +525,28 @@ impl Node {
                 let seeds: Vec<SocketAddr> = seeds.into_iter().filter(|s| *s != self.cfg.addr).collect();
                 self.membership.add_seeds(&seeds, now);
             }
-            Input::MasterPort(p) => {
-                self.cfg.master_port = p;
+            Input::MasterPort { round, port } if round == self.restart => {
                 if let Phase::Rdzv(r) = &mut self.phase {
-                    r.rdzv.set_master_port(p);
+                    r.rdzv.set_master_port(port, now);
                 }
+                self.drain_rdzv(now);
             }
             Input::Leave => self.membership.leave(now),
             Input::Store { round, req, call } => self.store_call(round, req, call, now),
             i @ (Input::LhQuorum { .. } | Input::LhHeartbeat { .. } | Input::LhCancel { .. }) => {
                 self.lh_input(i, now)
+            }
+            // An IO answer of an earlier round (its request was overtaken by a restart).
+            Input::MasterPort { round, .. }
+            | Input::PreflightReady { round, .. }
+            | Input::PreflightFailed { round, .. }
+            | Input::Dialed { round, .. }
+                if round != self.restart =>
+            {
+                self.log(
+                    Level::Debug,
+                    format!("an IO answer of round {round} dropped in round {}", self.restart),
+                )
             }
             Input::Finish => {
                 self.local_finish = true;

@@ -35,7 +35,7 @@ pub(super) struct Preflight {
     ports: BTreeMap<NodeId, u16>,
     reports: BTreeMap<NodeId, NodeReport>,
     nccl_id: Option<Vec<u8>>,
-    nccl_note: String,
+    nccl_note: Option<String>,
     problems: Vec<TcpProbe>,
 }
 
@@ -58,7 +58,7 @@ impl Node {
             ports: BTreeMap::new(),
             reports: BTreeMap::new(),
             nccl_id: None,
-            nccl_note: String::new(),
+            nccl_note: None,
             problems: Vec::new(),
         }));
     }
@@ -104,7 +104,9 @@ impl Node {
     pub(super) fn preflight_io(&mut self, input: Input, now: Instant) {
         let Phase::Preflight(p) = &mut self.phase else { return };
         match input {
-            Input::PreflightReady { tcp_port, nccl_id, nccl_note, problems } if p.stage == Stage::Binding => {
+            Input::PreflightReady { tcp_port, nccl_id, nccl_note, problems, .. }
+                if p.stage == Stage::Binding =>
+            {
                 if p.master {
                     p.nccl_id = nccl_id.filter(|b| b.len() == 128);
                     p.nccl_note = nccl_note;
@@ -120,7 +122,7 @@ impl Node {
                 self.broadcast(&roster, &hello);
                 self.preflight_progress(now);
             }
-            Input::PreflightFailed(why) => {
+            Input::PreflightFailed { why, .. } => {
                 let roster = p.roster.clone();
                 self.start_abort(&roster, None, why.clone(), None, now);
                 self.close(Closing::after_abort(
@@ -129,7 +131,7 @@ impl Node {
                     &self.cfg.timing,
                 ));
             }
-            Input::Dialed { probes, nccl_root } if p.stage == Stage::Dialing => {
+            Input::Dialed { probes, nccl_root, .. } if p.stage == Stage::Dialing => {
                 let mut tcp = probes;
                 tcp.append(&mut p.problems);
                 let f = &self.cfg.report;
@@ -143,8 +145,9 @@ impl Node {
                     nccl_version: f.nccl_version,
                     mtu: f.mtu,
                     iface: f.iface.clone(),
-                    nccl_root: if p.master { nccl_root } else { String::new() },
-                    nccl_note: if p.master { p.nccl_note.clone() } else { String::new() },
+                    // The report's words: empty when there is nothing to say.
+                    nccl_root: nccl_root.filter(|_| p.master).unwrap_or_default(),
+                    nccl_note: p.nccl_note.clone().filter(|_| p.master).unwrap_or_default(),
                 };
                 p.reports.insert(self.cfg.id, mine.clone());
                 p.stage = Stage::Reports;
@@ -202,7 +205,7 @@ impl Node {
             p.stage = Stage::Dialing;
             let targets = dial_plan(&p.roster, self.cfg.id, &p.ports, self.cfg.timing.dial_all_up_to);
             let nccl_id = p.nccl_id.clone();
-            self.events.push_back(Event::Dial { targets, nccl_id });
+            self.events.push_back(Event::Dial { round: self.restart, targets, nccl_id });
             return;
         }
         if p.stage == Stage::Reports && (p.reports.len() >= p.roster.members.len() || late) {

@@ -60,14 +60,8 @@ impl Node {
         self.restart = restart;
         self.master = None;
         self.set_state(NodeState::Waiting, now);
-        let mut rdzv = Rendezvous::new(
-            self.cfg.id,
-            self.meta.run_hash,
-            restart,
-            self.cfg.rdzv.clone(),
-            self.cfg.master_port,
-            now,
-        );
+        let mut rdzv =
+            Rendezvous::new(self.cfg.id, self.meta.run_hash, restart, self.cfg.rdzv.clone(), None, now);
         let early: Vec<(NodeId, Message)> = std::mem::take(&mut self.early);
         for (from, m) in early {
             match &m {
@@ -87,9 +81,8 @@ impl Node {
             dirty: true,
             ft_join_next: None,
         }));
-        if restart > 0 {
-            self.events.push_back(Event::RoundBegan { restart });
-        }
+        // The IO answers with the round's MASTER_PORT; nothing is proposed before.
+        self.events.push_back(Event::RoundBegan { restart });
         self.drain_rdzv(now);
     }
 
@@ -253,7 +246,7 @@ impl Node {
         self.drain_rdzv(now);
     }
 
-    fn drain_rdzv(&mut self, now: Instant) {
+    pub(super) fn drain_rdzv(&mut self, now: Instant) {
         let Phase::Rdzv(r) = &mut self.phase else { return };
         let mut out = Vec::new();
         while let Some(t) = r.rdzv.poll_transmit() {

@@ -17,7 +17,6 @@ fn config(max_restarts: u32) -> NodeConfig {
         rdzv_timeout: Duration::from_secs(30),
         preflight_timeout: Duration::from_secs(20),
         max_restarts,
-        master_port: 29500,
         report: LocalFacts { nproc: 2, iface: "lo".into(), ..LocalFacts::default() },
         seed: 1,
         timing: Timing::default(),
@@ -27,10 +26,20 @@ fn config(max_restarts: u32) -> NodeConfig {
     }
 }
 
+/// The node's events but membership and log lines; a round's MASTER_PORT is answered on
+/// the way (as the actor does).
 fn events(n: &mut Node) -> Vec<Event> {
-    std::iter::from_fn(|| n.poll_event())
-        .filter(|e| !matches!(e, Event::Member(_) | Event::Log(..)))
-        .collect()
+    let mut out = Vec::new();
+    while let Some(e) = n.poll_event() {
+        match e {
+            Event::Member(_) | Event::Log(..) => {}
+            Event::RoundBegan { restart } => {
+                n.handle(Input::MasterPort { round: restart, port: 29500 }, Instant::now())
+            }
+            e => out.push(e),
+        }
+    }
+    out
 }
 
 /// Runs a single node up to its launch; returns it and the time.
@@ -44,16 +53,17 @@ fn launched(max_restarts: u32) -> (Node, Instant) {
     );
     n.handle(
         Input::PreflightReady {
+            round: 0,
             tcp_port: 4000,
             nccl_id: None,
-            nccl_note: "no nccl".into(),
+            nccl_note: Some("no nccl".into()),
             problems: vec![],
         },
         now,
     );
     let ev = events(&mut n);
     assert!(matches!(&ev[..], [Event::Dial { targets, .. }] if targets.is_empty()), "{ev:?}");
-    n.handle(Input::Dialed { probes: vec![], nccl_root: String::new() }, now);
+    n.handle(Input::Dialed { round: 0, probes: vec![], nccl_root: None }, now);
     let ev = events(&mut n);
     assert!(matches!(&ev[..], [Event::Preflight(_), Event::Launch { verdict, .. }] if verdict.ok), "{ev:?}");
     n.handle(Input::RanksSpawned, now);
@@ -91,10 +101,10 @@ fn a_failed_rank_restarts_the_round_then_fails_with_its_status() {
     assert!(ev.iter().any(|e| matches!(e, Event::StartPreflight { .. })), "round 1 forms again: {ev:?}");
     assert_eq!(n.restart(), 1);
     n.handle(
-        Input::PreflightReady { tcp_port: 4001, nccl_id: None, nccl_note: String::new(), problems: vec![] },
+        Input::PreflightReady { round: 1, tcp_port: 4001, nccl_id: None, nccl_note: None, problems: vec![] },
         now,
     );
-    n.handle(Input::Dialed { probes: vec![], nccl_root: String::new() }, now);
+    n.handle(Input::Dialed { round: 1, probes: vec![], nccl_root: None }, now);
     n.handle(Input::RanksSpawned, now);
     let _ = events(&mut n);
     n.handle(
@@ -202,12 +212,62 @@ fn a_finish_before_the_launch_ends_the_round_when_it_runs() {
     n.handle(Input::Finish, now);
     let _ = events(&mut n);
     n.handle(
-        Input::PreflightReady { tcp_port: 4000, nccl_id: None, nccl_note: String::new(), problems: vec![] },
+        Input::PreflightReady { round: 0, tcp_port: 4000, nccl_id: None, nccl_note: None, problems: vec![] },
         now,
     );
-    n.handle(Input::Dialed { probes: vec![], nccl_root: String::new() }, now);
+    n.handle(Input::Dialed { round: 0, probes: vec![], nccl_root: None }, now);
     assert!(events(&mut n).iter().any(|e| matches!(e, Event::Launch { .. })));
     n.handle(Input::RanksSpawned, now);
     let ev = events(&mut n);
     assert!(matches!(&ev[..], [Event::Finished(o)] if o.code == 0), "{ev:?}");
+}
+
+/// Issue 31: an IO answer carries the round that asked, and the core (not the driver) drops
+/// one of an earlier round: a late bind failure or dial result of round 0 changes nothing
+/// in round 1.
+#[test]
+fn an_io_answer_of_an_earlier_round_is_dropped() {
+    let (mut n, now) = launched(1);
+    n.handle(Input::RankFailed { rank: Some(0), reason: "rank 0 exited 3".into(), cause: None }, now);
+    n.handle(Input::RanksStopped, now);
+    let ev = events(&mut n);
+    assert!(
+        ev.iter().any(|e| matches!(e, Event::StartPreflight { roster, .. } if roster.restart == 1)),
+        "{ev:?}"
+    );
+    // Round 0's answers, late: dropped.
+    n.handle(Input::PreflightFailed { round: 0, why: "preflight listener: gone".into() }, now);
+    n.handle(Input::Dialed { round: 0, probes: vec![], nccl_root: None }, now);
+    assert_eq!(events(&mut n), vec![], "a stale answer is no input of round 1");
+    // Round 1's own answers run it.
+    n.handle(
+        Input::PreflightReady { round: 1, tcp_port: 4001, nccl_id: None, nccl_note: None, problems: vec![] },
+        now,
+    );
+    assert!(matches!(&events(&mut n)[..], [Event::Dial { round: 1, .. }]));
+    n.handle(Input::Dialed { round: 1, probes: vec![], nccl_root: None }, now);
+    let ev = events(&mut n);
+    assert!(matches!(&ev[..], [Event::Preflight(_), Event::Launch { verdict, .. }] if verdict.ok), "{ev:?}");
+}
+
+/// Issue 31: one MASTER_PORT path. Every round, round 0 included, asks the IO for its port
+/// (`RoundBegan`) and proposes no roster before the answer; the roster carries that port.
+#[test]
+fn every_round_asks_for_its_master_port_and_proposes_nothing_before() {
+    let now = Instant::now();
+    let mut n = Node::new(config(0), now);
+    let ev: Vec<Event> = std::iter::from_fn(|| n.poll_event())
+        .filter(|e| !matches!(e, Event::Member(_) | Event::Log(..)))
+        .collect();
+    assert_eq!(ev, vec![Event::RoundBegan { restart: 0 }]);
+    n.handle_timeout(now + std::time::Duration::from_millis(500));
+    assert!(n.poll_transmit().is_none() && n.roster().is_none(), "no roster without a port");
+    // An answer for another round changes nothing.
+    n.handle(Input::MasterPort { round: 3, port: 1 }, now);
+    assert!(n.roster().is_none());
+    n.handle(Input::MasterPort { round: 0, port: 29555 }, now);
+    match &events(&mut n)[..] {
+        [Event::RosterAgreed(r), Event::StartPreflight { .. }] => assert_eq!(r.master_port, 29555),
+        other => panic!("{other:?}"),
+    }
 }

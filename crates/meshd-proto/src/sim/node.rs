@@ -11,6 +11,7 @@
 //! Each launched round's job-wide store is the node core's own ([`NodeSim::store_set`],
 //! [`NodeSim::store_get`]).
 
+use super::net::{self, Driven, Net};
 use super::node_addr;
 use crate::id::NodeId;
 use crate::membership::{Delivery, MembershipConfig};
@@ -20,8 +21,7 @@ use crate::preflight::TcpProbe;
 use crate::rendezvous::{RankFailure, RdzvConfig, Roster};
 use crate::rng::Rng;
 use crate::wire::{self, Frame};
-use std::cmp::Reverse;
-use std::collections::{BTreeSet, BinaryHeap, HashMap};
+use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -138,29 +138,6 @@ enum Kind {
     Io { node: usize, life: u64, ranks: u64, input: Input },
 }
 
-#[derive(Debug)]
-struct Ev {
-    at: Duration,
-    seq: u64,
-    kind: Kind,
-}
-impl PartialEq for Ev {
-    fn eq(&self, o: &Self) -> bool {
-        (self.at, self.seq) == (o.at, o.seq)
-    }
-}
-impl Eq for Ev {}
-impl PartialOrd for Ev {
-    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(o))
-    }
-}
-impl Ord for Ev {
-    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
-        (self.at, self.seq).cmp(&(o.at, o.seq))
-    }
-}
-
 struct SimNode {
     addr: SocketAddr,
     id: NodeId,
@@ -186,13 +163,9 @@ struct SimNode {
 pub struct NodeSim {
     cfg: NodeSimConfig,
     rng: Rng,
-    base: Instant,
-    now: Duration,
+    net: Net<Kind>,
     nodes: Vec<SimNode>,
     by_addr: HashMap<SocketAddr, usize>,
-    queue: BinaryHeap<Reverse<Ev>>,
-    seq: u64,
-    group: Vec<usize>,
     blocked_tcp: BTreeSet<(usize, usize)>,
     ranks: HashMap<(usize, u32), Ranks>,
     meta: HashMap<usize, NodeMeta>,
@@ -235,15 +208,11 @@ impl NodeSim {
             .collect();
         let by_addr = nodes.iter().enumerate().map(|(i, n)| (n.addr, i)).collect();
         NodeSim {
-            group: vec![0; cfg.nodes],
+            net: Net::new(cfg.nodes, cfg.latency, cfg.loss),
             cfg,
             rng,
-            base: Instant::now(),
-            now: Duration::ZERO,
             nodes,
             by_addr,
-            queue: BinaryHeap::new(),
-            seq: 0,
             blocked_tcp: BTreeSet::new(),
             ranks: HashMap::new(),
             meta: HashMap::new(),
@@ -264,7 +233,7 @@ impl NodeSim {
 
     /// Simulated time since the start.
     pub fn now(&self) -> Duration {
-        self.now
+        self.net.now()
     }
 
     /// Number of nodes.
@@ -344,7 +313,7 @@ impl NodeSim {
     /// does; returns the request's id (its answer comes in [`NodeSim::store_replies`]), or
     /// `None` when node `i` is not running.
     pub fn store_set(&mut self, i: usize, key: &str, value: &[u8]) -> Option<u64> {
-        let now = self.at(self.now);
+        let now = self.instant();
         let req = self.nodes[i].next_store_req;
         let core = self.nodes[i].core.as_mut()?;
         let call = crate::node::StoreCall::Set { key: key.to_string(), value: value.to_vec() };
@@ -394,7 +363,7 @@ impl NodeSim {
         if self.nodes[i].core.is_some() {
             return;
         }
-        let now = self.at(self.now);
+        let now = self.instant();
         let addr = self.nodes[i].addr;
         let meta = self.meta.get(&i).cloned().unwrap_or_else(|| self.default_meta(i));
         let cfg = NodeConfig {
@@ -419,7 +388,6 @@ impl NodeSim {
             rdzv_timeout: self.cfg.rdzv_timeout,
             preflight_timeout: Duration::from_secs(20),
             max_restarts: self.cfg.max_restarts,
-            master_port: 29500,
             seed: self.rng.next_u64(),
             timing: self.cfg.timing.clone(),
             store: crate::store::StoreConfig::default(),
@@ -428,7 +396,7 @@ impl NodeSim {
         };
         let n = &mut self.nodes[i];
         n.life += 1;
-        n.started = Some(self.now);
+        n.started = Some(self.net.now());
         n.ranks_running = false;
         n.ranks_ended = None;
         n.core = Some(Node::new(cfg, now));
@@ -454,11 +422,11 @@ impl NodeSim {
 
     /// Gives node `i` an input now (a rank failure, a signal, a user abort).
     pub fn input(&mut self, i: usize, input: Input) {
-        let now = self.at(self.now);
+        let now = self.instant();
         let n = &mut self.nodes[i];
         if n.core.is_some() && matches!(input, Input::RankFailed { .. } | Input::RanksExited) {
             n.ranks_running = false;
-            n.ranks_ended = Some(self.now);
+            n.ranks_ended = Some(self.net.now());
             n.ranks_gen += 1;
         }
         if let Some(c) = n.core.as_mut() {
@@ -471,42 +439,31 @@ impl NodeSim {
     /// earlier job, a hostile peer).
     pub fn send_raw(&mut self, from_addr: SocketAddr, id: NodeId, to: usize, frame: &Frame) {
         let bytes = wire::encode(frame);
-        let at = self.now + self.cfg.latency.0;
+        let at = self.net.now() + self.cfg.latency.0;
         let life = self.nodes[to].life;
-        self.push(at, Kind::Deliver { to, life, from: usize::MAX, from_addr, id, bytes });
+        self.net.push(at, Kind::Deliver { to, life, from: usize::MAX, from_addr, id, bytes });
     }
 
     /// Splits the network into groups (nodes in none form one more group).
     pub fn partition(&mut self, groups: &[Vec<usize>]) {
-        self.group = super::partition_groups(self.nodes.len(), groups);
+        self.net.partition(groups);
     }
 
     /// Removes any partition.
     pub fn heal(&mut self) {
-        self.group = vec![0; self.nodes.len()];
+        self.net.heal();
     }
 
     /// Runs for `d` of simulated time.
     pub fn run_for(&mut self, d: Duration) {
-        let end = self.now + d;
+        let end = self.net.now() + d;
         self.run_to(end);
     }
 
     /// Runs until `pred` holds (checked every `check_interval`) or `limit` passed; returns
     /// the time it took.
-    pub fn run_until(&mut self, limit: Duration, mut pred: impl FnMut(&NodeSim) -> bool) -> Option<Duration> {
-        let start = self.now;
-        let end = start + limit;
-        loop {
-            if pred(self) {
-                return Some(self.now - start);
-            }
-            if self.now >= end {
-                return None;
-            }
-            let step = (self.now + self.cfg.check_interval).min(end);
-            self.run_to(step);
-        }
+    pub fn run_until(&mut self, limit: Duration, pred: impl FnMut(&NodeSim) -> bool) -> Option<Duration> {
+        net::run_until(self, limit, pred)
     }
 
     /// Whether every node that was started has ended.
@@ -520,32 +477,23 @@ impl NodeSim {
         super::node_meta(i, self.nodes[i].addr)
     }
 
-    fn at(&self, d: Duration) -> Instant {
-        self.base + d
-    }
-
-    fn push(&mut self, at: Duration, kind: Kind) {
-        self.seq += 1;
-        self.queue.push(Reverse(Ev { at, seq: self.seq, kind }));
+    /// The clock as the cores read it.
+    fn instant(&self) -> Instant {
+        self.net.at(self.net.now())
     }
 
     fn io(&mut self, i: usize, after: Duration, input: Input) {
         let (life, ranks) = (self.nodes[i].life, self.nodes[i].ranks_gen);
-        self.push(self.now + after, Kind::Io { node: i, life, ranks, input });
+        self.net.push(self.net.now() + after, Kind::Io { node: i, life, ranks, input });
     }
 
     fn run_to(&mut self, end: Duration) {
-        while let Some(Reverse(ev)) = self.queue.peek() {
-            if ev.at > end {
-                break;
-            }
-            let Some(Reverse(ev)) = self.queue.pop() else { break };
-            self.now = self.now.max(ev.at);
-            let now = self.at(self.now);
-            match ev.kind {
+        while let Some((at, kind)) = self.net.next_by(end) {
+            let now = self.instant();
+            match kind {
                 Kind::Wake { node, life } => {
                     let n = &mut self.nodes[node];
-                    if n.life != life || n.wake != Some(ev.at) {
+                    if n.life != life || n.wake != Some(at) {
                         continue;
                     }
                     n.wake = None;
@@ -557,7 +505,7 @@ impl NodeSim {
                     }
                 }
                 Kind::Deliver { to, life, from, from_addr, id, bytes } => {
-                    let partitioned = from != usize::MAX && self.group[to] != self.group[from];
+                    let partitioned = from != usize::MAX && !self.net.reachable(to, from);
                     if partitioned || self.nodes[to].life != life || self.nodes[to].core.is_none() {
                         continue;
                     }
@@ -581,7 +529,7 @@ impl NodeSim {
                             continue;
                         }
                         n.ranks_running = false;
-                        n.ranks_ended = Some(self.now);
+                        n.ranks_ended = Some(self.net.now());
                     }
                     if let Some(c) = n.core.as_mut() {
                         c.handle(input, now);
@@ -590,7 +538,7 @@ impl NodeSim {
                 }
             }
         }
-        self.now = self.now.max(end);
+        self.net.reach(end);
     }
 
     /// Sends node `i`'s frames, carries out its requests, reschedules its timer.
@@ -605,13 +553,18 @@ impl NodeSim {
             }
             while let Some(ev) = core.poll_event() {
                 any = true;
+                // The round's MASTER_PORT, at once (as meshd's actor answers).
+                if let Event::RoundBegan { restart } = ev {
+                    core.handle(Input::MasterPort { round: restart, port: 29500 }, self.instant());
+                    continue;
+                }
                 if self.carry_out(i, &core, ev) {
                     finished = true;
                 }
             }
             if finished {
                 // meshd leaves the mesh on its way out, then its process ends.
-                core.handle(Input::Leave, self.at(self.now));
+                core.handle(Input::Leave, self.instant());
                 while let Some(t) = core.poll_transmit() {
                     self.transmit(i, core.id(), t.to, &t.frame, t.delivery);
                 }
@@ -624,13 +577,13 @@ impl NodeSim {
                 break;
             }
         }
-        let wake = core.poll_timeout().map(|t| t.saturating_duration_since(self.base).max(self.now));
+        let wake = core.poll_timeout().map(|t| self.net.since_start(t));
         let life = self.nodes[i].life;
         self.nodes[i].core = Some(core);
         if wake != self.nodes[i].wake {
             self.nodes[i].wake = wake;
             if let Some(at) = wake {
-                self.push(at, Kind::Wake { node: i, life });
+                self.net.push(at, Kind::Wake { node: i, life });
             }
         }
     }
@@ -646,44 +599,43 @@ impl NodeSim {
                 self.cfg.seed,
                 bytes.len()
             );
-            if self.rng.unit() < self.cfg.loss {
+            if self.net.lost(&mut self.rng) {
                 return;
             }
         }
         let Some(&j) = self.by_addr.get(&to) else { return };
-        if self.group[i] != self.group[j] {
+        if !self.net.reachable(i, j) {
             return;
         }
-        let (lo, hi) = self.cfg.latency;
-        let latency = lo + hi.saturating_sub(lo).mul_f64(self.rng.unit());
+        let latency = self.net.latency(&mut self.rng);
         let from_addr = self.nodes[i].addr;
         let life = self.nodes[j].life;
-        self.push(self.now + latency, Kind::Deliver { to: j, life, from: i, from_addr, id, bytes });
+        self.net.push(self.net.now() + latency, Kind::Deliver { to: j, life, from: i, from_addr, id, bytes });
     }
 
     /// The simulated IO for one event of node `i`; true when the node finished.
     fn carry_out(&mut self, i: usize, core: &Node, ev: Event) -> bool {
         let d = self.cfg.io_delay;
         match ev {
-            Event::StartPreflight { master, .. } => {
+            Event::StartPreflight { roster, master } => {
                 let nccl_id = master.then(|| vec![7u8; 128]);
                 let input = Input::PreflightReady {
+                    round: roster.restart,
                     tcp_port: 40000,
                     nccl_id,
-                    nccl_note: String::new(),
+                    nccl_note: None,
                     problems: vec![],
                 };
                 self.io(i, d, input);
             }
-            Event::Dial { targets, .. } => {
+            Event::Dial { round, targets, .. } => {
                 let mut slowest = d;
                 let probes = targets
                     .into_iter()
                     .map(|t| {
                         let j = self.by_addr.get(&SocketAddr::new(t.addr.ip(), 29400)).copied();
-                        let blocked = j.is_none_or(|j| {
-                            self.blocked_tcp.contains(&(i, j)) || self.group[i] != self.group[j]
-                        });
+                        let blocked =
+                            j.is_none_or(|j| self.blocked_tcp.contains(&(i, j)) || !self.net.reachable(i, j));
                         if blocked {
                             slowest = slowest.max(self.cfg.connect_timeout);
                         }
@@ -696,11 +648,11 @@ impl NodeSim {
                         }
                     })
                     .collect();
-                self.io(i, slowest, Input::Dialed { probes, nccl_root: String::new() });
+                self.io(i, slowest, Input::Dialed { round, probes, nccl_root: None });
             }
             Event::Launch { roster, .. } => {
                 self.launches.push(Launch {
-                    at: self.now + d,
+                    at: self.net.now() + d,
                     node: i,
                     id: core.id(),
                     roster: roster.clone(),
@@ -728,32 +680,46 @@ impl NodeSim {
                 }
             }
             Event::StoreReply { req, answer } => self.nodes[i].store_replies.push((req, answer)),
-            Event::LhQuorum { req, quorum } => self.nodes[i].lh_answers.push((self.now, req, quorum)),
+            Event::LhQuorum { req, quorum } => self.nodes[i].lh_answers.push((self.net.now(), req, quorum)),
             // MESHD_SIM_LOG=1: every node's log lines, for replaying a seed by hand.
             Event::Log(_, text) if std::env::var_os("MESHD_SIM_LOG").is_some() => {
-                eprintln!("{:?} node {i}: {text}", self.now)
+                eprintln!("{:?} node {i}: {text}", self.net.now())
             }
             Event::PeerFinished(_) => {}
             Event::GroupLost { addr, .. } => self.nodes[i].groups_lost.push(addr),
             Event::RosterChanged(r) => self.nodes[i].rosters_changed.push(r),
             Event::StopRanks => {
-                self.stops.push(Stopped { at: self.now, node: i, restart: core.restart() });
+                self.stops.push(Stopped { at: self.net.now(), node: i, restart: core.restart() });
                 let n = &mut self.nodes[i];
                 n.ranks_gen += 1;
                 if n.ranks_running {
                     n.ranks_running = false;
-                    n.ranks_ended = Some(self.now + d);
+                    n.ranks_ended = Some(self.net.now() + d);
                 }
                 self.io(i, d, Input::RanksStopped);
             }
             Event::Finished(outcome) => {
                 let ranks_ended = self.nodes[i].ranks_ended;
-                self.outcomes.push(Ended { at: self.now, node: i, ranks_ended, outcome });
+                self.outcomes.push(Ended { at: self.net.now(), node: i, ranks_ended, outcome });
                 return true;
             }
             _ => {}
         }
         false
+    }
+}
+
+impl Driven for NodeSim {
+    fn sim_now(&self) -> Duration {
+        self.net.now()
+    }
+
+    fn check_interval(&self) -> Duration {
+        self.cfg.check_interval
+    }
+
+    fn run_to(&mut self, end: Duration) {
+        NodeSim::run_to(self, end)
     }
 }
 

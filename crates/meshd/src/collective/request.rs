@@ -19,6 +19,62 @@ pub const MAX_PAYLOAD: usize = 4 << 30;
 /// Longest a `store_get` may wait, seconds.
 pub const MAX_STORE_WAIT_S: f64 = 86_400.0;
 
+/// Why a request is refused; the rank reads these words in its error reply.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RequestError {
+    /// The header length prefix is above [`MAX_HEADER`].
+    HeaderTooLarge(usize),
+    /// The header is no JSON object (the parser's words).
+    BadHeader(String),
+    /// The announced payload is above [`MAX_PAYLOAD`].
+    PayloadTooLarge(u64),
+    /// A `store_set` key or value outside the store's limits.
+    StoreLimits,
+    /// An allreduce's `dtype` or `reduce` is not known (the parser's words).
+    BadArgument(String),
+    /// A broadcast root that is no rank.
+    NotARank {
+        /// The root asked for.
+        root: u64,
+        /// The world size.
+        world: u32,
+    },
+    /// An in-place buffer's `addr` is missing, zero or not an unsigned integer.
+    BadAddress,
+    /// An in-place request without `len`.
+    NoLength,
+    /// An in-place buffer above [`MAX_PAYLOAD`].
+    BufferTooLarge(u64),
+    /// `addr + len` overflows.
+    Wraps,
+    /// An in-place request that also carries a payload.
+    InPlaceWithPayload,
+}
+
+impl std::fmt::Display for RequestError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RequestError::HeaderTooLarge(n) => write!(f, "header of {n} bytes is too large"),
+            RequestError::BadHeader(e) => write!(f, "bad header: {e}"),
+            RequestError::PayloadTooLarge(n) => write!(f, "payload of {n} bytes is too large"),
+            RequestError::StoreLimits => {
+                write!(f, "store keys are 1..{MAX_STORE_KEY} bytes, values at most {MAX_STORE_VALUE}")
+            }
+            RequestError::BadArgument(e) => f.write_str(e),
+            RequestError::NotARank { root, world } => {
+                write!(f, "broadcast root {root} is not a rank (world size {world})")
+            }
+            RequestError::BadAddress => f.write_str("addr must be a non-zero unsigned integer"),
+            RequestError::NoLength => f.write_str("an in-place request needs len"),
+            RequestError::BufferTooLarge(n) => write!(f, "buffer of {n} bytes is too large"),
+            RequestError::Wraps => f.write_str("addr + len wraps around"),
+            RequestError::InPlaceWithPayload => f.write_str("an in-place request carries no payload"),
+        }
+    }
+}
+
+impl std::error::Error for RequestError {}
+
 /// What a collective request asks for.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Kind {
@@ -39,9 +95,9 @@ pub enum Request {
         rank: u64,
     },
     /// `allreduce`, `broadcast` or `barrier`, or why its arguments are refused.
-    Collective(Result<Kind, String>),
+    Collective(Result<Kind, RequestError>),
     /// `store_set` of the payload under a key, or why it is refused.
-    StoreSet(Result<String, String>),
+    StoreSet(Result<String, RequestError>),
     /// `store_get`: a key and how long to wait for it (seconds, in `0..=MAX_STORE_WAIT_S`).
     StoreGet {
         /// The key.
@@ -55,22 +111,22 @@ pub enum Request {
 
 /// The header length from a message's 4-byte prefix, refused above [`MAX_HEADER`] before
 /// anything is allocated.
-pub fn header_len(prefix: [u8; 4]) -> Result<usize, String> {
+pub fn header_len(prefix: [u8; 4]) -> Result<usize, RequestError> {
     let n = u32::from_be_bytes(prefix) as usize;
     if n > MAX_HEADER {
-        return Err(format!("header of {n} bytes is too large"));
+        return Err(RequestError::HeaderTooLarge(n));
     }
     Ok(n)
 }
 
 /// Parses a JSON header; returns it with the payload length it announces (`nbytes`, 0
 /// when missing), refused above [`MAX_PAYLOAD`].
-pub fn parse_header(head: &[u8]) -> Result<(Value, usize), String> {
-    let v: Value = serde_json::from_slice(head).map_err(|e| format!("bad header: {e}"))?;
+pub fn parse_header(head: &[u8]) -> Result<(Value, usize), RequestError> {
+    let v: Value = serde_json::from_slice(head).map_err(|e| RequestError::BadHeader(e.to_string()))?;
     let nbytes = v.get("nbytes").and_then(Value::as_u64).unwrap_or(0);
     match usize::try_from(nbytes) {
         Ok(n) if n <= MAX_PAYLOAD => Ok((v, n)),
-        _ => Err(format!("payload of {nbytes} bytes is too large")),
+        _ => Err(RequestError::PayloadTooLarge(nbytes)),
     }
 }
 
@@ -84,9 +140,7 @@ pub fn parse_request(req: &Value, nbytes: usize, world: u32) -> Request {
         "store_set" => {
             let key = req.get("key").and_then(Value::as_str).unwrap_or("");
             if key.is_empty() || key.len() > MAX_STORE_KEY || nbytes > MAX_STORE_VALUE {
-                Request::StoreSet(Err(format!(
-                    "store keys are 1..{MAX_STORE_KEY} bytes, values at most {MAX_STORE_VALUE}"
-                )))
+                Request::StoreSet(Err(RequestError::StoreLimits))
             } else {
                 Request::StoreSet(Ok(key.to_string()))
             }
@@ -113,19 +167,17 @@ pub struct InPlace {
 
 /// The in-place buffer a collective header names (`addr`, `len`), if any. Such a request
 /// carries no payload (`nbytes` must be 0); the range must be non-null and not wrap.
-pub fn parse_in_place(req: &Value, nbytes: usize) -> Result<Option<InPlace>, String> {
+pub fn parse_in_place(req: &Value, nbytes: usize) -> Result<Option<InPlace>, RequestError> {
     let Some(addr) = req.get("addr") else { return Ok(None) };
-    let addr = addr.as_u64().filter(|a| *a != 0).ok_or("addr must be a non-zero unsigned integer")?;
-    let len = req.get("len").and_then(Value::as_u64).ok_or("an in-place request needs len")?;
-    let len = usize::try_from(len)
-        .ok()
-        .filter(|l| *l <= MAX_PAYLOAD)
-        .ok_or_else(|| format!("buffer of {len} bytes is too large"))?;
+    let addr = addr.as_u64().filter(|a| *a != 0).ok_or(RequestError::BadAddress)?;
+    let len = req.get("len").and_then(Value::as_u64).ok_or(RequestError::NoLength)?;
+    let len =
+        usize::try_from(len).ok().filter(|l| *l <= MAX_PAYLOAD).ok_or(RequestError::BufferTooLarge(len))?;
     if addr.checked_add(len as u64).is_none() {
-        return Err("addr + len wraps around".into());
+        return Err(RequestError::Wraps);
     }
     if nbytes != 0 {
-        return Err("an in-place request carries no payload".into());
+        return Err(RequestError::InPlaceWithPayload);
     }
     Ok(Some(InPlace { addr, len }))
 }
@@ -148,19 +200,19 @@ pub fn parse_probe(req: &Value) -> Option<(u64, [u8; PROBE_LEN])> {
     Some((addr, bytes))
 }
 
-fn parse_kind(op: &str, req: &Value, world: u32) -> Result<Kind, String> {
+fn parse_kind(op: &str, req: &Value, world: u32) -> Result<Kind, RequestError> {
     match op {
         "allreduce" => {
             let dtype = DType::parse(req.get("dtype").and_then(Value::as_str).unwrap_or("float32"))
-                .map_err(|e| e.to_string())?;
+                .map_err(|e| RequestError::BadArgument(e.to_string()))?;
             let rop = ReduceOp::parse(req.get("reduce").and_then(Value::as_str).unwrap_or("sum"))
-                .map_err(|e| e.to_string())?;
+                .map_err(|e| RequestError::BadArgument(e.to_string()))?;
             Ok(Kind::AllReduce(dtype, rop))
         }
         "broadcast" => {
             let root = req.get("root").and_then(Value::as_u64).unwrap_or(0);
             if root >= u64::from(world) {
-                return Err(format!("broadcast root {root} is not a rank (world size {world})"));
+                return Err(RequestError::NotARank { root, world });
             }
             Ok(Kind::Broadcast(root as u32))
         }

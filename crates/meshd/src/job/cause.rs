@@ -3,7 +3,7 @@
 //! when it wrote none, the root-cause block every meshd prints, and `--log-dir`'s
 //! `error.json`.
 
-use meshd_proto::rendezvous::RankFailure;
+use meshd_proto::rendezvous::{FailureSource, RankFailure};
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -166,7 +166,7 @@ pub fn explain(f: &mut RankFailure, error_file: &Path, tail: &[String]) {
             if let Some(t) = time {
                 f.time = t;
             }
-            f.source = "error file".into();
+            f.source = FailureSource::ErrorFile;
         }
         None => {
             if f.message.is_empty() {
@@ -175,7 +175,7 @@ pub fn explain(f: &mut RankFailure, error_file: &Path, tail: &[String]) {
             }
             if f.traceback.is_empty() {
                 f.traceback = keep_end(&tail.join("\n"), MAX_TRACEBACK);
-                f.source = "stderr".into();
+                f.source = FailureSource::Stderr;
             }
         }
     }
@@ -198,10 +198,10 @@ pub fn block(f: &RankFailure) -> String {
         s.push_str(&format!("  {}\n", f.message));
     }
     if !f.traceback.is_empty() {
-        let what = match f.source.as_str() {
-            "error file" => "traceback (the rank's TORCHELASTIC_ERROR_FILE)",
-            "stall" => "stacks of the stalled ranks (PYTHONFAULTHANDLER, SIGABRT)",
-            _ => "last lines of the rank's stderr",
+        let what = match f.source {
+            FailureSource::ErrorFile => "traceback (the rank's TORCHELASTIC_ERROR_FILE)",
+            FailureSource::Stall => "stacks of the stalled ranks (PYTHONFAULTHANDLER, SIGABRT)",
+            FailureSource::Stderr | FailureSource::Unknown => "last lines of the rank's stderr",
         };
         s.push_str(&format!("  {what}:\n"));
         for l in f.traceback.lines() {
@@ -210,7 +210,7 @@ pub fn block(f: &RankFailure) -> String {
             s.push('\n');
         }
     }
-    let whose = if f.source == "stall" { "the job stalled" } else { "the failed rank's" };
+    let whose = if f.source == FailureSource::Stall { "the job stalled" } else { "the failed rank's" };
     s.push_str(&format!("meshd: exit status {} ({whose})\n", f.status));
     s
 }
@@ -232,7 +232,7 @@ pub fn error_json(f: &RankFailure) -> String {
         "exit": f.exit,
         "exit_status": f.status,
         "time": rfc3339(f.time),
-        "source": f.source,
+        "source": f.source.as_str(),
     });
     serde_json::to_string_pretty(&v).unwrap_or_default()
 }

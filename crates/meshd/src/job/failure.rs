@@ -76,7 +76,7 @@ pub(super) async fn stalled(
             roster.members.get(node_rank).map(|m| m.hostname.as_str()).unwrap_or("?")
         ),
         traceback: cause::keep_end(stacks.trim_end(), cause::MAX_TRACEBACK),
-        source: "stall".into(),
+        source: meshd_proto::rendezvous::FailureSource::Stall,
     }
 }
 

@@ -3,6 +3,7 @@
 //! [`WaitReport`](meshd_proto::node::WaitReport) words the rest.
 
 use super::Mesh;
+use crate::transport::{AuthFailure, RefusedBy};
 use meshd_proto::membership::MemberView;
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
@@ -14,13 +15,13 @@ pub const MAX_AUTH_REPORTED: usize = 16;
 /// bounded: the timeout message names a few and counts the rest.
 #[derive(Debug, Default)]
 pub struct AuthRefusals {
-    last: BTreeMap<IpAddr, String>,
+    last: BTreeMap<IpAddr, AuthFailure>,
     overflow: usize,
 }
 
 impl AuthRefusals {
     /// Records a refusal from `addr`.
-    pub fn record(&mut self, addr: SocketAddr, reason: String) {
+    pub fn record(&mut self, addr: SocketAddr, reason: AuthFailure) {
         if self.last.len() < MAX_AUTH_REPORTED || self.last.contains_key(&addr.ip()) {
             self.last.insert(addr.ip(), reason);
         } else {
@@ -34,7 +35,7 @@ impl AuthRefusals {
             .iter()
             .map(|(a, r)| {
                 // The keyword only ("different token"); the full reason was logged once.
-                let r = r.strip_prefix(crate::transport::REFUSED_US).unwrap_or(r);
+                let r = &r.words;
                 format!("{a} failed authentication ({})", r.split(':').next().unwrap_or(r))
             })
             .collect()
@@ -45,9 +46,9 @@ impl AuthRefusals {
         let mut v: Vec<String> = self
             .last
             .iter()
-            .map(|(a, r)| match r.strip_prefix(crate::transport::REFUSED_US) {
-                Some(r) => format!("{a} answered and refused this node: {r}"),
-                None => format!("{a} answered but failed authentication: {r}"),
+            .map(|(a, r)| match r.by {
+                RefusedBy::Peer => format!("{a} answered and refused this node: {}", r.words),
+                RefusedBy::ThisNode => format!("{a} answered but failed authentication: {}", r.words),
             })
             .collect();
         if self.overflow > 0 {

@@ -25,7 +25,7 @@ pub fn alone(
     reach: &[PeerReach],
     single_node: bool,
     max_nodes: u32,
-) -> Result<Choice, String> {
+) -> Result<Choice, NoSeed> {
     if single_node {
         return Ok(Choice {
             name: ifs
@@ -68,13 +68,26 @@ pub fn alone(
         .collect();
     let listed = if listed.is_empty() { "nothing".to_string() } else { listed.join(", ") };
     let local = if local.is_empty() { "none but loopback".to_string() } else { local.join(", ") };
-    Err(format!(
-        "--nnodes {max_nodes} needs other nodes, but the peer list names no other node and no address of \
-         this node that they could reach (listed: {listed}; this node's addresses: {local}). Give every node \
-         the same --peers with at least one node's address on the network that connects the nodes (this \
-         node's own is fine: it becomes the seed), or --iface NAME; for a job on this machine alone, \
-         pass --nnodes 1"
-    ))
+    Err(NoSeed { max_nodes, listed, local })
+}
+
+/// A multi-node job whose peer list gives this node nothing to start from: no other node,
+/// no address of its own that the others could reach.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "--nnodes {max_nodes} needs other nodes, but the peer list names no other node and no address of \
+     this node that they could reach (listed: {listed}; this node's addresses: {local}). Give every node \
+     the same --peers with at least one node's address on the network that connects the nodes (this \
+     node's own is fine: it becomes the seed), or --iface NAME; for a job on this machine alone, \
+     pass --nnodes 1"
+)]
+pub struct NoSeed {
+    /// `--nnodes` (its maximum).
+    pub max_nodes: u32,
+    /// What the peer list named, in words.
+    pub listed: String,
+    /// This node's addresses, in words.
+    pub local: String,
 }
 
 /// Backoff between tries of names that did not resolve: DNS for a fresh instance or a
@@ -196,12 +209,14 @@ mod tests {
 
     #[test]
     fn nothing_usable_listed_says_what_was_listed_what_is_local_and_what_to_pass() {
-        let e = alone(&lab_host(), &[reach("localhost", "127.0.0.1", true)], false, 3).expect_err("no seed");
+        let e = alone(&lab_host(), &[reach("localhost", "127.0.0.1", true)], false, 3)
+            .expect_err("no seed")
+            .to_string();
         assert!(e.contains("--nnodes 3 needs other nodes"), "{e}");
         assert!(e.contains("localhost (127.0.0.1:29400)"), "{e}");
         assert!(e.contains("eth1 198.19.0.25") && e.contains("eth0 198.18.0.4"), "{e}");
         assert!(e.contains("--nnodes 1") && e.contains("--iface"), "{e}");
-        let e = alone(&lab_host(), &[], false, 2).expect_err("nothing listed");
+        let e = alone(&lab_host(), &[], false, 2).expect_err("nothing listed").to_string();
         assert!(e.contains("listed: nothing"), "{e}");
     }
 }

@@ -24,20 +24,17 @@ use tracing::{Instrument, debug, error, info, warn};
 /// How long a node that leaves keeps its endpoint open for the leave to go out.
 const LEAVE_LINGER: Duration = Duration::from_millis(50);
 
-/// Results of the preflight's IO tasks.
+/// Results of the preflight's IO tasks, tagged with the round that asked: the core drops
+/// an answer of an earlier round.
 enum EdgeDone {
     Bound {
-        restart: u32,
-        result: Result<(u16, Listeners, Vec<meshd_proto::preflight::TcpProbe>), String>,
+        round: u32,
+        result: Result<(u16, Listeners, Vec<meshd_proto::preflight::TcpProbe>), preflight::ListenerError>,
         root: Option<Box<NcclRoot>>,
         id: Option<Vec<u8>>,
-        note: String,
+        note: Option<String>,
     },
-    Dialed {
-        restart: u32,
-        probes: Vec<meshd_proto::preflight::TcpProbe>,
-        nccl_root: String,
-    },
+    Dialed(Input),
 }
 
 /// Whether this node makes the round's NCCL id when it is master, and why not.
@@ -282,19 +279,19 @@ impl Actor {
                 self.listeners = None;
                 self.nccl_root = None;
                 let port = edge.round_began(self.mesh.addr().ip());
-                self.core.handle(Input::MasterPort(port), Instant::now());
+                self.core.handle(Input::MasterPort { round: restart, port }, Instant::now());
             }
             Event::RosterAgreed(roster) => {
                 self.publish_status();
                 edge.roster_agreed(&roster, self.mesh.node());
             }
             Event::StartPreflight { roster, master } => self.start_preflight(&roster, master),
-            Event::Dial { targets, nccl_id } => {
+            Event::Dial { round, targets, nccl_id } => {
                 let master = self.core.roster().and_then(|r| r.master()).map(|m| m.id);
-                let (tx, limit, restart) = (self.edge_tx.clone(), self.connect_timeout, self.core.restart());
+                let (tx, limit) = (self.edge_tx.clone(), self.connect_timeout);
                 tokio::spawn(async move {
                     let (probes, nccl_root) = preflight::dial_all(targets, nccl_id, master, limit).await;
-                    let _ = tx.send(EdgeDone::Dialed { restart, probes, nccl_root });
+                    let _ = tx.send(EdgeDone::Dialed(Input::Dialed { round, probes, nccl_root }));
                 });
             }
             Event::Preflight(verdict) => {
@@ -361,13 +358,13 @@ impl Actor {
     }
 
     fn start_preflight(&mut self, roster: &meshd_proto::rendezvous::Roster, master: bool) {
-        let (tx, restart, me, ip) =
-            (self.edge_tx.clone(), self.core.restart(), self.mesh.node(), self.mesh.addr().ip());
+        let (tx, round, me, ip) =
+            (self.edge_tx.clone(), roster.restart, self.mesh.node(), self.mesh.addr().ip());
         let master_port = master.then_some(roster.master_port);
         let make_id = master && self.nccl == NcclPolicy::Make;
         let mut note = match &self.nccl {
-            NcclPolicy::Without(why) if master => why.clone(),
-            _ => String::new(),
+            NcclPolicy::Without(why) if master => Some(why.clone()),
+            _ => None,
         };
         let iface = self.mesh.choice().name.clone();
         tokio::spawn(async move {
@@ -378,7 +375,7 @@ impl Actor {
                     Ok(r) => Some(Box::new(r)),
                     Err(e) => {
                         warn!("no NCCL unique id: {e}");
-                        note = e;
+                        note = Some(e.to_string());
                         None
                     }
                 }
@@ -387,30 +384,28 @@ impl Actor {
             };
             let id = root.as_ref().map(|r| r.id.clone());
             let result = preflight::bind(me, ip, master_port).await;
-            let _ = tx.send(EdgeDone::Bound { restart, result, root, id, note });
+            let _ = tx.send(EdgeDone::Bound { round, result, root, id, note });
         });
     }
 
+    /// A preflight task's result: to the core, which knows whether its round is still on.
+    /// What the round holds (listeners, the NCCL root) is kept only while it is.
     fn on_edge(&mut self, done: EdgeDone) {
         let now = Instant::now();
         match done {
-            EdgeDone::Bound { restart, result, root, id, note } if restart == self.core.restart() => {
-                match result {
-                    Ok((tcp_port, listeners, problems)) => {
+            EdgeDone::Bound { round, result, root, id, note } => match result {
+                Ok((tcp_port, listeners, problems)) => {
+                    if round == self.core.restart() {
                         self.listeners = Some(listeners);
                         self.nccl_root = root;
-                        self.core.handle(
-                            Input::PreflightReady { tcp_port, nccl_id: id, nccl_note: note, problems },
-                            now,
-                        );
                     }
-                    Err(e) => self.core.handle(Input::PreflightFailed(e), now),
+                    let ready =
+                        Input::PreflightReady { round, tcp_port, nccl_id: id, nccl_note: note, problems };
+                    self.core.handle(ready, now);
                 }
-            }
-            EdgeDone::Dialed { restart, probes, nccl_root } if restart == self.core.restart() => {
-                self.core.handle(Input::Dialed { probes, nccl_root }, now)
-            }
-            _ => {}
+                Err(e) => self.core.handle(Input::PreflightFailed { round, why: e.to_string() }, now),
+            },
+            EdgeDone::Dialed(input) => self.core.handle(input, now),
         }
     }
 

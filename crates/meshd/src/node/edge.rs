@@ -44,7 +44,7 @@ pub(crate) trait Edge {
     /// The membership changed (and once a second): the library shows it.
     fn members(&mut self, _core: &Node) {}
 
-    /// A round begins: the MASTER_PORT to offer on `ip`.
+    /// A round begins (round 0 included): the MASTER_PORT to offer on `ip`.
     fn round_began(&mut self, ip: IpAddr) -> u16 {
         crate::preflight::master_port(ip, None)
     }

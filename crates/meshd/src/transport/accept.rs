@@ -40,8 +40,8 @@ pub(super) async fn accept_loop(inner: Arc<Inner>) {
                 let _drain = guard::drain_datagrams(&conn);
                 let (mut send, mut recv) = conn.accept_bi().await.ok()?;
                 // Oversized or malformed: say so; a lost connection: nothing to say.
-                let malformed = |conn: &quinn::Connection, reason: String| {
-                    if reason.starts_with("bad hello") || reason.starts_with("hello larger") {
+                let malformed = |conn: &quinn::Connection, e: HelloError| {
+                    if let HelloError::Malformed(reason) = e {
                         refuse(&inner, conn, code::PROTOCOL, &Refusal::Other(reason), PROTOCOL_VERSION);
                     }
                 };
@@ -70,7 +70,10 @@ pub(super) async fn accept_loop(inner: Arc<Inner>) {
                     Some(p) => match p.finish(&pake_bytes(&theirs)) {
                         Some(k) => Some(k),
                         None => {
-                            malformed(&conn, "bad hello: malformed key exchange".into());
+                            malformed(
+                                &conn,
+                                HelloError::Malformed("bad hello: malformed key exchange".into()),
+                            );
                             return None;
                         }
                     },
@@ -83,16 +86,15 @@ pub(super) async fn accept_loop(inner: Arc<Inner>) {
                 write_auth_message(&mut send, &wire::encode(&mine)).await.ok()?;
                 let confirm = match read_auth_message(&mut recv).await {
                     Ok(c) => c,
-                    Err(reason) => {
-                        // The client found this node's confirmation wrong and closed: it says
-                        // why in its close reason.
-                        if let Some(r) = reason.strip_prefix(REFUSED_US) {
-                            let from = canonical(conn.remote_address());
-                            let reason = reword_refusal(from, &format!("{REFUSED_US}{r}"));
-                            report_auth_failure(&inner, from, &reason);
-                        } else {
-                            malformed(&conn, reason);
-                        }
+                    // The client found this node's confirmation wrong and closed: it says
+                    // why in its close reason.
+                    Err(HelloError::Refused(wire)) => {
+                        let from = canonical(conn.remote_address());
+                        report_auth_failure(&inner, from, &peer_refusal(from, &wire));
+                        return None;
+                    }
+                    Err(e) => {
+                        malformed(&conn, e);
                         return None;
                     }
                 };

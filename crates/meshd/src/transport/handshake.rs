@@ -61,6 +61,57 @@ pub(super) fn check_hello(cfg: &TransportConfig, h: &AuthHello) -> Result<(), (u
     Ok(())
 }
 
+/// Who refused whom when an authentication failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RefusedBy {
+    /// This node refused the peer.
+    ThisNode,
+    /// The peer refused this node (its close reason, reworded from this node's side).
+    Peer,
+}
+
+/// A failed authentication: who refused, and why in this node's words.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AuthFailure {
+    /// Who refused.
+    pub by: RefusedBy,
+    /// Why, written from this node's side.
+    pub words: String,
+}
+
+impl std::fmt::Display for AuthFailure {
+    /// The words, after [`REFUSED_US`] when the peer refused.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.by {
+            RefusedBy::Peer => write!(f, "{REFUSED_US}{}", self.words),
+            RefusedBy::ThisNode => f.write_str(&self.words),
+        }
+    }
+}
+
+/// How a refusal by the peer starts when an [`AuthFailure`] is written out.
+pub const REFUSED_US: &str = "it refused us: ";
+
+/// Why a message of the authentication exchange could not be read.
+#[derive(Debug)]
+pub(super) enum HelloError {
+    /// What came is no hello (malformed, too large, cut short): the peer is told so.
+    Malformed(String),
+    /// The peer closed the connection with a refusal: its close reason, as sent.
+    Refused(String),
+    /// The connection or the stream failed: nobody to tell.
+    Lost(String),
+}
+
+impl std::fmt::Display for HelloError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            HelloError::Malformed(w) | HelloError::Lost(w) => f.write_str(w),
+            HelloError::Refused(w) => write!(f, "{REFUSED_US}{w}"),
+        }
+    }
+}
+
 /// Closes `conn` with `why`'s close reason and reports it in this node's words; `peer_version`
 /// is the version the peer announced (when it sent a hello).
 pub(super) fn refuse(
@@ -72,84 +123,85 @@ pub(super) fn refuse(
 ) -> TransportError {
     let addr = canonical(conn.remote_address());
     conn.close(code.into(), why.wire().as_bytes());
-    let reason = why.here(peer_version);
+    let reason = AuthFailure { by: RefusedBy::ThisNode, words: why.here(peer_version) };
     report_auth_failure(inner, addr, &reason);
     TransportError::Auth { addr, reason }
 }
 
-/// Words a refusal read from the peer (`it refused us: WIRE`) from this node's side.
-pub(super) fn reword_refusal(addr: SocketAddr, reason: &str) -> String {
-    match reason.strip_prefix(REFUSED_US) {
-        Some(w) => format!("{REFUSED_US}{}", Refusal::parse(w).there(addr.ip(), PROTOCOL_VERSION)),
-        None => reason.to_string(),
-    }
+/// The refusal `wire` (a close reason of the peer at `addr`) from this node's side.
+pub(super) fn peer_refusal(addr: SocketAddr, wire: &str) -> AuthFailure {
+    AuthFailure { by: RefusedBy::Peer, words: Refusal::parse(wire).there(addr.ip(), PROTOCOL_VERSION) }
 }
 
-/// How a refusal by the peer starts, in [`TransportEvent::AuthFailed`] and
-/// [`TransportError::Auth`] (what follows is written from this node's side).
-pub const REFUSED_US: &str = "it refused us: ";
-
-pub(super) fn report_auth_failure(inner: &Inner, addr: SocketAddr, reason: &str) {
+pub(super) fn report_auth_failure(inner: &Inner, addr: SocketAddr, reason: &AuthFailure) {
     // Once per peer IP and reason: a client that retries from new ports logs no more.
-    if inner.logged.first(addr, reason) {
+    if inner.logged.first(addr, &reason.to_string()) {
         warn!("{}", auth_failure_text(addr, reason));
     }
-    let _ = inner.events.try_send(TransportEvent::AuthFailed { addr, reason: reason.to_string() });
+    let _ = inner.events.try_send(TransportEvent::AuthFailed { addr, reason: reason.clone() });
 }
 
 /// "peer X refused this node: failed authentication: ..." or "peer X failed
-/// authentication: ...", from a reason as carried in [`TransportError::Auth`].
-pub fn auth_failure_text(addr: SocketAddr, reason: &str) -> String {
-    match reason.strip_prefix(REFUSED_US) {
-        Some(r) => format!("peer {addr} refused this node: failed authentication: {r}"),
-        None => format!("peer {addr} failed authentication: {reason}"),
+/// authentication: ...".
+pub fn auth_failure_text(addr: SocketAddr, reason: &AuthFailure) -> String {
+    match reason.by {
+        RefusedBy::Peer => format!("peer {addr} refused this node: failed authentication: {}", reason.words),
+        RefusedBy::ThisNode => format!("peer {addr} failed authentication: {}", reason.words),
     }
 }
 
-/// Reads the peer's close reason, when the peer refused us.
+/// The peer's close reason, when the peer refused us.
 pub(super) fn refusal(e: &quinn::ConnectionError) -> Option<String> {
     match e {
         quinn::ConnectionError::ApplicationClosed(c) if c.error_code != code::BYE.into() => {
-            Some(format!("{REFUSED_US}{}", String::from_utf8_lossy(&c.reason)))
+            Some(String::from_utf8_lossy(&c.reason).into_owned())
         }
         _ => None,
     }
+}
+
+/// What a lost connection means for the exchange: the peer's refusal, or just lost.
+fn lost(c: &quinn::ConnectionError) -> HelloError {
+    refusal(c).map_or_else(|| HelloError::Lost(c.to_string()), HelloError::Refused)
 }
 
 /// Largest message of the authentication exchange.
 pub(super) const MAX_HELLO: usize = 1024;
 
 /// Reads one length-prefixed message (u16, big-endian) of the authentication exchange.
-pub(super) async fn read_auth_message(recv: &mut quinn::RecvStream) -> Result<Vec<u8>, String> {
-    let lost = |e: quinn::ReadExactError| match e {
-        quinn::ReadExactError::ReadError(quinn::ReadError::ConnectionLost(c)) => {
-            refusal(&c).unwrap_or(c.to_string())
+pub(super) async fn read_auth_message(recv: &mut quinn::RecvStream) -> Result<Vec<u8>, HelloError> {
+    let failed = |e: quinn::ReadExactError| match e {
+        quinn::ReadExactError::ReadError(quinn::ReadError::ConnectionLost(c)) => lost(&c),
+        quinn::ReadExactError::FinishedEarly(_) => {
+            HelloError::Malformed("bad hello: the stream ended early".to_string())
         }
-        quinn::ReadExactError::FinishedEarly(_) => "bad hello: the stream ended early".to_string(),
-        other => other.to_string(),
+        other => HelloError::Lost(other.to_string()),
     };
     let mut len = [0u8; 2];
-    recv.read_exact(&mut len).await.map_err(lost)?;
+    recv.read_exact(&mut len).await.map_err(failed)?;
     let len = u16::from_be_bytes(len) as usize;
     if len > MAX_HELLO {
-        return Err(format!("hello larger than {MAX_HELLO} bytes"));
+        return Err(HelloError::Malformed(format!("hello larger than {MAX_HELLO} bytes")));
     }
     let mut body = vec![0u8; len];
-    recv.read_exact(&mut body).await.map_err(lost)?;
+    recv.read_exact(&mut body).await.map_err(failed)?;
     Ok(body)
 }
 
-pub(super) async fn read_hello(recv: &mut quinn::RecvStream) -> Result<AuthHello, String> {
+pub(super) async fn read_hello(recv: &mut quinn::RecvStream) -> Result<AuthHello, HelloError> {
     let body = read_auth_message(recv).await?;
-    wire::decode(&body).map_err(|e| format!("bad hello: {e}"))
+    wire::decode(&body).map_err(|e| HelloError::Malformed(format!("bad hello: {e}")))
 }
 
 /// Writes one length-prefixed message of the authentication exchange.
-pub(super) async fn write_auth_message(send: &mut quinn::SendStream, body: &[u8]) -> Result<(), String> {
+pub(super) async fn write_auth_message(
+    send: &mut quinn::SendStream,
+    body: &[u8],
+) -> Result<(), quinn::WriteError> {
     let mut m = Vec::with_capacity(2 + body.len());
     m.extend_from_slice(&(body.len().min(u16::MAX as usize) as u16).to_be_bytes());
     m.extend_from_slice(body);
-    send.write_all(&m).await.map_err(|e| e.to_string())
+    send.write_all(&m).await
 }
 
 /// A hello's SPAKE2 message as SPAKE2 reads it (zeros when it has none: only used with one).
@@ -195,15 +247,14 @@ pub(super) async fn connect(
         let (mut send, mut recv) = conn.open_bi().await.map_err(|e| peer_err(e.to_string()))?;
         let pake = inner.cfg.token.as_ref().map(|t| t.start());
         let mine = my_hello(inner, None, lane, pake.as_ref().map_or(&[][..], |p| p.message()), [0; 32]);
-        write_auth_message(&mut send, &wire::encode(&mine)).await.map_err(peer_err)?;
-        let refused = |reason: String| {
-            if reason.starts_with(REFUSED_US) {
-                let reason = reword_refusal(to, &reason);
+        write_auth_message(&mut send, &wire::encode(&mine)).await.map_err(|e| peer_err(e.to_string()))?;
+        let refused = |e: HelloError| match e {
+            HelloError::Refused(wire) => {
+                let reason = peer_refusal(to, &wire);
                 report_auth_failure(inner, to, &reason);
                 TransportError::Auth { addr: to, reason }
-            } else {
-                peer_err(reason)
             }
+            other => peer_err(other.to_string()),
         };
         let theirs = read_hello(&mut recv).await.map_err(refused)?;
         if let Err((code, why)) = check_hello(&inner.cfg, &theirs) {
@@ -235,13 +286,13 @@ pub(super) async fn connect(
             (Some(_), None) => return Err(peer_err("no TLS keying material".into())),
             (None, _) => [0; 32],
         };
-        write_auth_message(&mut send, &confirm).await.map_err(peer_err)?;
+        write_auth_message(&mut send, &confirm).await.map_err(|e| peer_err(e.to_string()))?;
         let _ = send.finish();
         // Accepted when the server ends its stream; a refusal closes the connection.
         match recv.read_to_end(0).await {
             Ok(_) => {}
             Err(quinn::ReadToEndError::Read(quinn::ReadError::ConnectionLost(c))) => {
-                return Err(refused(refusal(&c).unwrap_or(c.to_string())));
+                return Err(refused(lost(&c)));
             }
             Err(e) => return Err(peer_err(format!("bad end of the authentication: {e}"))),
         }

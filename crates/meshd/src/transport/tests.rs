@@ -107,7 +107,7 @@ fn loopback(node: u128, token: Option<&str>, run_hash: u64) -> (Transport, mpsc:
 async fn auth_failed(events: &mut mpsc::Receiver<TransportEvent>) -> String {
     loop {
         match tokio::time::timeout(Duration::from_secs(5), events.recv()).await {
-            Ok(Some(TransportEvent::AuthFailed { reason, .. })) => return reason,
+            Ok(Some(TransportEvent::AuthFailed { reason, .. })) => return reason.to_string(),
             Ok(Some(_)) => {}
             _ => panic!("no AuthFailed event"),
         }

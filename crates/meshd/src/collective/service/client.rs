@@ -57,9 +57,9 @@ pub(super) async fn client(
                         Some(pid) if in_place => Ok(Data::InPlace(Remote { pid, addr: b.addr, len: b.len })),
                         _ => Err("in-place buffers need the cross-memory probe of hello to succeed; send the payload instead".to_string()),
                     },
-                    Err(e) => Err(e),
+                    Err(e) => Err(e.to_string()),
                 };
-                match kind.and_then(|k| data.map(|d| (k, d))) {
+                match kind.map_err(|e| e.to_string()).and_then(|k| data.map(|d| (k, d))) {
                     Err(e) => (fail(e), vec![]),
                     Ok((kind, data)) => {
                         let (tx, rx) = oneshot::channel();
@@ -87,7 +87,7 @@ pub(super) async fn client(
                     }
                 }
             }
-            Request::StoreSet(Err(e)) => (fail(e), vec![]),
+            Request::StoreSet(Err(e)) => (fail(e.to_string()), vec![]),
             Request::StoreSet(Ok(key)) => {
                 let call = StoreCall::Set { key: key.clone(), value: payload };
                 match store::ask(&cfg.store, cfg.restart, call).await {
