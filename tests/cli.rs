@@ -159,3 +159,32 @@ fn the_start_path_runs_no_interpreter_and_says_where_the_time_went() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A rendezvous that times out exits 1 (as torchrun's), the code the README documents; a
+/// bad flag exits 2. The peer is a loopback port nobody answers on.
+#[test]
+fn a_timed_out_rendezvous_exits_1_and_a_bad_flag_2() {
+    let port = free_udp_port().to_string();
+    let silent = format!("127.0.0.1:{}", free_udp_port());
+    let start = std::time::Instant::now();
+    let o = meshd(&[
+        "run",
+        "--nnodes",
+        "2",
+        "--peers",
+        &silent,
+        "--port",
+        &port,
+        "--rdzv-timeout",
+        "2s",
+        "--insecure",
+        "--",
+        "true",
+    ]);
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "a timed-out rendezvous exits 1:\n{out}\n{err}");
+    assert!(err.contains("timed out"), "the error says the rendezvous timed out:\n{err}");
+    assert!(start.elapsed() < std::time::Duration::from_secs(30), "it must not hang past its deadline");
+    let o = meshd(&["run", "--rdzv-timeout", "soon", "--", "true"]);
+    assert_eq!(o.status.code(), Some(2), "a bad flag exits 2: {}", text(&o).1);
+}
