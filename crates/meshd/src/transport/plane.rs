@@ -17,6 +17,7 @@
 //! [`budget`]: past it, datagrams are dropped unacknowledged.
 
 mod budget;
+pub mod streams;
 
 use super::socket::{DemuxSocket, PlaneBatch};
 use budget::Budget;
@@ -37,6 +38,12 @@ use meshd_proto::plane::keys::{EXPORTER_LABEL, LINK_NAME_CONTEXT, exporter_conte
 pub const TAG_DATA: u64 = 0;
 /// Plane message tag of a link's first message.
 pub const TAG_PROBE: u64 = 1;
+/// Plane message tag of a tunnel stream's bytes: `[receiver's stream id u64 LE][offset
+/// u64 LE][bytes]` ([`streams`]).
+pub const TAG_STREAM: u64 = 2;
+/// Plane message tag of a tunnel stream's credit: `[sender's stream id u64 LE][the offset
+/// it may send up to, u64 LE]` ([`streams`]).
+pub const TAG_CREDIT: u64 = 3;
 /// Bytes before the payload of a data message: op id and transfer id.
 pub const MESSAGE_HEADER: usize = 16;
 /// Operations whose messages are kept per peer before anyone asked for them: a neighbour
@@ -58,7 +65,7 @@ pub type Delivery = (u64, Vec<Bytes>);
 
 enum Cmd {
     AddLink { conn: quinn::Connection, client: bool },
-    Send { to: SocketAddr, head: [u8; MESSAGE_HEADER], body: Bytes },
+    Send { to: SocketAddr, tag: u64, head: [u8; MESSAGE_HEADER], body: Bytes },
 }
 
 /// Counters of the plane, for diagnostics and tests.
@@ -121,6 +128,8 @@ pub struct Plane {
     stats: Arc<Mutex<HashMap<(SocketAddr, u8), LinkStats>>>,
     /// What the plane holds for each peer host, all lanes together.
     budgets: Arc<Mutex<HashMap<IpAddr, Arc<Budget>>>>,
+    /// The tunnel's byte streams on the plane.
+    streams: Arc<streams::Streams>,
 }
 
 impl std::fmt::Debug for Plane {
@@ -158,6 +167,7 @@ impl Plane {
             socket: socket.clone(),
             stats: Arc::default(),
             budgets: Arc::default(),
+            streams: Arc::default(),
         };
         for (lane, (cmd_rx, batches)) in rxs.into_iter().zip(batches).enumerate() {
             let driver = Driver {
@@ -219,12 +229,31 @@ impl Plane {
     /// the peer acknowledged every byte, and copies each fragment once, into the datagram
     /// it seals.
     pub fn send(&self, to: SocketAddr, lane: usize, op: u64, id: u64, payload: Bytes) -> Result<(), String> {
+        self.send_tagged(to, lane, TAG_DATA, op, id, payload)
+    }
+
+    /// Queues the message `[a u64 LE][b u64 LE][payload]` of `tag` for `to` on `lane`
+    /// (modulo the lanes), as [`Plane::send`].
+    pub fn send_tagged(
+        &self,
+        to: SocketAddr,
+        lane: usize,
+        tag: u64,
+        a: u64,
+        b: u64,
+        payload: Bytes,
+    ) -> Result<(), String> {
         let mut head = [0u8; MESSAGE_HEADER];
-        head[..8].copy_from_slice(&op.to_le_bytes());
-        head[8..].copy_from_slice(&id.to_le_bytes());
+        head[..8].copy_from_slice(&a.to_le_bytes());
+        head[8..].copy_from_slice(&b.to_le_bytes());
         self.cmds[lane % self.cmds.len()]
-            .send(Cmd::Send { to: super::canonical(to), head, body: payload })
+            .send(Cmd::Send { to: super::canonical(to), tag, head, body: payload })
             .map_err(|_| "the data plane stopped".to_string())
+    }
+
+    /// The tunnel's byte streams on this plane.
+    pub fn streams(&self) -> &Arc<streams::Streams> {
+        &self.streams
     }
 
     /// The messages of operation `op` from `peer`, those that came already first.
@@ -378,7 +407,7 @@ impl Driver {
             tokio::select! {
                 cmd = cmds.recv() => match cmd {
                     Some(Cmd::AddLink { conn, client }) => self.add_link(conn, client),
-                    Some(Cmd::Send { to, head, body }) => self.send(to, &head, body),
+                    Some(Cmd::Send { to, tag, head, body }) => self.send(to, tag, &head, body),
                     None => return,
                 },
                 batch = batches.recv() => match batch {
@@ -448,12 +477,12 @@ impl Driver {
         });
     }
 
-    fn send(&mut self, to: SocketAddr, head: &[u8], body: Bytes) {
+    fn send(&mut self, to: SocketAddr, tag: u64, head: &[u8], body: Bytes) {
         let Some(e) = self.links.get_mut(&to).and_then(|v| best(v)) else {
             tracing::debug!(peer = %to, "no plane link; message dropped");
             return;
         };
-        if let Err(err) = e.link.send_parts(TAG_DATA, head, body) {
+        if let Err(err) = e.link.send_parts(tag, head, body) {
             tracing::warn!(peer = %to, "plane send: {err}");
         }
     }
@@ -488,9 +517,10 @@ impl Driver {
                 Ok(r) => {
                     opened += 1;
                     e.last_heard = Some(now);
-                    let Some(r) = r.filter(|r| r.tag == TAG_DATA) else { continue };
+                    let Some(r) = r.filter(|r| kept(r.tag)) else { continue };
                     fragments.push(Fragment {
                         entry: k,
+                        tag: r.tag,
                         seq: r.seq,
                         offset: r.offset,
                         total_len: r.total_len,
@@ -557,7 +587,7 @@ impl Driver {
                 if f.complete {
                     if let Some(mut p) = e.partial.remove(&f.seq) {
                         e.budget.close(p.missing);
-                        take_message(&self.plane, batch.from, std::mem::take(&mut p.pieces));
+                        take_message(&self.plane, batch.from, f.tag, std::mem::take(&mut p.pieces));
                     }
                 }
             }
@@ -685,6 +715,8 @@ fn best(entries: &mut [Entry]) -> Option<&mut Entry> {
 struct Fragment {
     /// Which of the peer's links opened it.
     entry: usize,
+    /// Its message's tag.
+    tag: u64,
     seq: u64,
     offset: u64,
     total_len: u64,
@@ -698,11 +730,17 @@ struct Fragment {
 /// its bytes), the first of a data message if it can open within the budget; messages of
 /// other tags are not kept (the probe).
 fn admit(budget: &Budget, o: &Offer) -> bool {
-    o.tag != TAG_DATA || !o.opens || budget.open(o.total_len)
+    !kept(o.tag) || !o.opens || budget.open(o.total_len)
 }
 
-/// Hands a complete message on: its pieces in order, its header taken off.
-fn take_message(plane: &Plane, from: SocketAddr, mut pieces: Vec<(u64, Bytes)>) {
+/// Whether messages of `tag` are kept and handed on (the probe is not).
+fn kept(tag: u64) -> bool {
+    matches!(tag, TAG_DATA | TAG_STREAM | TAG_CREDIT)
+}
+
+/// Hands a complete message on: its pieces in order, its header taken off; ring data to
+/// its operation, a tunnel stream's to the stream.
+fn take_message(plane: &Plane, from: SocketAddr, tag: u64, mut pieces: Vec<(u64, Bytes)>) {
     pieces.sort_unstable_by_key(|(offset, _)| *offset);
     let mut parts: Vec<Bytes> = pieces.into_iter().map(|(_, b)| b).filter(|b| !b.is_empty()).collect();
     let mut header = [0u8; MESSAGE_HEADER];
@@ -728,5 +766,9 @@ fn take_message(plane: &Plane, from: SocketAddr, mut pieces: Vec<(u64, Bytes)>) 
     word.copy_from_slice(&header[8..]);
     let id = u64::from_le_bytes(word);
     lock(&plane.counters).messages += 1;
-    plane.deliver(from, op, (id, parts));
+    match tag {
+        TAG_STREAM => plane.streams.data(from, op, id, parts),
+        TAG_CREDIT => plane.streams.credit(from, op, id),
+        _ => plane.deliver(from, op, (id, parts)),
+    }
 }

@@ -17,7 +17,7 @@ async fn another_protocol_version_is_named() {
     cfg.bind = "127.0.0.1".parse().expect("ip");
     let (t, _events) = Transport::bind(cfg).expect("bind");
     let err = t.probe(to).await.expect_err("the handshake must fail").to_string();
-    assert!(err.contains("does not speak meshd/7") && err.contains("another meshd version"), "{err}");
+    assert!(err.contains("does not speak meshd/8") && err.contains("another meshd version"), "{err}");
     accept.abort();
 }
 
