@@ -19,7 +19,7 @@
 mod budget;
 pub mod streams;
 
-use super::socket::{DemuxSocket, PlaneBatch};
+use super::socket::{DemuxSocket, LANE_BATCH, LANE_BUF, LaneSocket, PlaneBatch, Received};
 use budget::Budget;
 pub use budget::{MAX_OPEN_PER_PEER, PEER_BUDGET};
 use bytes::Bytes;
@@ -34,6 +34,9 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
 use meshd_proto::plane::keys::{EXPORTER_LABEL, LINK_NAME_CONTEXT, exporter_context};
+/// Receive calls one wakeup of a lane's own socket makes at most before the driver looks
+/// at its other work (sends, timers).
+const OWN_READS: usize = 8;
 /// Plane message tag of ring data.
 pub const TAG_DATA: u64 = 0;
 /// Plane message tag of a link's first message.
@@ -146,10 +149,14 @@ impl Plane {
     /// Starts one driver per lane over `socket`, lane `l` reading what the socket queued
     /// in `batches[l]` (at most [`MAX_PLANE_LANES`] are used). Datagrams carry at most
     /// `max_datagram` bytes of UDP payload.
+    ///
+    /// `own`: the lanes' own sockets in the port's group ([`super::reuse`]), lane `l`'s
+    /// at `l`; a lane without one sends on the shared socket and reads its queue only.
     pub fn start(
         socket: Arc<DemuxSocket>,
         batches: Vec<mpsc::Receiver<PlaneBatch>>,
         max_datagram: usize,
+        own: Vec<LaneSocket>,
     ) -> Plane {
         let max_datagram = max_datagram.clamp(MIN_DATAGRAM, MAX_DATAGRAM);
         let mut cmds = Vec::new();
@@ -169,10 +176,14 @@ impl Plane {
             budgets: Arc::default(),
             streams: Arc::default(),
         };
+        let mut own = own.into_iter().map(Arc::new);
         for (lane, (cmd_rx, batches)) in rxs.into_iter().zip(batches).enumerate() {
             let driver = Driver {
                 lane: lane as u8,
                 socket: socket.clone(),
+                own: own.next(),
+                rbufs: Vec::new(),
+                got: Vec::new(),
                 max_datagram,
                 links: HashMap::new(),
                 plane: plane.clone(),
@@ -375,6 +386,11 @@ impl Drop for Entry {
 struct Driver {
     lane: u8,
     socket: Arc<DemuxSocket>,
+    /// This lane's own socket in the port's group, when it has one.
+    own: Option<Arc<LaneSocket>>,
+    /// Receive buffers for `own`.
+    rbufs: Vec<Vec<u8>>,
+    got: Vec<Received>,
     max_datagram: usize,
     links: HashMap<SocketAddr, Vec<Entry>>,
     plane: Plane,
@@ -396,6 +412,7 @@ fn link_keys(conn: &quinn::Connection, client: bool, lane: u8) -> Option<LinkKey
 impl Driver {
     async fn run(mut self, mut cmds: mpsc::UnboundedReceiver<Cmd>, mut batches: mpsc::Receiver<PlaneBatch>) {
         let mut prune = tokio::time::interval(Duration::from_millis(500));
+        let own = self.own.clone();
         loop {
             let deadline = self
                 .links
@@ -420,6 +437,11 @@ impl Driver {
                     }
                     None => return,
                 },
+                r = async { match &own { Some(o) => o.readable().await, None => std::future::pending().await } }, if own.is_some() => {
+                    if r.is_ok() {
+                        self.read_own();
+                    }
+                }
                 _ = async { tokio::time::sleep_until(deadline.unwrap_or_else(tokio::time::Instant::now)).await }, if deadline.is_some() => {
                     let now = Instant::now();
                     for e in self.links.values_mut().flatten() {
@@ -493,8 +515,10 @@ impl Driver {
     /// message that fills at least half of it; every other message's fragments are copied
     /// out into a buffer of their own size, so that no message keeps more than twice its
     /// bytes alive (see [`budget`]).
-    fn receive(&mut self, batch: PlaneBatch) {
-        let Some(entries) = self.links.get_mut(&batch.from) else { return };
+    ///
+    /// Returns the batch's buffer when nothing keeps it (for the next receive).
+    fn receive(&mut self, batch: PlaneBatch) -> Option<Vec<u8>> {
+        let Some(entries) = self.links.get_mut(&batch.from) else { return Some(batch.data) };
         let now = Instant::now();
         let mut data = batch.data;
         let stride = batch.stride.max(1);
@@ -542,7 +566,7 @@ impl Driver {
         c.refused += refused;
         drop(c);
         if fragments.is_empty() {
-            return;
+            return Some(data);
         }
         // The message with the most bytes here keeps the buffer if it fills half of it.
         let mut groups: Vec<((usize, u64), usize)> = Vec::new();
@@ -567,9 +591,13 @@ impl Driver {
             copied += n as u64;
             sources.push((g, budget::hold(own, &budget), true));
         }
-        if let Some(g) = keeper {
-            sources.push((g, budget::hold(data, &budget), false));
-        }
+        let spare = match keeper {
+            Some(g) => {
+                sources.push((g, budget::hold(data, &budget), false));
+                None
+            }
+            None => Some(data),
+        };
         for (g, source, own) in sources {
             let Some(e) = entries.get_mut(g.0) else { continue };
             let mut at = 0;
@@ -594,6 +622,43 @@ impl Driver {
         }
         if copied > 0 {
             lock(&self.plane.counters).copied += copied;
+        }
+        spare
+    }
+
+    /// Reads this lane's own socket (when it has one) until it is empty or a bound of
+    /// batches was read, and opens each batch in the buffer it was received in.
+    fn read_own(&mut self) {
+        let Some(own) = self.own.clone() else { return };
+        for _ in 0..OWN_READS {
+            self.rbufs.resize_with(LANE_BATCH, Vec::new);
+            let n = match own.recv(&mut self.rbufs, &mut self.got) {
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) => {
+                    tracing::debug!("plane lane {} socket: {e}", self.lane);
+                    return;
+                }
+            };
+            for i in 0..n {
+                let Received { from, stride } = self.got[i];
+                let mut data = std::mem::take(&mut self.rbufs[i]);
+                let meta = quinn::udp::RecvMeta { addr: from, len: data.len(), stride, ..Default::default() };
+                let kept = self.socket.sort(&mut data, from, stride, Some(usize::from(self.lane)), &meta);
+                data.truncate(kept);
+                let spare = if kept > 0 {
+                    self.receive(PlaneBatch { from: super::canonical(from), stride, data })
+                } else {
+                    Some(data)
+                };
+                // A buffer nothing kept serves the next read.
+                if let Some(b) = spare.filter(|b| b.capacity() >= LANE_BUF) {
+                    self.rbufs[i] = b;
+                }
+            }
+            if n < LANE_BATCH {
+                return;
+            }
         }
     }
 
@@ -655,17 +720,23 @@ impl Driver {
 
     /// Sends what every link has to send, one GSO batch at a time.
     async fn flush(&mut self) -> io::Result<()> {
-        let max_segments = self.socket.max_gso_segments().min(65_507 / self.max_datagram.max(1)).max(1);
+        let gso = self.own.as_ref().map_or_else(|| self.socket.max_gso_segments(), |o| o.max_gso_segments());
+        let max_segments = gso.min(65_507 / self.max_datagram.max(1)).max(1);
         let now = Instant::now();
         for (peer, entries) in self.links.iter_mut() {
             for e in entries.iter_mut() {
                 while let Some(t) = e.link.poll_transmit(now, &mut self.buf, max_segments) {
                     loop {
-                        match self.socket.try_send_plane(*peer, &self.buf[..t.len], t.segment_size) {
+                        let sent = match &self.own {
+                            Some(own) => own.try_send(*peer, &self.buf[..t.len], t.segment_size),
+                            None => self.socket.try_send_plane(*peer, &self.buf[..t.len], t.segment_size),
+                        };
+                        match sent {
                             Ok(()) => break,
-                            Err(err) if err.kind() == io::ErrorKind::WouldBlock => {
-                                self.socket.writable().await?
-                            }
+                            Err(err) if err.kind() == io::ErrorKind::WouldBlock => match &self.own {
+                                Some(own) => own.writable().await?,
+                                None => self.socket.writable().await?,
+                            },
                             // The peer's port is closed or the network is down: the
                             // link's loss recovery resends, as for any lost datagram.
                             Err(err) => {
