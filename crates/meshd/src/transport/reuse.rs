@@ -40,6 +40,20 @@ pub struct Bound {
 /// Binds `addr` for quinn and, when `lanes > 0`, a socket per plane lane in one steered
 /// group; on a kernel that refuses the group, quinn's socket alone.
 pub fn bind(addr: SocketAddr, lanes: usize) -> io::Result<Bound> {
+    // An ephemeral port may be taken by someone else in the moment it is released: then
+    // another one.
+    let tries = if addr.port() == 0 { 4 } else { 1 };
+    let mut last = None;
+    for _ in 0..tries {
+        match bind_once(addr, lanes) {
+            Err(e) if e.kind() == io::ErrorKind::AddrInUse && addr.port() == 0 => last = Some(e),
+            r => return r,
+        }
+    }
+    Err(last.unwrap_or_else(|| io::Error::from(io::ErrorKind::AddrInUse)))
+}
+
+fn bind_once(addr: SocketAddr, lanes: usize) -> io::Result<Bound> {
     let first = UdpSocket::bind(addr)?;
     if lanes == 0 {
         return Ok(Bound { quic: first, lanes: Vec::new(), fallback: None });
