@@ -97,7 +97,9 @@ import json, sys
 try:
     v = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
     r = v["results"][0]
-    print(f" | {r['busbw_gbs']:.3f} {r['cpu_s_per_gb']:.2f}s/GB", end="")
+    d = v.get("plane_datagrams") or {}
+    per = d.get("opened", 0) / max(d.get("batches", 0), 1)
+    print(f" | {r['busbw_gbs']:.3f} {r['cpu_s_per_gb']:.2f}s/GB {v.get('peak_rss_mib', 0):.0f}MiB {per:.0f}/batch held {d.get('held_peak', 0) / 2**20:.0f}MiB", end="")
 except Exception as e:
     print(f" | failed", end="")
 EOF

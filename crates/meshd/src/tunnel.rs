@@ -232,7 +232,7 @@ pub struct TunnelConfig {
     /// `MESHD_PRELOAD_LIB`); else meshd writes its embedded copy to `dir`.
     pub preload_lib: Option<PathBuf>,
     /// Whether tunnelled bytes may travel on the data plane where it runs
-    /// ([`plane_stream`]; `MESHD_TUNNEL_PLANE=0` turns it off).
+    /// ([`plane_stream`]; `MESHD_PLANE=0` turns the plane off altogether).
     pub plane: bool,
 }
 
@@ -734,7 +734,7 @@ pub fn start_for_round(
             .collect(),
         local_ip: me.addr.ip().to_canonical(),
         preload_lib: preload_lib.map(Path::to_path_buf),
-        plane: std::env::var("MESHD_TUNNEL_PLANE").map_or(true, |v| v != "0"),
+        plane: true,
         job_root: std::process::id() as i32,
         job_root_itself: false,
         per_peer: far::MAX_PER_PEER,
