@@ -347,7 +347,7 @@ pub async fn main(which: Which, env: &crate::env::EnvConfig) -> Result<ExitCode>
             json!({"nodes": n, "rank": rank, "lanes": lanes, "chunks_sent": if a.copy { "copied" } else { "lent" }, "dtype": "float32", "op": "sum", "results": results, "ceiling_gbs": ceiling.as_ref().map(|c| c.gbs), "ceiling_cpu_s_per_gb": ceiling.as_ref().map(|c| c.cpu_per_gb), "ceiling_datagrams_per_send": ceiling.as_ref().map(|c| c.batch.tx_per_call), "ceiling_acks_per_datagram": ceiling.as_ref().map(|c| c.batch.acks_per_rx), "ceiling_ratios": ceiling.as_ref().map(|c| c.ratios.clone()),
                 "plane_lane_packets": plane_lanes,
                 "peak_rss_mib": peak_rss_mib(),
-                "plane_datagrams": plane_counters.as_ref().map(|c| json!({"opened": c.opened, "refused": c.refused, "messages": c.messages, "unknown_source": c.unknown_source, "overflow": c.overflow, "batches": c.batches})),
+                "plane_datagrams": plane_counters.as_ref().map(|c| json!({"opened": c.opened, "refused": c.refused, "messages": c.messages, "unknown_source": c.unknown_source, "overflow": c.overflow, "batches": c.batches, "held_peak": c.held_peak, "copied": c.copied})),
                 "plane": plane.as_ref().map(|p| json!({"packets_sent": p.sender.packets_sent, "retransmitted": p.sender.retransmitted, "lost": p.sender.lost, "congestion_events": p.sender.congestion_events, "random_loss_events": p.sender.random_loss_events, "ptos": p.sender.ptos, "window": p.window, "rtt_us": p.rtt.as_micros() as u64})),
                 "path": path.map(|p| json!({"mtu": p.mtu, "rtt_us": p.rtt.as_micros() as u64, "sent_packets": p.sent_packets, "lost_packets": p.lost_packets, "congestion_events": p.congestion_events, "connections": p.connections}))})
         );

@@ -10,7 +10,8 @@
 //! destination). meshd opens a bidirectional QUIC stream to the destination node's meshd
 //! ([`Transport::open_tunnel`]), which connects to the destination locally and answers one
 //! status byte; the rank gets that status (ok, or an errno), then both meshds copy bytes
-//! both ways. End of stream is passed on as a half-close (`shutdown(SHUT_WR)` / QUIC FIN),
+//! both ways: on the QUIC stream, or as the data plane's datagrams where it is ready
+//! ([`plane_stream`]: opening, end and reset stay on the QUIC stream). End of stream is passed on as a half-close (`shutdown(SHUT_WR)` / QUIC FIN),
 //! a failure as a reset (QUIC RESET_STREAM, TCP RST on the far end; the rank's Unix socket
 //! is closed without a half-close first, which the preload library reports to the rank as
 //! ECONNRESET).
@@ -24,6 +25,7 @@
 
 mod far;
 pub mod listeners;
+mod plane_stream;
 
 use crate::transport::{TUNNEL_REQUEST_LEN, Transport, TunnelStream};
 use bytes::{Bytes, BytesMut};
@@ -233,6 +235,9 @@ pub struct TunnelConfig {
     /// The preload library the ranks load, when the user gave one (the CLI's
     /// `MESHD_PRELOAD_LIB`); else meshd writes its embedded copy to `dir`.
     pub preload_lib: Option<PathBuf>,
+    /// Whether tunnelled bytes may travel on the data plane where it runs
+    /// ([`plane_stream`]; `MESHD_PLANE=0` turns the plane off altogether).
+    pub plane: bool,
 }
 
 /// The round's other nodes as the tunnel serves them: replaced while the round runs when
@@ -395,7 +400,9 @@ impl Tunnel {
         let conns = Arc::new(Conns::default());
         let budget = Arc::new(cfg.files.map_or_else(Budget::for_this_process, Budget::new));
         let local_ip = cfg.local_ip;
+        let plane = transport.plane().filter(|_| cfg.plane).cloned();
         let far = Arc::new(far::Far {
+            plane: plane.clone(),
             ports: Arc::new(listeners::JobPorts::new(cfg.job_root, cfg.job_root_itself)),
             cfg: Arc::new(cfg),
             routes: routes.clone(),
@@ -406,6 +413,7 @@ impl Tunnel {
             per_peer: Default::default(),
         });
         let near = Near {
+            plane,
             cfg: far.cfg.clone(),
             routes: routes.clone(),
             conns: conns.clone(),
@@ -595,6 +603,8 @@ struct Near {
     cfg: Arc<TunnelConfig>,
     routes: LiveRoutes,
     conns: Arc<Conns>,
+    /// The data plane, when tunnelled bytes may use it.
+    plane: Option<crate::transport::plane::Plane>,
     transport: Transport,
     stats: Arc<TunnelStats>,
     budget: Arc<Budget>,
@@ -681,16 +691,24 @@ impl Near {
             let _ = s.write_all(&[fail(wire::REFUSED, why)]).await;
             return;
         };
+        // This end's plane stream is registered before it is offered: nothing the far end
+        // sends on the plane can come before it.
+        let mine = plane_stream::Mine::register(self.plane.as_ref(), node);
         let opened = async {
-            let (send, mut recv) =
+            let (mut send, mut recv) =
                 self.transport.open_tunnel(node, &request).await.map_err(|e| e.to_string())?;
+            send.write_all(&plane_stream::offer(mine.as_ref()).encode()).await.map_err(|e| e.to_string())?;
             let mut st = [0u8; 1];
             recv.read_exact(&mut st).await.map_err(|e| e.to_string())?;
-            Ok::<_, String>((send, recv, st[0]))
+            let mut theirs = [0u8; plane_stream::OFFER_LEN];
+            if st[0] == wire::OK {
+                recv.read_exact(&mut theirs).await.map_err(|e| e.to_string())?;
+            }
+            Ok::<_, String>((send, recv, st[0], plane_stream::Offer::decode(&theirs)))
         };
-        let (send, recv) = match tokio::time::timeout(STATUS_TIMEOUT, opened).await {
-            Ok(Ok((send, recv, wire::OK))) => (send, recv),
-            Ok(Ok((_, _, st))) => {
+        let (send, recv, theirs) = match tokio::time::timeout(STATUS_TIMEOUT, opened).await {
+            Ok(Ok((send, recv, wire::OK, theirs))) => (send, recv, theirs),
+            Ok(Ok((_, _, st, _))) => {
                 let _ = s.write_all(&[fail(st, format!("{dest}: the far end answered status {st}"))]).await;
                 return;
             }
@@ -722,7 +740,8 @@ impl Near {
         // would send first: the rank then sees its peer gone (the preload library's reset,
         // see its doc), not an end of file.
         let ends = Ends { closed: Some(fd), cut };
-        pipe(r, w, send, recv, stats, ends, tokio::net::unix::OwnedWriteHalf::forget).await;
+        let way = mine.map(|m| m.with(theirs));
+        pipe(r, w, (send, recv), way, stats, ends, tokio::net::unix::OwnedWriteHalf::forget).await;
         drop((registered, peer_permit, file_permit));
     }
 }
@@ -773,7 +792,9 @@ fn reset_on_close(tcp: &TcpStream) {
 /// Copies both ways between a local stream and a QUIC stream pair until both directions
 /// ended. End of file becomes a half-close on the other side; a failure on either side
 /// resets the other (`abort` takes the local write half; the read half, dropped last,
-/// closes the socket).
+/// closes the socket). Each direction starts with its mode byte: its bytes follow on the
+/// QUIC stream, or travel on the data plane (`way`, [`plane_stream`]) where the sender
+/// chose that.
 ///
 /// `closed`, at the near end, is the rank's socket: once the rank stopped sending, it is
 /// checked every [`HANGUP_CHECK`] for a full close (`close()`, not `shutdown(SHUT_WR)`):
@@ -785,8 +806,8 @@ fn reset_on_close(tcp: &TcpStream) {
 async fn pipe<R, W>(
     mut r: R,
     mut w: W,
-    mut send: quinn::SendStream,
-    mut recv: quinn::RecvStream,
+    quic: (quinn::SendStream, quinn::RecvStream),
+    way: Option<(plane_stream::Way, crate::transport::plane::streams::Inbox)>,
     stats: &TunnelStats,
     ends: Ends,
     abort: impl FnOnce(W),
@@ -795,9 +816,19 @@ async fn pipe<R, W>(
     W: AsyncWrite + Unpin,
 {
     let Ends { closed, mut cut } = ends;
+    let (mut send, mut recv) = quic;
     stats.active.fetch_add(1, Ordering::Relaxed);
+    let (way, inbox) = way.unzip();
+    let (mut credits, mut data) = inbox.map(|i| (i.credit, i.data)).unzip();
     let failed = {
         let up = async {
+            if let (Some(way), Some(credits)) =
+                (way.as_ref().filter(|w| w.sends_on_plane()), credits.as_mut())
+            {
+                send.write_all(&[plane_stream::MODE_PLANE]).await.map_err(|_| ())?;
+                return plane_stream::up(&mut r, &mut send, way, credits, stats).await;
+            }
+            send.write_all(&[plane_stream::MODE_STREAM]).await.map_err(|_| ())?;
             // Each read fills the rest of the block and is lent to quinn as it is (no copy
             // into its send buffer); a new block only when little room is left.
             let mut buf = BytesMut::with_capacity(BLOCK);
@@ -816,6 +847,15 @@ async fn pipe<R, W>(
             }
         };
         let down = async {
+            let mut mode = [0u8; 1];
+            recv.read_exact(&mut mode).await.map_err(|_| ())?;
+            match (mode[0], way.as_ref(), data.as_mut()) {
+                (plane_stream::MODE_STREAM, _, _) => {}
+                (plane_stream::MODE_PLANE, Some(way), Some(data)) => {
+                    return plane_stream::down(&mut w, &mut recv, way, data, stats).await;
+                }
+                _ => return Err(()),
+            }
             // quinn's received chunks (about one packet each) go to the socket as they are,
             // as many as are ready with one writev: no copy, and no write per packet.
             let mut chunks = vec![Bytes::new(); MAX_CHUNKS];
@@ -930,6 +970,7 @@ fn start_for_round(
             .collect(),
         local_ip: me.addr.ip().to_canonical(),
         preload_lib: preload_lib.map(Path::to_path_buf),
+        plane: true,
         job_root: std::process::id() as i32,
         job_root_itself: false,
         own_ports: own_ports.to_vec(),

@@ -23,6 +23,7 @@ pub mod auth;
 pub mod guard;
 pub mod outbox;
 pub mod plane;
+mod reuse;
 pub mod socket;
 mod tls;
 
@@ -107,6 +108,10 @@ pub struct TransportConfig {
     /// `MESHD_LANES`; default [`plane::default_lanes`], at most
     /// [`plane::MAX_PLANE_LANES`]). A sender uses the lanes both ends run.
     pub plane_lanes: usize,
+    /// Give each plane lane a socket of its own on the node's port (an `SO_REUSEPORT`
+    /// group steered by the datagrams' first bytes), so that the plane reads its own
+    /// datagrams; otherwise, or where the kernel refuses, they are split off from quinn's.
+    pub plane_sockets: bool,
 }
 
 impl TransportConfig {
@@ -126,6 +131,7 @@ impl TransportConfig {
             mtu: None,
             plane: true,
             plane_lanes: plane::default_lanes(),
+            plane_sockets: true,
             reliable_horizon: Duration::from_secs(30),
             send_timeout: Duration::from_secs(10),
         }
@@ -412,19 +418,34 @@ impl Transport {
         tc.mtu_discovery_config(Some(md));
         let (server, client) = tls::configs(Arc::new(tc))?;
         let addr = SocketAddr::new(cfg.bind, cfg.port);
-        let socket = std::net::UdpSocket::bind(addr).map_err(|e| bind_error(addr, e))?;
+        let lanes = if cfg.plane { cfg.plane_lanes.clamp(1, plane::MAX_PLANE_LANES) } else { 0 };
+        // quinn's socket, and one per plane lane where the kernel lets them share the port.
+        let bound =
+            reuse::bind(addr, if cfg.plane_sockets { lanes } else { 0 }).map_err(|e| bind_error(addr, e))?;
+        if let Some(why) = &bound.fallback {
+            tracing::debug!("the data plane shares quinn's socket: {why}");
+        }
+        let socket = bound.quic;
         set_socket_buffers(&socket, 16 << 20);
+        let mut lane_sockets = Vec::new();
+        for s in bound.lanes {
+            set_socket_buffers(&s, 16 << 20);
+            lane_sockets.push(socket::LaneSocket::new(s).map_err(|e| bind_error(addr, e))?);
+        }
         let runtime =
             quinn::default_runtime().ok_or_else(|| TransportError::Tls("no async runtime".into()))?;
         // One socket for QUIC and the data plane, told apart by the QUIC fixed bit, which
         // meshd's endpoints therefore never grease (docs/PROTOCOL.md, "The data plane").
         ec.grease_quic_bit(false);
-        let lanes = if cfg.plane { cfg.plane_lanes.clamp(1, plane::MAX_PLANE_LANES) } else { 0 };
         let (plane_tx, plane_rx): (Vec<_>, Vec<_>) =
             (0..lanes).map(|_| tokio::sync::mpsc::channel(socket::PLANE_QUEUE)).unzip();
         let demux = Arc::new(socket::DemuxSocket::new(socket, plane_tx).map_err(|e| bind_error(addr, e))?);
         let plane_datagram = max_payload.map_or(if cfg.bind.is_ipv6() { 1452 } else { 1472 }, usize::from);
-        let plane = cfg.plane.then(|| plane::Plane::start(demux.clone(), plane_rx, plane_datagram));
+        if !lane_sockets.is_empty() {
+            demux.set_lane_sockets();
+        }
+        let plane =
+            cfg.plane.then(|| plane::Plane::start(demux.clone(), plane_rx, plane_datagram, lane_sockets));
         let socket: Arc<dyn quinn::AsyncUdpSocket> = match max_payload {
             Some(payload) => Arc::new(GsoCapped::new(demux, payload, cfg.bind.is_ipv6())),
             None => demux,

@@ -17,8 +17,9 @@
 //! [`budget`]: past it, datagrams are dropped unacknowledged.
 
 mod budget;
+pub mod streams;
 
-use super::socket::{DemuxSocket, PlaneBatch};
+use super::socket::{DemuxSocket, LANE_BATCH, LANE_BUF, LaneSocket, PlaneBatch, Received};
 use budget::Budget;
 pub use budget::{MAX_OPEN_PER_PEER, PEER_BUDGET};
 use bytes::Bytes;
@@ -33,10 +34,19 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
 use meshd_proto::plane::keys::{EXPORTER_LABEL, LINK_NAME_CONTEXT, exporter_context};
+/// Receive calls one wakeup of a lane's own socket makes at most before the driver looks
+/// at its other work (sends, timers).
+const OWN_READS: usize = 8;
 /// Plane message tag of ring data.
 pub const TAG_DATA: u64 = 0;
 /// Plane message tag of a link's first message.
 pub const TAG_PROBE: u64 = 1;
+/// Plane message tag of a tunnel stream's bytes: `[receiver's stream id u64 LE][offset
+/// u64 LE][bytes]` ([`streams`]).
+pub const TAG_STREAM: u64 = 2;
+/// Plane message tag of a tunnel stream's credit: `[sender's stream id u64 LE][the offset
+/// it may send up to, u64 LE]` ([`streams`]).
+pub const TAG_CREDIT: u64 = 3;
 /// Bytes before the payload of a data message: op id and transfer id.
 pub const MESSAGE_HEADER: usize = 16;
 /// Operations whose messages are kept per peer before anyone asked for them: a neighbour
@@ -58,7 +68,7 @@ pub type Delivery = (u64, Vec<Bytes>);
 
 enum Cmd {
     AddLink { conn: quinn::Connection, client: bool },
-    Send { to: SocketAddr, head: [u8; MESSAGE_HEADER], body: Bytes },
+    Send { to: SocketAddr, tag: u64, head: [u8; MESSAGE_HEADER], body: Bytes },
 }
 
 /// Counters of the plane, for diagnostics and tests.
@@ -121,6 +131,8 @@ pub struct Plane {
     stats: Arc<Mutex<HashMap<(SocketAddr, u8), LinkStats>>>,
     /// What the plane holds for each peer host, all lanes together.
     budgets: Arc<Mutex<HashMap<IpAddr, Arc<Budget>>>>,
+    /// The tunnel's byte streams on the plane.
+    streams: Arc<streams::Streams>,
 }
 
 impl std::fmt::Debug for Plane {
@@ -137,10 +149,14 @@ impl Plane {
     /// Starts one driver per lane over `socket`, lane `l` reading what the socket queued
     /// in `batches[l]` (at most [`MAX_PLANE_LANES`] are used). Datagrams carry at most
     /// `max_datagram` bytes of UDP payload.
+    ///
+    /// `own`: the lanes' own sockets in the port's group ([`super::reuse`]), lane `l`'s
+    /// at `l`; a lane without one sends on the shared socket and reads its queue only.
     pub fn start(
         socket: Arc<DemuxSocket>,
         batches: Vec<mpsc::Receiver<PlaneBatch>>,
         max_datagram: usize,
+        own: Vec<LaneSocket>,
     ) -> Plane {
         let max_datagram = max_datagram.clamp(MIN_DATAGRAM, MAX_DATAGRAM);
         let mut cmds = Vec::new();
@@ -158,11 +174,16 @@ impl Plane {
             socket: socket.clone(),
             stats: Arc::default(),
             budgets: Arc::default(),
+            streams: Arc::default(),
         };
+        let mut own = own.into_iter().map(Arc::new);
         for (lane, (cmd_rx, batches)) in rxs.into_iter().zip(batches).enumerate() {
             let driver = Driver {
                 lane: lane as u8,
                 socket: socket.clone(),
+                own: own.next(),
+                rbufs: Vec::new(),
+                got: Vec::new(),
                 max_datagram,
                 links: HashMap::new(),
                 plane: plane.clone(),
@@ -219,12 +240,31 @@ impl Plane {
     /// the peer acknowledged every byte, and copies each fragment once, into the datagram
     /// it seals.
     pub fn send(&self, to: SocketAddr, lane: usize, op: u64, id: u64, payload: Bytes) -> Result<(), String> {
+        self.send_tagged(to, lane, TAG_DATA, op, id, payload)
+    }
+
+    /// Queues the message `[a u64 LE][b u64 LE][payload]` of `tag` for `to` on `lane`
+    /// (modulo the lanes), as [`Plane::send`].
+    pub fn send_tagged(
+        &self,
+        to: SocketAddr,
+        lane: usize,
+        tag: u64,
+        a: u64,
+        b: u64,
+        payload: Bytes,
+    ) -> Result<(), String> {
         let mut head = [0u8; MESSAGE_HEADER];
-        head[..8].copy_from_slice(&op.to_le_bytes());
-        head[8..].copy_from_slice(&id.to_le_bytes());
+        head[..8].copy_from_slice(&a.to_le_bytes());
+        head[8..].copy_from_slice(&b.to_le_bytes());
         self.cmds[lane % self.cmds.len()]
-            .send(Cmd::Send { to: super::canonical(to), head, body: payload })
+            .send(Cmd::Send { to: super::canonical(to), tag, head, body: payload })
             .map_err(|_| "the data plane stopped".to_string())
+    }
+
+    /// The tunnel's byte streams on this plane.
+    pub fn streams(&self) -> &Arc<streams::Streams> {
+        &self.streams
     }
 
     /// The messages of operation `op` from `peer`, those that came already first.
@@ -346,6 +386,11 @@ impl Drop for Entry {
 struct Driver {
     lane: u8,
     socket: Arc<DemuxSocket>,
+    /// This lane's own socket in the port's group, when it has one.
+    own: Option<Arc<LaneSocket>>,
+    /// Receive buffers for `own`.
+    rbufs: Vec<Vec<u8>>,
+    got: Vec<Received>,
     max_datagram: usize,
     links: HashMap<SocketAddr, Vec<Entry>>,
     plane: Plane,
@@ -367,6 +412,7 @@ fn link_keys(conn: &quinn::Connection, client: bool, lane: u8) -> Option<LinkKey
 impl Driver {
     async fn run(mut self, mut cmds: mpsc::UnboundedReceiver<Cmd>, mut batches: mpsc::Receiver<PlaneBatch>) {
         let mut prune = tokio::time::interval(Duration::from_millis(500));
+        let own = self.own.clone();
         loop {
             let deadline = self
                 .links
@@ -378,7 +424,7 @@ impl Driver {
             tokio::select! {
                 cmd = cmds.recv() => match cmd {
                     Some(Cmd::AddLink { conn, client }) => self.add_link(conn, client),
-                    Some(Cmd::Send { to, head, body }) => self.send(to, &head, body),
+                    Some(Cmd::Send { to, tag, head, body }) => self.send(to, tag, &head, body),
                     None => return,
                 },
                 batch = batches.recv() => match batch {
@@ -391,6 +437,11 @@ impl Driver {
                     }
                     None => return,
                 },
+                r = async { match &own { Some(o) => o.readable().await, None => std::future::pending().await } }, if own.is_some() => {
+                    if r.is_ok() {
+                        self.read_own();
+                    }
+                }
                 _ = async { tokio::time::sleep_until(deadline.unwrap_or_else(tokio::time::Instant::now)).await }, if deadline.is_some() => {
                     let now = Instant::now();
                     for e in self.links.values_mut().flatten() {
@@ -448,12 +499,12 @@ impl Driver {
         });
     }
 
-    fn send(&mut self, to: SocketAddr, head: &[u8], body: Bytes) {
+    fn send(&mut self, to: SocketAddr, tag: u64, head: &[u8], body: Bytes) {
         let Some(e) = self.links.get_mut(&to).and_then(|v| best(v)) else {
             tracing::debug!(peer = %to, "no plane link; message dropped");
             return;
         };
-        if let Err(err) = e.link.send_parts(TAG_DATA, head, body) {
+        if let Err(err) = e.link.send_parts(tag, head, body) {
             tracing::warn!(peer = %to, "plane send: {err}");
         }
     }
@@ -464,8 +515,10 @@ impl Driver {
     /// message that fills at least half of it; every other message's fragments are copied
     /// out into a buffer of their own size, so that no message keeps more than twice its
     /// bytes alive (see [`budget`]).
-    fn receive(&mut self, batch: PlaneBatch) {
-        let Some(entries) = self.links.get_mut(&batch.from) else { return };
+    ///
+    /// Returns the batch's buffer when nothing keeps it (for the next receive).
+    fn receive(&mut self, batch: PlaneBatch) -> Option<Vec<u8>> {
+        let Some(entries) = self.links.get_mut(&batch.from) else { return Some(batch.data) };
         let now = Instant::now();
         let mut data = batch.data;
         let stride = batch.stride.max(1);
@@ -488,9 +541,10 @@ impl Driver {
                 Ok(r) => {
                     opened += 1;
                     e.last_heard = Some(now);
-                    let Some(r) = r.filter(|r| r.tag == TAG_DATA) else { continue };
+                    let Some(r) = r.filter(|r| kept(r.tag)) else { continue };
                     fragments.push(Fragment {
                         entry: k,
+                        tag: r.tag,
                         seq: r.seq,
                         offset: r.offset,
                         total_len: r.total_len,
@@ -512,7 +566,7 @@ impl Driver {
         c.refused += refused;
         drop(c);
         if fragments.is_empty() {
-            return;
+            return Some(data);
         }
         // The message with the most bytes here keeps the buffer if it fills half of it.
         let mut groups: Vec<((usize, u64), usize)> = Vec::new();
@@ -537,9 +591,13 @@ impl Driver {
             copied += n as u64;
             sources.push((g, budget::hold(own, &budget), true));
         }
-        if let Some(g) = keeper {
-            sources.push((g, budget::hold(data, &budget), false));
-        }
+        let spare = match keeper {
+            Some(g) => {
+                sources.push((g, budget::hold(data, &budget), false));
+                None
+            }
+            None => Some(data),
+        };
         for (g, source, own) in sources {
             let Some(e) = entries.get_mut(g.0) else { continue };
             let mut at = 0;
@@ -557,13 +615,55 @@ impl Driver {
                 if f.complete {
                     if let Some(mut p) = e.partial.remove(&f.seq) {
                         e.budget.close(p.missing);
-                        take_message(&self.plane, batch.from, std::mem::take(&mut p.pieces));
+                        take_message(&self.plane, batch.from, f.tag, std::mem::take(&mut p.pieces));
                     }
                 }
             }
         }
         if copied > 0 {
             lock(&self.plane.counters).copied += copied;
+        }
+        spare
+    }
+
+    /// Reads this lane's own socket (when it has one) until it is empty or a bound of
+    /// batches was read, and opens each batch in the buffer it was received in.
+    fn read_own(&mut self) {
+        let Some(own) = self.own.clone() else { return };
+        for _ in 0..OWN_READS {
+            self.rbufs.resize_with(LANE_BATCH, Vec::new);
+            let n = match own.recv(&mut self.rbufs, &mut self.got) {
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) => {
+                    tracing::debug!("plane lane {} socket: {e}", self.lane);
+                    return;
+                }
+            };
+            for i in 0..n {
+                let Received { from, stride } = self.got[i];
+                let mut data = std::mem::take(&mut self.rbufs[i]);
+                let meta = quinn::udp::RecvMeta { addr: from, len: data.len(), stride, ..Default::default() };
+                let kept = self.socket.sort(&mut data, from, stride, Some(usize::from(self.lane)), &meta);
+                data.truncate(kept);
+                if kept > 0 && kept < data.capacity() {
+                    // What a kept buffer holds counts against the peer's budget and stays
+                    // resident: give the unused tail back (glibc shrinks in place).
+                    data.shrink_to_fit();
+                }
+                let spare = if kept > 0 {
+                    self.receive(PlaneBatch { from: super::canonical(from), stride, data })
+                } else {
+                    Some(data)
+                };
+                // A buffer nothing kept serves the next read.
+                if let Some(b) = spare.filter(|b| b.capacity() >= LANE_BUF) {
+                    self.rbufs[i] = b;
+                }
+            }
+            if n < LANE_BATCH {
+                return;
+            }
         }
     }
 
@@ -625,17 +725,23 @@ impl Driver {
 
     /// Sends what every link has to send, one GSO batch at a time.
     async fn flush(&mut self) -> io::Result<()> {
-        let max_segments = self.socket.max_gso_segments().min(65_507 / self.max_datagram.max(1)).max(1);
+        let gso = self.own.as_ref().map_or_else(|| self.socket.max_gso_segments(), |o| o.max_gso_segments());
+        let max_segments = gso.min(65_507 / self.max_datagram.max(1)).max(1);
         let now = Instant::now();
         for (peer, entries) in self.links.iter_mut() {
             for e in entries.iter_mut() {
                 while let Some(t) = e.link.poll_transmit(now, &mut self.buf, max_segments) {
                     loop {
-                        match self.socket.try_send_plane(*peer, &self.buf[..t.len], t.segment_size) {
+                        let sent = match &self.own {
+                            Some(own) => own.try_send(*peer, &self.buf[..t.len], t.segment_size),
+                            None => self.socket.try_send_plane(*peer, &self.buf[..t.len], t.segment_size),
+                        };
+                        match sent {
                             Ok(()) => break,
-                            Err(err) if err.kind() == io::ErrorKind::WouldBlock => {
-                                self.socket.writable().await?
-                            }
+                            Err(err) if err.kind() == io::ErrorKind::WouldBlock => match &self.own {
+                                Some(own) => own.writable().await?,
+                                None => self.socket.writable().await?,
+                            },
                             // The peer's port is closed or the network is down: the
                             // link's loss recovery resends, as for any lost datagram.
                             Err(err) => {
@@ -685,6 +791,8 @@ fn best(entries: &mut [Entry]) -> Option<&mut Entry> {
 struct Fragment {
     /// Which of the peer's links opened it.
     entry: usize,
+    /// Its message's tag.
+    tag: u64,
     seq: u64,
     offset: u64,
     total_len: u64,
@@ -698,11 +806,17 @@ struct Fragment {
 /// its bytes), the first of a data message if it can open within the budget; messages of
 /// other tags are not kept (the probe).
 fn admit(budget: &Budget, o: &Offer) -> bool {
-    o.tag != TAG_DATA || !o.opens || budget.open(o.total_len)
+    !kept(o.tag) || !o.opens || budget.open(o.total_len)
 }
 
-/// Hands a complete message on: its pieces in order, its header taken off.
-fn take_message(plane: &Plane, from: SocketAddr, mut pieces: Vec<(u64, Bytes)>) {
+/// Whether messages of `tag` are kept and handed on (the probe is not).
+fn kept(tag: u64) -> bool {
+    matches!(tag, TAG_DATA | TAG_STREAM | TAG_CREDIT)
+}
+
+/// Hands a complete message on: its pieces in order, its header taken off; ring data to
+/// its operation, a tunnel stream's to the stream.
+fn take_message(plane: &Plane, from: SocketAddr, tag: u64, mut pieces: Vec<(u64, Bytes)>) {
     pieces.sort_unstable_by_key(|(offset, _)| *offset);
     let mut parts: Vec<Bytes> = pieces.into_iter().map(|(_, b)| b).filter(|b| !b.is_empty()).collect();
     let mut header = [0u8; MESSAGE_HEADER];
@@ -728,5 +842,9 @@ fn take_message(plane: &Plane, from: SocketAddr, mut pieces: Vec<(u64, Bytes)>) 
     word.copy_from_slice(&header[8..]);
     let id = u64::from_le_bytes(word);
     lock(&plane.counters).messages += 1;
-    plane.deliver(from, op, (id, parts));
+    match tag {
+        TAG_STREAM => plane.streams.data(from, op, id, parts),
+        TAG_CREDIT => plane.streams.credit(from, op, id),
+        _ => plane.deliver(from, op, (id, parts)),
+    }
 }

@@ -10,16 +10,23 @@
 //! it never sees) is dropped after one table lookup, before it is copied or queued: no
 //! allocation, no cryptography, no reply, and no room taken from the member's real
 //! datagrams in the queue.
+//!
+//! Where the kernel lets the port be a group of sockets ([`super::reuse`]), each plane
+//! lane reads its own datagrams from its own socket ([`LaneSocket`]) and opens them in the
+//! buffer they were received in: nothing is copied or queued on the way. A receive batch
+//! that also holds another reader's datagrams (GRO merges datagrams of one 5-tuple) is
+//! sorted the same way from either side: QUIC datagrams found by a lane go to a short
+//! queue that quinn's receive drains first, another lane's to that lane's queue.
 
 use meshd_proto::plane::packet::link_id_of;
 use quinn::udp::{RecvMeta, Transmit, UdpSocketState};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::io::{self, IoSliceMut};
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
-use std::task::{Context, Poll, ready};
+use std::sync::{Arc, Mutex, RwLock};
+use std::task::{Context, Poll, Waker, ready};
 use tokio::io::Interest;
 use tokio::sync::mpsc;
 
@@ -30,6 +37,9 @@ pub const PLANE_QUEUE: usize = 256;
 /// Receive calls one `poll_recv` makes while every datagram it read was the plane's, before
 /// it yields to quinn's endpoint driver anyway (a flood must not hold it forever).
 const MAX_PLANE_ONLY_READS: usize = 32;
+
+/// QUIC receive batches a lane found in its socket that wait for quinn's endpoint.
+const QUIC_BACKLOG: usize = 64;
 
 /// Plane datagrams from one address, back to back: every `stride` bytes one datagram (the
 /// last may be shorter), as GRO hands them over.
@@ -65,6 +75,10 @@ pub struct SocketCounters {
     pub plane_unknown: AtomicU64,
     /// Plane datagrams dropped because the plane queue was full (or no plane runs).
     pub plane_overflow: AtomicU64,
+    /// QUIC datagrams a plane lane's socket received and passed on to quinn.
+    pub quic_passed: AtomicU64,
+    /// QUIC datagrams a plane lane's socket received and dropped (quinn's backlog full).
+    pub quic_dropped: AtomicU64,
 }
 
 /// The UDP socket quinn and the data plane share.
@@ -77,6 +91,12 @@ pub struct DemuxSocket {
     routes: RwLock<HashMap<u64, Route>>,
     /// One queue per plane lane (datagrams of lane `l` go to queue `l % len`).
     plane_tx: Vec<mpsc::Sender<PlaneBatch>>,
+    /// QUIC datagrams the plane lanes' sockets received, for quinn's next receive.
+    quic_backlog: Mutex<VecDeque<(Vec<u8>, RecvMeta)>>,
+    /// quinn's endpoint task, woken when the backlog gets something.
+    quic_waker: Mutex<Option<Waker>>,
+    /// Whether plane lanes read sockets of their own (then the backlog is looked at).
+    lane_sockets: std::sync::atomic::AtomicBool,
     /// What happened to plane datagrams.
     pub counters: SocketCounters,
 }
@@ -93,8 +113,16 @@ impl DemuxSocket {
             state,
             routes: RwLock::new(HashMap::new()),
             plane_tx,
+            quic_backlog: Mutex::new(VecDeque::new()),
+            quic_waker: Mutex::new(None),
+            lane_sockets: std::sync::atomic::AtomicBool::new(false),
             counters: SocketCounters::default(),
         })
+    }
+
+    /// Says that plane lanes read sockets of their own, which may pass QUIC datagrams on.
+    pub fn set_lane_sockets(&self) {
+        self.lane_sockets.store(true, Ordering::Relaxed);
     }
 
     /// Lets plane datagrams of link id `id` from `addr` through, to the queue of `lane`.
@@ -142,86 +170,154 @@ impl DemuxSocket {
     /// QUIC bytes are left for quinn.
     fn split(&self, bufs: &mut [IoSliceMut<'_>], meta: &mut [RecvMeta], n: usize) -> bool {
         let mut any_quic = false;
-        let queues = self.plane_tx.len();
         for (buf, m) in bufs.iter_mut().zip(meta.iter_mut()).take(n) {
-            let stride = m.stride.max(1);
             let len = m.len.min(buf.len());
-            let plane_segments =
-                buf[..len].chunks(stride).filter(|d| meshd_proto::plane::is_plane_datagram(d[0])).count();
-            if plane_segments == 0 {
-                any_quic |= len > 0;
-                continue;
+            let stride = m.stride.max(1);
+            m.len = self.sort(&mut buf[..len], m.addr, stride, None, m);
+            any_quic |= m.len > 0;
+        }
+        any_quic
+    }
+
+    /// Sorts one receive batch (`len` bytes of datagrams of `stride` bytes, the last
+    /// possibly shorter) read by quinn (`keep` `None`) or by the plane lane whose queue is
+    /// `keep`: the reader's own datagrams are moved together at the front (in order; in
+    /// place, without a copy when they are all its own), the others leave: plane
+    /// datagrams that no link expects from `from` are dropped, other plane datagrams are
+    /// copied to their lane's queue, QUIC datagrams a lane read to quinn's backlog. Returns
+    /// the length kept. `meta` is the batch's (for quinn's backlog).
+    pub fn sort(
+        &self,
+        buf: &mut [u8],
+        from: SocketAddr,
+        stride: usize,
+        keep: Option<usize>,
+        meta: &RecvMeta,
+    ) -> usize {
+        let len = buf.len();
+        let queues = self.plane_tx.len();
+        // The common cases first: all QUIC for quinn.
+        if keep.is_none() && !buf.chunks(stride).any(|d| meshd_proto::plane::is_plane_datagram(d[0])) {
+            return len;
+        }
+        let from = super::canonical(from);
+        let routes = self.routes.read().unwrap_or_else(|p| p.into_inner());
+        // The queue of each plane datagram, if any link expects it (one lookup per run of
+        // datagrams of one link id: a GRO batch is mostly one link's).
+        let mut last: Option<(u64, Option<usize>)> = None;
+        let mut queue_of = |d: &[u8]| -> Option<usize> {
+            let id = link_id_of(d)?;
+            if let Some((_, q)) = last.filter(|(l, _)| *l == id) {
+                return q;
             }
-            let segments = len.div_ceil(stride);
-            if queues == 0 {
-                self.counters.plane_overflow.fetch_add(plane_segments as u64, Ordering::Relaxed);
-            } else {
-                let from = super::canonical(m.addr);
-                let routes = self.routes.read().unwrap_or_else(|p| p.into_inner());
-                // The queue each segment goes to, if any link expects it (one lookup per
-                // run of segments of one link id: a GRO batch is mostly one link's).
-                let mut last: Option<(u64, Option<usize>)> = None;
-                let mut queue_of = |d: &[u8]| -> Option<usize> {
-                    let id = link_id_of(d)?;
-                    if let Some((_, q)) = last.filter(|(l, _)| *l == id) {
-                        return q;
+            let q = routes
+                .get(&id)
+                .filter(|r| r.addr == from && queues > 0)
+                .map(|r| (usize::from(r.lane) % queues).min(super::plane::MAX_PLANE_LANES - 1));
+            last = Some((id, q));
+            q
+        };
+        let mut kept = 0;
+        let (mut unknown, mut kept_plane) = (0u64, 0u64);
+        let mut others: Vec<Option<(Vec<u8>, u64)>> = Vec::new();
+        let mut quic_out: Option<Vec<u8>> = None;
+        for start in (0..len).step_by(stride) {
+            let end = (start + stride).min(len);
+            let d = &buf[start..end];
+            let mine = if meshd_proto::plane::is_plane_datagram(d[0]) {
+                match queue_of(d) {
+                    None => {
+                        unknown += 1;
+                        continue;
                     }
-                    let q = routes.get(&id).filter(|r| r.addr == from).map(|r| usize::from(r.lane) % queues);
-                    last = Some((id, q));
-                    q
-                };
-                let mut counts = [0usize; super::plane::MAX_PLANE_LANES];
-                let mut unknown = 0u64;
-                for d in buf[..len].chunks(stride).filter(|d| meshd_proto::plane::is_plane_datagram(d[0])) {
-                    match queue_of(d) {
-                        Some(q) => counts[q.min(counts.len() - 1)] += 1,
-                        None => unknown += 1,
+                    Some(q) if Some(q) == keep => {
+                        kept_plane += 1;
+                        true
                     }
-                }
-                if unknown > 0 {
-                    self.counters.plane_unknown.fetch_add(unknown, Ordering::Relaxed);
-                }
-                // One batch per lane queue, of exactly its datagrams' size (the plane counts
-                // what it keeps by allocation). A shorter segment can only be the batch's
-                // last one: each batch of plane datagrams keeps the GSO rule.
-                let mut batches: Vec<Option<Vec<u8>>> = vec![None; queues];
-                for d in buf[..len].chunks(stride).filter(|d| meshd_proto::plane::is_plane_datagram(d[0])) {
-                    let Some(q) = queue_of(d) else { continue };
-                    let q = q.min(counts.len() - 1);
-                    batches[q]
-                        .get_or_insert_with(|| Vec::with_capacity(counts[q] * stride))
-                        .extend_from_slice(d);
-                }
-                drop(routes);
-                for (q, data) in batches.into_iter().enumerate() {
-                    let Some(data) = data else { continue };
-                    let batch = PlaneBatch { from, stride, data };
-                    match self.plane_tx[q].try_send(batch) {
-                        Ok(()) => {
-                            self.counters.plane_batches.fetch_add(1, Ordering::Relaxed);
-                            self.counters.plane_queued.fetch_add(counts[q] as u64, Ordering::Relaxed)
+                    Some(q) => {
+                        if others.len() <= q {
+                            others.resize_with(q + 1, || None);
                         }
-                        Err(_) => self.counters.plane_overflow.fetch_add(counts[q] as u64, Ordering::Relaxed),
-                    };
+                        let (v, k) = others[q].get_or_insert_with(|| (Vec::with_capacity(len), 0));
+                        v.extend_from_slice(d);
+                        *k += 1;
+                        false
+                    }
                 }
-            }
-            // Keep the QUIC datagrams, in order, at the front.
-            let mut kept = 0;
-            for s in 0..segments {
-                let start = s * stride;
-                let end = (start + stride).min(len);
-                if meshd_proto::plane::is_plane_datagram(buf[start]) {
-                    continue;
-                }
+            } else if keep.is_none() {
+                true
+            } else {
+                quic_out.get_or_insert_with(|| Vec::with_capacity(len)).extend_from_slice(d);
+                false
+            };
+            if mine {
                 if start != kept {
                     buf.copy_within(start..end, kept);
                 }
                 kept += end - start;
             }
-            m.len = kept;
-            any_quic |= kept > 0;
         }
-        any_quic
+        drop(routes);
+        let c = &self.counters;
+        if unknown > 0 && queues == 0 {
+            // No plane runs: its datagrams have nowhere to go.
+            c.plane_overflow.fetch_add(unknown, Ordering::Relaxed);
+        } else if unknown > 0 {
+            c.plane_unknown.fetch_add(unknown, Ordering::Relaxed);
+        }
+        if kept_plane > 0 {
+            c.plane_batches.fetch_add(1, Ordering::Relaxed);
+            c.plane_queued.fetch_add(kept_plane, Ordering::Relaxed);
+        }
+        for (q, o) in others.into_iter().enumerate() {
+            let Some((data, k)) = o else { continue };
+            // One batch per lane queue, of exactly its datagrams' size (the plane counts
+            // what it keeps by allocation); a shorter datagram can only be the last.
+            let mut data = data;
+            data.shrink_to_fit();
+            match self.plane_tx[q].try_send(PlaneBatch { from, stride, data }) {
+                Ok(()) => {
+                    c.plane_batches.fetch_add(1, Ordering::Relaxed);
+                    c.plane_queued.fetch_add(k, Ordering::Relaxed)
+                }
+                Err(_) => c.plane_overflow.fetch_add(k, Ordering::Relaxed),
+            };
+        }
+        if let Some(data) = quic_out {
+            let n = data.len().div_ceil(stride) as u64;
+            let mut m = *meta;
+            m.len = data.len();
+            m.stride = stride;
+            let mut backlog = self.quic_backlog.lock().unwrap_or_else(|p| p.into_inner());
+            if backlog.len() < QUIC_BACKLOG {
+                backlog.push_back((data, m));
+                drop(backlog);
+                c.quic_passed.fetch_add(n, Ordering::Relaxed);
+                if let Some(w) = self.quic_waker.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                    w.wake();
+                }
+            } else {
+                c.quic_dropped.fetch_add(n, Ordering::Relaxed);
+            }
+        }
+        kept
+    }
+
+    /// Moves what the lanes passed on into quinn's buffers; how many it filled.
+    fn drain_backlog(&self, bufs: &mut [IoSliceMut<'_>], meta: &mut [RecvMeta]) -> usize {
+        let mut backlog = self.quic_backlog.lock().unwrap_or_else(|p| p.into_inner());
+        let mut n = 0;
+        while n < bufs.len().min(meta.len()) {
+            let Some((data, m)) = backlog.pop_front() else { break };
+            if data.len() > bufs[n].len() {
+                self.counters.quic_dropped.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            bufs[n][..data.len()].copy_from_slice(&data);
+            meta[n] = m;
+            n += 1;
+        }
+        n
     }
 }
 
@@ -240,6 +336,14 @@ impl quinn::AsyncUdpSocket for DemuxSocket {
         bufs: &mut [IoSliceMut<'_>],
         meta: &mut [RecvMeta],
     ) -> Poll<io::Result<usize>> {
+        if self.lane_sockets.load(Ordering::Relaxed) {
+            // Register before looking, so that a lane's push after the look wakes us.
+            *self.quic_waker.lock().unwrap_or_else(|p| p.into_inner()) = Some(cx.waker().clone());
+            let n = self.drain_backlog(bufs, meta);
+            if n > 0 {
+                return Poll::Ready(Ok(n));
+            }
+        }
         let mut plane_only = 0;
         loop {
             ready!(self.io.poll_recv_ready(cx))?;
@@ -273,6 +377,161 @@ impl quinn::AsyncUdpSocket for DemuxSocket {
     fn max_receive_segments(&self) -> usize {
         self.state.gro_segments()
     }
+}
+
+/// A plane lane's own socket in the port's group ([`super::reuse`]): its driver reads its
+/// datagrams straight into buffers it then owns, and sends on it.
+#[derive(Debug)]
+pub struct LaneSocket {
+    io: tokio::net::UdpSocket,
+    state: UdpSocketState,
+}
+
+/// A receive batch read by [`LaneSocket::recv`]: where from, and the size of each
+/// datagram but the last.
+#[derive(Debug, Clone, Copy)]
+pub struct Received {
+    /// The sender.
+    pub from: SocketAddr,
+    /// GRO's segment size (the whole length for a single datagram).
+    pub stride: usize,
+}
+
+/// Receive buffers one [`LaneSocket::recv`] fills at most.
+pub const LANE_BATCH: usize = 16;
+/// Size of each receive buffer: the largest GRO batch.
+pub const LANE_BUF: usize = 1 << 16;
+
+impl LaneSocket {
+    /// Wraps a bound socket (GSO and GRO as quinn sets them up).
+    pub fn new(socket: std::net::UdpSocket) -> io::Result<LaneSocket> {
+        socket.set_nonblocking(true)?;
+        let state = UdpSocketState::new((&socket).into())?;
+        Ok(LaneSocket { io: tokio::net::UdpSocket::from_std(socket)?, state })
+    }
+
+    /// Sends `contents` to `to` as datagrams of `segment_size` bytes (one GSO send).
+    pub fn try_send(&self, to: SocketAddr, contents: &[u8], segment_size: usize) -> io::Result<()> {
+        let transmit = Transmit {
+            destination: to,
+            ecn: None,
+            contents,
+            segment_size: (contents.len() > segment_size).then_some(segment_size),
+            src_ip: None,
+        };
+        self.io.try_io(Interest::WRITABLE, || self.state.send((&self.io).into(), &transmit))
+    }
+
+    /// Waits until the socket may take a send again.
+    pub async fn writable(&self) -> io::Result<()> {
+        self.io.writable().await
+    }
+
+    /// Waits until something may be read.
+    pub async fn readable(&self) -> io::Result<()> {
+        self.io.readable().await
+    }
+
+    /// Most datagrams one send may carry.
+    pub fn max_gso_segments(&self) -> usize {
+        self.state.max_gso_segments()
+    }
+
+    /// Reads receive batches into `bufs` (each given [`LANE_BUF`] bytes of capacity; its
+    /// length becomes what was read) without waiting; fills `got` with where each came
+    /// from. `WouldBlock` when nothing is there.
+    pub fn recv(&self, bufs: &mut [Vec<u8>], got: &mut Vec<Received>) -> io::Result<usize> {
+        got.clear();
+        self.io.try_io(Interest::READABLE, || recv_batches(&self.io, bufs, got))
+    }
+}
+
+/// recvmmsg(2) into the spare capacity of `bufs` (no `&mut [u8]` over memory the kernel
+/// has not written: the iovecs are raw pointers, and each length is set to what it wrote).
+fn recv_batches(
+    io: &tokio::net::UdpSocket,
+    bufs: &mut [Vec<u8>],
+    got: &mut Vec<Received>,
+) -> io::Result<usize> {
+    use std::os::fd::AsRawFd;
+    const CMSG: usize = 64;
+    let n = bufs.len().min(LANE_BATCH);
+    // SAFETY: plain-old-data structs, zeroed is a valid value for each.
+    let mut names: [libc::sockaddr_storage; LANE_BATCH] = unsafe { std::mem::zeroed() };
+    let mut iovs: [libc::iovec; LANE_BATCH] = unsafe { std::mem::zeroed() };
+    let mut ctrl = [[0u64; CMSG / 8]; LANE_BATCH];
+    let mut hdrs: [libc::mmsghdr; LANE_BATCH] = unsafe { std::mem::zeroed() };
+    for i in 0..n {
+        let b = &mut bufs[i];
+        b.clear();
+        b.reserve(LANE_BUF);
+        iovs[i] = libc::iovec { iov_base: b.as_mut_ptr().cast(), iov_len: b.capacity() };
+        let h = &mut hdrs[i].msg_hdr;
+        h.msg_name = (&mut names[i] as *mut libc::sockaddr_storage).cast();
+        h.msg_namelen = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+        h.msg_iov = &mut iovs[i];
+        h.msg_iovlen = 1;
+        h.msg_control = ctrl[i].as_mut_ptr().cast();
+        h.msg_controllen = CMSG as _;
+    }
+    // SAFETY: `n` valid mmsghdrs whose buffers (iovecs, names, control) live until return.
+    let r = unsafe {
+        libc::recvmmsg(
+            io.as_raw_fd(),
+            hdrs.as_mut_ptr(),
+            n as libc::c_uint,
+            libc::MSG_DONTWAIT,
+            std::ptr::null_mut(),
+        )
+    };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let r = r as usize;
+    for i in 0..r {
+        let len = hdrs[i].msg_len as usize;
+        // SAFETY: the kernel wrote `len` bytes (at most the capacity) at the start.
+        unsafe { bufs[i].set_len(len.min(bufs[i].capacity())) };
+        let mut stride = len;
+        let h = &hdrs[i].msg_hdr;
+        // SAFETY: walking the control messages the kernel wrote into `ctrl[i]`.
+        unsafe {
+            let mut c = libc::CMSG_FIRSTHDR(h);
+            while !c.is_null() {
+                if (*c).cmsg_level == libc::SOL_UDP && (*c).cmsg_type == libc::UDP_GRO {
+                    let v = std::ptr::read_unaligned(libc::CMSG_DATA(c).cast::<libc::c_int>());
+                    if v > 0 {
+                        stride = v as usize;
+                    }
+                }
+                c = libc::CMSG_NXTHDR(h, c);
+            }
+        }
+        let from = match names[i].ss_family as libc::c_int {
+            libc::AF_INET => {
+                // SAFETY: the family says it is a sockaddr_in.
+                let a = unsafe { &*(&names[i] as *const libc::sockaddr_storage).cast::<libc::sockaddr_in>() };
+                SocketAddr::new(
+                    std::net::Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr)).into(),
+                    u16::from_be(a.sin_port),
+                )
+            }
+            libc::AF_INET6 => {
+                // SAFETY: the family says it is a sockaddr_in6.
+                let a =
+                    unsafe { &*(&names[i] as *const libc::sockaddr_storage).cast::<libc::sockaddr_in6>() };
+                SocketAddr::V6(std::net::SocketAddrV6::new(
+                    a.sin6_addr.s6_addr.into(),
+                    u16::from_be(a.sin6_port),
+                    a.sin6_flowinfo,
+                    a.sin6_scope_id,
+                ))
+            }
+            _ => SocketAddr::from(([0, 0, 0, 0], 0)),
+        };
+        got.push(Received { from, stride: stride.max(1) });
+    }
+    Ok(r)
 }
 
 /// Tells quinn when the shared socket may take a send again.

@@ -13,7 +13,7 @@
 //!   the node has an open file to spare ([`super::Budget`]).
 
 use super::listeners::{JobPorts, PortCheck};
-use super::{Budget, TunnelConfig, TunnelStats, pipe, reset_on_close, wire};
+use super::{Budget, TunnelConfig, TunnelStats, pipe, plane_stream, reset_on_close, wire};
 use crate::transport::TunnelStream;
 use crate::transport::guard::LogOnce;
 use meshd_proto::NodeId;
@@ -89,6 +89,8 @@ pub(super) struct Far {
     pub cfg: Arc<TunnelConfig>,
     pub routes: super::LiveRoutes,
     pub conns: Arc<super::Conns>,
+    /// The data plane, when tunnelled bytes may use it.
+    pub plane: Option<crate::transport::plane::Plane>,
     pub stats: Arc<TunnelStats>,
     pub ports: Arc<JobPorts>,
     pub budget: Arc<Budget>,
@@ -202,10 +204,20 @@ async fn serve(mut t: TunnelStream, far: &Far) {
             return;
         }
     };
-    if tokio::time::timeout(REFUSE_TIMEOUT, t.send.write_all(&[wire::OK])).await.map_or(true, |r| r.is_err())
-    {
+    // The near end's offer (sent with its request), then this end's with the status;
+    // this end's plane stream is registered before it is offered.
+    let mut theirs = [0u8; plane_stream::OFFER_LEN];
+    if !matches!(tokio::time::timeout(REFUSE_TIMEOUT, t.recv.read_exact(&mut theirs)).await, Ok(Ok(()))) {
         return;
     }
+    let mine = plane_stream::Mine::register(far.plane.as_ref(), t.from);
+    let mut answer = [0u8; 1 + plane_stream::OFFER_LEN];
+    answer[0] = wire::OK;
+    answer[1..].copy_from_slice(&plane_stream::offer(mine.as_ref()).encode());
+    if tokio::time::timeout(REFUSE_TIMEOUT, t.send.write_all(&answer)).await.map_or(true, |r| r.is_err()) {
+        return;
+    }
+    let way = mine.map(|m| m.with(plane_stream::Offer::decode(&theirs)));
     let _ = tcp.set_nodelay(true);
     far.stats.served.fetch_add(1, Ordering::Relaxed);
     let (r, w) = tcp.into_split();
@@ -213,7 +225,7 @@ async fn serve(mut t: TunnelStream, far: &Far) {
     // A failure is passed on as TCP RST: linger 0, then close (without the FIN a dropped
     // write half would send first).
     let ends = super::Ends { closed: None, cut };
-    pipe(r, w, t.send, t.recv, &far.stats, ends, |w: tokio::net::tcp::OwnedWriteHalf| {
+    pipe(r, w, (t.send, t.recv), way, &far.stats, ends, |w: tokio::net::tcp::OwnedWriteHalf| {
         reset_on_close(w.as_ref());
         w.forget();
     })

@@ -80,6 +80,7 @@ fn pair_with(name: &str, b_listeners_are_the_jobs: bool) -> Pair {
         own_ports: Vec::new(),
         per_peer: if me == 0 { 3 } else { 2 },
         files: None,
+        plane: true,
     };
     let start = |d: &PathBuf, me: usize| {
         Tunnel::start(
@@ -480,4 +481,82 @@ async fn a_node_that_joins_the_running_job_is_let_in_and_listed() {
     let env = p.a.env(None);
     let listed = p.a.peers_file.display().to_string();
     assert!(env.iter().any(|(k, v)| k == "MESHD_TUNNEL_PEERS_FILE" && *v == listed), "{env:?}");
+}
+
+/// Writes `n` bytes of a pattern seeded by `seed` to `w` in uneven writes, then half-closes.
+async fn write_pattern<W: AsyncWrite + Unpin>(mut w: W, n: usize, seed: u8) -> W {
+    let data: Vec<u8> = (0..n).map(|i| (i % 251) as u8 ^ seed).collect();
+    let mut at = 0;
+    let mut step = 1;
+    while at < n {
+        let k = step.min(n - at);
+        w.write_all(&data[at..at + k]).await.expect("write");
+        at += k;
+        step = (step * 7 + 13) % 300_000 + 1;
+    }
+    w.shutdown().await.expect("half-close");
+    w
+}
+
+/// Reads to the end of file and checks the pattern.
+async fn read_pattern<R: AsyncRead + Unpin>(mut r: R, n: usize, seed: u8) -> R {
+    let mut got = Vec::new();
+    tokio::time::timeout(Duration::from_secs(60), r.read_to_end(&mut got))
+        .await
+        .expect("no hang")
+        .expect("read");
+    assert_eq!(got.len(), n);
+    assert!(got.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8 ^ seed), "bytes out of order");
+    r
+}
+
+/// Once the data plane is ready between the nodes, a tunnelled connection's bytes travel
+/// on it both ways (more than a window's worth, so credit must come back), in order, with
+/// half-closes; a far reset still reaches the near end.
+#[tokio::test]
+async fn bytes_travel_on_the_data_plane_in_order_with_half_closes() {
+    let p = pair("plane");
+    let listener = TcpListener::bind("127.0.0.2:0").await.expect("listen");
+    let dest = listener.local_addr().expect("addr");
+    // A first connection makes the data connection (and its plane links).
+    let (u, st) = open(&p, dest).await;
+    assert_eq!(st, wire::OK);
+    let (srv, _) = listener.accept().await.expect("accept");
+    drop((u, srv));
+    let (ta, tb) = (&p._transports[0], &p._transports[1]);
+    let (pa, pb) = (ta.plane().expect("plane a"), tb.plane().expect("plane b"));
+    assert!(pa.wait_ready(tb.local_addr(), Duration::from_secs(10)).await, "a's plane to b");
+    assert!(pb.wait_ready(ta.local_addr(), Duration::from_secs(10)).await, "b's plane to a");
+    let before = (pa.counters().messages, pb.counters().messages);
+
+    let n = 3 * plane_stream::WINDOW as usize + 12_345;
+    let (u, st) = open(&p, dest).await;
+    assert_eq!(st, wire::OK);
+    let (srv, _) = listener.accept().await.expect("accept");
+    let (ur, uw) = u.into_split();
+    let (sr, sw) = srv.into_split();
+    let (_, _, _, _) = tokio::join!(
+        write_pattern(uw, n, 1),
+        read_pattern(sr, n, 1),
+        write_pattern(sw, n / 2, 2),
+        read_pattern(ur, n / 2, 2)
+    );
+    let after = (pa.counters().messages, pb.counters().messages);
+    assert!(after.0 > before.0 && after.1 > before.1, "no bytes on the plane: {before:?} {after:?}");
+
+    // The far application resets: the near end's socket ends, plane or not.
+    let (mut u, st) = open(&p, dest).await;
+    assert_eq!(st, wire::OK);
+    let (mut srv, _) = listener.accept().await.expect("accept");
+    u.write_all(&[7; 100_000]).await.expect("write");
+    let mut some = [0u8; 1000];
+    srv.read_exact(&mut some).await.expect("far end reads");
+    reset_on_close(&srv);
+    drop(srv);
+    let mut rest = Vec::new();
+    let end = tokio::time::timeout(Duration::from_secs(10), u.read_to_end(&mut rest)).await.expect("no hang");
+    assert!(end.is_err() || rest.is_empty(), "{end:?} {rest:?}");
+    // Nothing left registered once the connections ended.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(format!("{:?}", pa.streams()).contains("registered: 0"), "{:?}", pa.streams());
 }
