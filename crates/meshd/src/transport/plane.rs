@@ -646,11 +646,6 @@ impl Driver {
                 let meta = quinn::udp::RecvMeta { addr: from, len: data.len(), stride, ..Default::default() };
                 let kept = self.socket.sort(&mut data, from, stride, Some(usize::from(self.lane)), &meta);
                 data.truncate(kept);
-                if kept > 0 && kept < data.capacity() {
-                    // What a kept buffer holds counts against the peer's budget and stays
-                    // resident: give the unused tail back (glibc shrinks in place).
-                    data.shrink_to_fit();
-                }
                 let spare = if kept > 0 {
                     self.receive(PlaneBatch { from: super::canonical(from), stride, data })
                 } else {
