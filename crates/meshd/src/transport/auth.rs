@@ -230,37 +230,54 @@ impl Refusal {
     /// The reason as the refusing node logs it ("peer X failed authentication: ..."), where
     /// "it" is the peer. `peer_version` is the version the peer announced.
     pub fn here(&self, peer_version: u16) -> String {
-        match self {
-            Refusal::DifferentToken => {
-                format!("different token: it holds another token than this node ({SAME_TOKEN})")
-            }
-            Refusal::NoToken => format!("it has no token; this node has one ({SAME_TOKEN})"),
-            Refusal::UnexpectedToken => format!("it holds a token; this node has none ({SAME_TOKEN})"),
-            Refusal::OtherRun => format!("it belongs to another job: {}", other_run_hint()),
-            Refusal::Version(v) => format!("it speaks meshd protocol v{peer_version}, this node v{v}"),
-            Refusal::Itself => "it is this node itself (same node id)".into(),
-            Refusal::Other(s) => s.clone(),
-        }
+        let own_version = match self {
+            Refusal::Version(v) => *v,
+            _ => 0,
+        };
+        let itself = "it is this node itself (same node id)";
+        self.words("it", ("it", "this node"), (peer_version, own_version), itself)
     }
 
     /// The reason as the refused node logs it ("peer X refused this node: failed
     /// authentication: ..."), naming the refusing `peer`; `own_version` is this node's.
     pub fn there(&self, peer: std::net::IpAddr, own_version: u16) -> String {
+        let peer_version = match self {
+            Refusal::Version(v) => *v,
+            _ => 0,
+        };
+        let peer = peer.to_string();
+        let itself = format!("{peer} has this node's own id");
+        self.words(&peer, ("this node", &peer), (peer_version, own_version), &itself)
+    }
+
+    /// The reason in the words of one end: `far` names the other end, `refused` and
+    /// `refusing` the two ends, `far_version` and `own_version` what each speaks; `itself`
+    /// is the words for [`Refusal::Itself`].
+    fn words(
+        &self,
+        far: &str,
+        (refused, refusing): (&str, &str),
+        (far_version, own_version): (u16, u16),
+        itself: &str,
+    ) -> String {
         match self {
             Refusal::DifferentToken => {
-                format!("different token: {peer} holds another token than this node ({SAME_TOKEN})")
+                format!("different token: {far} holds another token than this node ({SAME_TOKEN})")
             }
-            Refusal::NoToken => format!("this node has no token; {peer} has one ({SAME_TOKEN})"),
-            Refusal::UnexpectedToken => format!("this node holds a token; {peer} has none ({SAME_TOKEN})"),
-            Refusal::OtherRun => format!("{peer} belongs to another job: {}", other_run_hint()),
-            Refusal::Version(v) => format!("{peer} speaks meshd protocol v{v}, this node v{own_version}"),
-            Refusal::Itself => format!("{peer} has this node's own id"),
+            Refusal::NoToken => format!("{refused} has no token; {refusing} has one ({SAME_TOKEN})"),
+            Refusal::UnexpectedToken => {
+                format!("{refused} holds a token; {refusing} has none ({SAME_TOKEN})")
+            }
+            Refusal::OtherRun => format!("{far} belongs to another job: {}", other_run_hint()),
+            Refusal::Version(_) => {
+                format!("{far} speaks meshd protocol v{far_version}, this node v{own_version}")
+            }
+            Refusal::Itself => itself.into(),
             Refusal::Other(s) => s.clone(),
         }
     }
 }
 
-/// What separates runs, and what to do when two jobs meet.
 fn other_run_hint() -> &'static str {
     "its run id differs from this node's (the run id is --run-id, else derived from SLURM_JOB_ID \
      only); another job with the same token uses these nodes: give each job its own --run-id"
