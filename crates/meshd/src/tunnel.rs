@@ -45,22 +45,14 @@ use tracing::{debug, info, warn};
 /// `libmeshd_preload.so`, built from crates/meshd-preload by build.rs.
 pub const PRELOAD: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/libmeshd_preload.so"));
 
-/// The request's wire (the same constants as crates/meshd-preload, which cannot be a
-/// dependency: it exports `connect`).
-mod wire {
-    pub const MAGIC: [u8; 2] = *b"MT";
-    pub const VERSION: u8 = 1;
-    /// On the tunnel socket only: the request is followed by [`PAD`] bytes, read after the
-    /// status is written (until then the rank's socket polls not writable, as a TCP socket
-    /// whose connect is in progress). Forwarded to the far end as [`VERSION`].
-    pub const VERSION_PADDED: u8 = 2;
-    pub const PAD: usize = 2048;
-    pub const OK: u8 = 0;
-    pub const REFUSED: u8 = 1;
-    pub const UNREACHABLE: u8 = 2;
-    pub const TIMED_OUT: u8 = 3;
-    pub const FAILED: u8 = 4;
-}
+/// The request's wire: crates/meshd-preload's own file, compiled here too (that crate
+/// cannot be a dependency: it exports `connect`). On the tunnel socket a request comes
+/// marked [`wire::VERSION_PADDED`] and is forwarded to the far end as [`wire::VERSION`].
+#[path = "../../meshd-preload/src/wire.rs"]
+#[allow(dead_code)] // the library's side (padded requests, its peers variable) unused here
+mod wire;
+
+const _: () = assert!(TUNNEL_REQUEST_LEN == wire::REQUEST_LEN);
 
 /// QUIC stream error code of a tunnelled connection that failed (reset).
 const RESET: u32 = 1;
@@ -115,37 +107,7 @@ async fn write_all_chunks<W: AsyncWrite + Unpin>(w: &mut W, chunks: &mut [Bytes]
     Ok(())
 }
 
-/// The request for `dest` (what the preload library sends).
-pub fn encode_request(dest: SocketAddr) -> [u8; TUNNEL_REQUEST_LEN] {
-    let mut r = [0u8; TUNNEL_REQUEST_LEN];
-    r[..2].copy_from_slice(&wire::MAGIC);
-    r[2] = wire::VERSION;
-    let (family, ip) = match dest.ip() {
-        IpAddr::V4(v4) => (4, v4.to_ipv6_mapped()),
-        IpAddr::V6(v6) => (6, v6),
-    };
-    r[3] = family;
-    r[4..6].copy_from_slice(&dest.port().to_be_bytes());
-    r[6..22].copy_from_slice(&ip.octets());
-    r
-}
-
-/// Decodes a request: the destination, or `None`.
-pub fn decode_request(r: &[u8; TUNNEL_REQUEST_LEN]) -> Option<SocketAddr> {
-    if r[..2] != wire::MAGIC || r[2] != wire::VERSION {
-        return None;
-    }
-    let port = u16::from_be_bytes([r[4], r[5]]);
-    let mut ip = [0u8; 16];
-    ip.copy_from_slice(&r[6..22]);
-    let ip = std::net::Ipv6Addr::from(ip);
-    let ip = match r[3] {
-        4 => IpAddr::V4(ip.to_ipv4_mapped()?),
-        6 => IpAddr::V6(ip),
-        _ => return None,
-    };
-    Some(SocketAddr::new(ip, port))
-}
+pub use wire::{decode_request, encode_request};
 
 /// Counters of one node's tunnel (both ends), for the end-of-job line and `meshd status`.
 #[derive(Debug, Default)]
@@ -667,19 +629,20 @@ impl Near {
             status
         };
         let Some(dest) = decode_request(&request) else {
-            let _ = s.write_all(&[fail(wire::FAILED, "malformed request from a rank".into())]).await;
+            let _ = s.write_all(&[fail(wire::status::FAILED, "malformed request from a rank".into())]).await;
             return;
         };
         let route = read_routes(&self.routes).to.get(&dest.ip().to_canonical()).copied();
         let Some(node) = route else {
-            let _ =
-                s.write_all(&[fail(wire::UNREACHABLE, format!("{dest} is not another roster node"))]).await;
+            let _ = s
+                .write_all(&[fail(wire::status::UNREACHABLE, format!("{dest} is not another roster node"))])
+                .await;
             return;
         };
         let Ok(peer_permit) = self.peer_slots(node).try_acquire_owned() else {
             let why =
                 format!("{dest}: this node's ranks hold {} tunnelled connections to it", self.cfg.per_peer);
-            let _ = s.write_all(&[fail(wire::REFUSED, why)]).await;
+            let _ = s.write_all(&[fail(wire::status::REFUSED, why)]).await;
             return;
         };
         let Some(file_permit) = self.budget.try_take() else {
@@ -688,7 +651,7 @@ impl Near {
                 self.budget.capacity()
             );
             crate::files::warn_once_out_of_files(&why);
-            let _ = s.write_all(&[fail(wire::REFUSED, why)]).await;
+            let _ = s.write_all(&[fail(wire::status::REFUSED, why)]).await;
             return;
         };
         // This end's plane stream is registered before it is offered: nothing the far end
@@ -701,27 +664,28 @@ impl Near {
             let mut st = [0u8; 1];
             recv.read_exact(&mut st).await.map_err(|e| e.to_string())?;
             let mut theirs = [0u8; plane_stream::OFFER_LEN];
-            if st[0] == wire::OK {
+            if st[0] == wire::status::OK {
                 recv.read_exact(&mut theirs).await.map_err(|e| e.to_string())?;
             }
             Ok::<_, String>((send, recv, st[0], plane_stream::Offer::decode(&theirs)))
         };
         let (send, recv, theirs) = match tokio::time::timeout(STATUS_TIMEOUT, opened).await {
-            Ok(Ok((send, recv, wire::OK, theirs))) => (send, recv, theirs),
+            Ok(Ok((send, recv, wire::status::OK, theirs))) => (send, recv, theirs),
             Ok(Ok((_, _, st, _))) => {
                 let _ = s.write_all(&[fail(st, format!("{dest}: the far end answered status {st}"))]).await;
                 return;
             }
             Ok(Err(e)) => {
-                let _ = s.write_all(&[fail(wire::UNREACHABLE, format!("{dest}: {e}"))]).await;
+                let _ = s.write_all(&[fail(wire::status::UNREACHABLE, format!("{dest}: {e}"))]).await;
                 return;
             }
             Err(_) => {
-                let _ = s.write_all(&[fail(wire::TIMED_OUT, format!("{dest}: no answer in time"))]).await;
+                let _ =
+                    s.write_all(&[fail(wire::status::TIMED_OUT, format!("{dest}: no answer in time"))]).await;
                 return;
             }
         };
-        if s.write_all(&[wire::OK]).await.is_err() {
+        if s.write_all(&[wire::status::OK]).await.is_err() {
             return; // the rank gave up (its deadline): dropping the streams resets them
         }
         // The status first, then the padding: when the rank's socket polls writable, its
