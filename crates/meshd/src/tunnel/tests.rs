@@ -1,6 +1,11 @@
 use super::*;
 use crate::transport::TransportConfig;
+use std::path::Path;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpListener;
+use tokio::net::UnixStream;
 
 #[test]
 fn the_embedded_library_is_a_shared_object() {
