@@ -287,6 +287,20 @@ fn other_run_hint() -> &'static str {
 mod tests {
     use super::*;
 
+    /// The session of the tests' two nodes (ids 1 and 2, run 9) with `exporter` and the
+    /// SPAKE2 messages `ma` (client) and `mb` (server).
+    fn transcript<'a>(exporter: &'a [u8; 32], ma: &'a [u8], mb: &'a [u8]) -> Transcript<'a> {
+        Transcript {
+            exporter,
+            client: &[1; 16],
+            server: &[2; 16],
+            client_run: 9,
+            server_run: 9,
+            client_msg: ma,
+            server_msg: mb,
+        }
+    }
+
     /// Runs the exchange between a client holding `a` and a server holding `b`, each end
     /// with its own TLS exporter; (client accepts the server, server accepts the client).
     fn exchange(a: &Token, b: &Token, ex_a: [u8; 32], ex_b: [u8; 32]) -> (bool, bool) {
@@ -294,16 +308,7 @@ mod tests {
         let (ma, mb) = (pa.message().to_vec(), pb.message().to_vec());
         assert_eq!(ma.len(), PAKE_MESSAGE_LEN);
         let (ka, kb) = (pa.finish(&mb).expect("a"), pb.finish(&ma).expect("b"));
-        let at = |exporter| Transcript {
-            exporter,
-            client: &[1; 16],
-            server: &[2; 16],
-            client_run: 9,
-            server_run: 9,
-            client_msg: &ma,
-            server_msg: &mb,
-        };
-        let (ta, tb) = (at(&ex_a), at(&ex_b));
+        let (ta, tb) = (transcript(&ex_a, &ma, &mb), transcript(&ex_b, &ma, &mb));
         let s = kb.confirm(Role::Server, &tb);
         let c = ka.confirm(Role::Client, &ta);
         (ka.verify(Role::Server, &ta, &s), kb.verify(Role::Client, &tb, &c))
@@ -322,15 +327,7 @@ mod tests {
         let (pa, pb) = (a.start(), same.start());
         let (ma, mb) = (pa.message().to_vec(), pb.message().to_vec());
         let (ka, kb) = (pa.finish(&mb).expect("a"), pb.finish(&ma).expect("b"));
-        let t = Transcript {
-            exporter: &[5; 32],
-            client: &[1; 16],
-            server: &[2; 16],
-            client_run: 9,
-            server_run: 9,
-            client_msg: &ma,
-            server_msg: &mb,
-        };
+        let t = transcript(&[5; 32], &ma, &mb);
         let s = kb.confirm(Role::Server, &t);
         assert!(ka.verify(Role::Server, &t, &s));
         assert!(!kb.verify(Role::Client, &t, &s), "reflection");
