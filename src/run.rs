@@ -9,6 +9,7 @@ use meshd::job::{self, JobConfig};
 use meshd::mesh::{Mesh, MeshConfig, stable_hash};
 use meshd::preflight::PreflightInput;
 use meshd::proto::membership::MembershipConfig;
+use meshd::proto::node::LocalFacts;
 use meshd::proto::preflight::Collective;
 use meshd::proto::rendezvous::RdzvConfig;
 use meshd::signals::Signals;
@@ -517,13 +518,16 @@ pub fn prepare(a: &JobArgs, cmd: &[String], env: &EnvConfig) -> Result<Prepared>
         rdzv_timeout: a.rdzv_timeout,
         log_dir: a.log_dir.clone(),
         preflight: PreflightInput {
-            cmd: if cmd.is_empty() { "(none: doctor)".into() } else { show_cmd(cmd) },
-            cmd_hash,
-            nproc,
-            gpus,
-            cuda_driver,
-            nccl_version,
-            forced: a.collective.forced(),
+            facts: LocalFacts {
+                cmd: if cmd.is_empty() { "(none: doctor)".into() } else { show_cmd(cmd) },
+                cmd_hash,
+                nproc,
+                gpus,
+                cuda_driver,
+                nccl_version,
+                forced: a.collective.forced(),
+                ..LocalFacts::default()
+            },
             connect_timeout: Duration::from_secs(2),
             nccl_id: None,
             nccl_note,

@@ -146,7 +146,7 @@ pub fn try_settle(fd: c_int, slot: Option<&Slot>) -> Outcome {
                         connected(fd, slot.sndbuf.load(Ordering::Acquire));
                         Phase::Connected
                     }
-                    Ok(Some(st)) => Phase::Failed { errno: wire::status_errno(st), told: false },
+                    Ok(Some(st)) => Phase::Failed { errno: status_errno(st), told: false },
                     Err(e) => Phase::Failed { errno: e, told: false },
                 };
                 // Only this thread changes the phase now; others may set flags meanwhile.
@@ -175,7 +175,7 @@ fn settle_unlisted(fd: c_int, until_ms: u64) -> Outcome {
             connected(fd, 0);
             Outcome::Connected
         }
-        Ok(Some(st)) => Outcome::Failed { errno: wire::status_errno(st), told: false },
+        Ok(Some(st)) => Outcome::Failed { errno: status_errno(st), told: false },
         Err(e) => Outcome::Failed { errno: e, told: false },
     })
 }
@@ -457,4 +457,27 @@ pub fn local_name(id: &Identity) -> Addr {
     }
     a.v6 = v6;
     a
+}
+
+/// The errno an application sees for a status byte.
+pub fn status_errno(s: u8) -> c_int {
+    match s {
+        status::REFUSED => ECONNREFUSED,
+        status::UNREACHABLE => EHOSTUNREACH,
+        status::TIMED_OUT => ETIMEDOUT,
+        _ => ECONNRESET,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_read_as_tcp_errors() {
+        assert_eq!(status_errno(status::REFUSED), ECONNREFUSED);
+        assert_eq!(status_errno(status::UNREACHABLE), EHOSTUNREACH);
+        assert_eq!(status_errno(status::TIMED_OUT), ETIMEDOUT);
+        assert_eq!(status_errno(200), ECONNRESET);
+    }
 }

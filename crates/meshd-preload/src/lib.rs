@@ -44,10 +44,11 @@ mod sys;
 mod table;
 mod wire;
 
+pub use conn::status_errno;
 pub use sys::{iovec, msghdr};
 pub use wire::{
     MAGIC, PAD, REQUEST_LEN, VERSION, VERSION_PADDED, decode_request, encode_padded_request, encode_request,
-    parse_peers, status, status_errno,
+    parse_peers, status,
 };
 
 use std::net::IpAddr;

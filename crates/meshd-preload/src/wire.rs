@@ -1,9 +1,9 @@
 //! The wire of the tunnel socket (meshd's `tunnel` module speaks the other end).
+//!
+//! Only `std` here: meshd compiles this same file as its `tunnel::wire` (this crate cannot
+//! be a dependency of meshd: it exports `connect`).
 
-use std::ffi::c_int;
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
-
-use crate::sys::{ECONNREFUSED, ECONNRESET, EHOSTUNREACH, ETIMEDOUT};
 
 /// First bytes of a request on the tunnel socket.
 pub const MAGIC: [u8; 2] = *b"MT";
@@ -76,16 +76,6 @@ pub fn decode_request(r: &[u8; REQUEST_LEN]) -> Option<SocketAddr> {
     Some(SocketAddr::new(ip, port))
 }
 
-/// The errno an application sees for a status byte.
-pub fn status_errno(s: u8) -> c_int {
-    match s {
-        status::REFUSED => ECONNREFUSED,
-        status::UNREACHABLE => EHOSTUNREACH,
-        status::TIMED_OUT => ETIMEDOUT,
-        _ => ECONNRESET,
-    }
-}
-
 /// `MESHD_TUNNEL_PEERS`: comma-separated addresses (IPv4-mapped IPv6 reads as IPv4);
 /// what does not parse is skipped.
 pub fn parse_peers(s: &str) -> Vec<IpAddr> {
@@ -138,13 +128,5 @@ mod tests {
                 "fd00::1".parse().expect("ip")
             ]
         );
-    }
-
-    #[test]
-    fn statuses_read_as_tcp_errors() {
-        assert_eq!(status_errno(status::REFUSED), ECONNREFUSED);
-        assert_eq!(status_errno(status::UNREACHABLE), EHOSTUNREACH);
-        assert_eq!(status_errno(status::TIMED_OUT), ETIMEDOUT);
-        assert_eq!(status_errno(200), ECONNRESET);
     }
 }

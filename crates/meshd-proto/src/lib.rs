@@ -11,6 +11,8 @@
 //! - [`rng`]: a small seeded PRNG so runs can be replayed from a printed seed.
 //! - [`meta`]: what a node says about itself (interfaces, GPUs, versions, job hash, state).
 //! - [`wire`]: the versioned, size-bounded postcard frames that travel between nodes.
+//! - [`codec`]: the codec under [`wire`] (postcard, decoding bounded in size, length
+//!   prefixes), a leaf the cores that only need sizes and bytes use.
 //! - [`membership`]: SWIM-style gossip membership with suspicion and rejoin.
 //! - [`preflight`]: what each node checked before launch, and the common verdict.
 //! - [`rendezvous`]: election of the master and the roster every node acknowledges.
@@ -26,6 +28,7 @@
 //!   job), with quorum ids unique across deciders.
 //! - [`sim`]: a deterministic network simulator over the real membership and node cores.
 
+pub mod codec;
 pub mod id;
 pub mod job_msg;
 pub mod lighthouse;

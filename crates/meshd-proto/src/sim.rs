@@ -25,7 +25,7 @@ use crate::membership::{Delivery, MemberEvent, MemberStatus, Membership, Members
 use crate::meta::{IfaceAddr, NodeMeta};
 use crate::rng::Rng;
 use crate::wire;
-use net::{Driven, Net};
+use net::{Net, simulator_api};
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Duration;
@@ -121,6 +121,8 @@ pub struct Sim {
     events: u64,
 }
 
+simulator_api!(Sim, config);
+
 impl Sim {
     /// A network of `config.nodes` stopped nodes (see [`Sim::start_all`]).
     pub fn new(config: SimConfig) -> Self {
@@ -128,7 +130,7 @@ impl Sim {
         let nodes: Vec<SimNode> = (0..config.nodes)
             .map(|i| SimNode {
                 addr: node_addr(i),
-                id: NodeId::from_u128(((rng.next_u64() as u128) << 64) | rng.next_u64() as u128),
+                id: net::fresh_id(&mut rng),
                 core: None,
                 wake: None,
                 egress_free: Duration::ZERO,
@@ -148,44 +150,14 @@ impl Sim {
         }
     }
 
-    /// The seed this run replays from.
-    pub fn seed(&self) -> u64 {
-        self.config.seed
-    }
-
-    /// Simulated time since the start.
-    pub fn now(&self) -> Duration {
-        self.net.now()
-    }
-
-    /// Number of nodes (running or not).
-    pub fn len(&self) -> usize {
-        self.nodes.len()
-    }
-
-    /// Whether the simulation has no nodes.
-    pub fn is_empty(&self) -> bool {
-        self.nodes.is_empty()
-    }
-
     /// Address of node `i`.
     pub fn addr(&self, i: usize) -> SocketAddr {
         self.nodes[i].addr
     }
 
-    /// Current id of node `i` (the last one it ran with, if crashed).
-    pub fn id(&self, i: usize) -> NodeId {
-        self.nodes[i].id
-    }
-
     /// The membership core of node `i`, if running.
     pub fn core(&self, i: usize) -> Option<&Membership> {
         self.nodes[i].core.as_ref()
-    }
-
-    /// Whether node `i` is running.
-    pub fn is_running(&self, i: usize) -> bool {
-        self.nodes[i].core.is_some()
     }
 
     /// Traffic counters of every node.
@@ -238,29 +210,6 @@ impl Sim {
         self.boot(i);
     }
 
-    /// Splits the network: nodes in different groups cannot reach each other. Nodes in no
-    /// group form one more group together.
-    pub fn partition(&mut self, groups: &[Vec<usize>]) {
-        self.net.partition(groups);
-    }
-
-    /// Removes any partition.
-    pub fn heal(&mut self) {
-        self.net.heal();
-    }
-
-    /// Runs for `d` of simulated time.
-    pub fn run_for(&mut self, d: Duration) {
-        let end = self.net.now() + d;
-        self.run_to(end);
-    }
-
-    /// Runs until `pred` holds (checked every `check_interval`) or `limit` of simulated time
-    /// has passed; returns the time it took, or `None` on timeout.
-    pub fn run_until(&mut self, limit: Duration, pred: impl FnMut(&Sim) -> bool) -> Option<Duration> {
-        net::run_until(self, limit, pred)
-    }
-
     /// Whether every running node sees every running node (itself included) Alive.
     pub fn converged(&self) -> bool {
         let running: Vec<NodeId> = self.by_id.keys().copied().collect();
@@ -281,7 +230,7 @@ impl Sim {
     // ---- internals ----
 
     fn fresh_id(&mut self) -> NodeId {
-        NodeId::from_u128(((self.rng.next_u64() as u128) << 64) | self.rng.next_u64() as u128)
+        net::fresh_id(&mut self.rng)
     }
 
     fn boot(&mut self, i: usize) {
@@ -400,20 +349,6 @@ impl Sim {
                 self.net.push(at, EventKind::Wake { node: i });
             }
         }
-    }
-}
-
-impl Driven for Sim {
-    fn sim_now(&self) -> Duration {
-        self.net.now()
-    }
-
-    fn check_interval(&self) -> Duration {
-        self.config.check_interval
-    }
-
-    fn run_to(&mut self, end: Duration) {
-        Sim::run_to(self, end)
     }
 }
 

@@ -10,7 +10,7 @@
 use crate::id::NodeId;
 use crate::{membership, rendezvous};
 
-pub mod codec;
+pub use crate::codec;
 pub use crate::store::{MAX_STORE_KEY, MAX_STORE_VALUE, StoreMsg};
 pub use codec::{MAX_FRAME, WireError, check_len, decode, encode, frame_with_len};
 use serde::{Deserialize, Serialize};

@@ -571,7 +571,7 @@ impl Edge for JobIo {
         }
         tokio::task::spawn_blocking(move || {
             let root = std::process::id() as i32;
-            let all = crate::tunnel::listeners::sockets();
+            let all = crate::supervisor::sockets::sockets();
             let mut inodes = supervisor::cut::sockets_to(&all, ip);
             let to_lost = inodes.len();
             if let Some(a) = &abort {

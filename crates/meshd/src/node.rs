@@ -57,8 +57,7 @@ impl NodeConfig {
         let rdzv =
             RdzvConfig { min_nodes: mesh.min_nodes, max_nodes: mesh.max_nodes, ..RdzvConfig::default() };
         let preflight = PreflightInput {
-            cmd_hash: mesh.cmd_hash,
-            nproc: mesh.nproc,
+            facts: LocalFacts { cmd_hash: mesh.cmd_hash, nproc: mesh.nproc, ..LocalFacts::default() },
             connect_timeout: Duration::from_secs(2),
             ..PreflightInput::default()
         };
@@ -95,16 +94,10 @@ pub(crate) fn core_config(
         preflight_timeout: PREFLIGHT_TIMEOUT,
         max_restarts,
         report: LocalFacts {
-            cmd: facts.cmd.clone(),
-            cmd_hash: facts.cmd_hash,
-            nproc: facts.nproc,
-            gpus: facts.gpus,
-            cuda_driver: facts.cuda_driver,
-            nccl_version: facts.nccl_version,
             mtu: crate::preflight::mtu(&iface),
             iface,
-            forced: facts.forced,
             tunnel: mesh.transport().has_token(),
+            ..facts.facts.clone()
         },
         seed: stable_hash(&[&mesh.node().0]),
         timing: Timing::default(),

@@ -3,8 +3,8 @@
 
 use meshd_proto::NodeId;
 use meshd_proto::nccl_id::UniqueId;
-use meshd_proto::node::DialTarget;
-use meshd_proto::preflight::{Collective, TcpProbe, TcpTarget};
+use meshd_proto::node::{DialTarget, LocalFacts};
+use meshd_proto::preflight::{TcpProbe, TcpTarget};
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 use tokio::net::{TcpListener, TcpStream};
@@ -12,20 +12,10 @@ use tokio::net::{TcpListener, TcpStream};
 /// What this node contributes besides its TCP findings.
 #[derive(Clone, Debug, Default)]
 pub struct PreflightInput {
-    /// Command line (shortened) and its hash.
-    pub cmd: String,
-    /// Hash of the full command.
-    pub cmd_hash: u64,
-    /// Processes per node.
-    pub nproc: u32,
-    /// GPUs found.
-    pub gpus: u32,
-    /// CUDA driver version.
-    pub cuda_driver: u32,
-    /// NCCL version.
-    pub nccl_version: u32,
-    /// `--collective nccl|quic|tunnel` when forced.
-    pub forced: Option<Collective>,
+    /// The facts the core compares across the roster (command, processes, GPUs, versions,
+    /// `--collective` when forced); the interface's (`iface`, `mtu`) and `tunnel` are the
+    /// mesh's, set when the core starts.
+    pub facts: LocalFacts,
     /// How long one TCP connect may take.
     pub connect_timeout: Duration,
     /// The NCCL unique id this node created (the master only).

@@ -11,6 +11,7 @@
 pub mod cut;
 pub mod orphans;
 pub mod output;
+pub mod sockets;
 
 use output::{Activity, Sink, Tail, pump};
 use std::path::PathBuf;

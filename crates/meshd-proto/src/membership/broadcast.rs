@@ -7,8 +7,8 @@
 //! out `limit` times (about lambda * log N, computed by the caller).
 
 use super::Update;
+use crate::codec as wire;
 use crate::id::NodeId;
-use crate::wire::codec as wire;
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet};
 

@@ -1,6 +1,6 @@
 //! Tuning of the membership protocol and the fixed bounds on its state.
 
-use crate::wire::codec as wire;
+use crate::codec as wire;
 use std::time::Duration;
 
 /// Most members (any status, self included) a node keeps; beyond it new ids are refused

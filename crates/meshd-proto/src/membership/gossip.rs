@@ -3,8 +3,8 @@
 
 use super::config::{DATAGRAM_SLACK, MAX_CORRECTIONS, RETRANSMIT_MULT};
 use super::{Delivery, MemberStatus, Membership, Message, Update, UpdateKind};
+use crate::codec as wire;
 use crate::id::NodeId;
-use crate::wire::codec as wire;
 use std::net::SocketAddr;
 use std::time::Instant;
 

@@ -57,10 +57,10 @@ pub use messages::{
     Delivery, MemberEvent, MemberState, MemberStatus, MemberView, Message, Transmit, Update, UpdateKind,
 };
 
+use crate::codec as wire;
 use crate::id::NodeId;
 use crate::meta::NodeMeta;
 use crate::rng::Rng;
-use crate::wire::codec as wire;
 use broadcast::BroadcastQueue;
 use config::{JOIN_RESYNC, MAX_EVENTS, MAX_RELAYS, MAX_SEEDS, MAX_TRANSMITS, REAP_EVERY};
 use probe::{Probe, Relay};

@@ -3,9 +3,9 @@
 
 use super::config::{MAX_MEMBERS, MAX_META};
 use super::{Member, MemberEvent, MemberStatus, Membership, Update, UpdateKind, view};
+use crate::codec as wire;
 use crate::id::NodeId;
 use crate::meta::NodeMeta;
-use crate::wire::codec as wire;
 use std::net::SocketAddr;
 use std::time::Instant;
 

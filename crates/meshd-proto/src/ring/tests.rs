@@ -1,7 +1,7 @@
 use super::*;
-use crate::reduce::{finish_avg, reduce_into};
+use crate::reduce::{self, DType, ReduceOp, finish_avg, reduce_into};
 use crate::rng::Rng;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 
 // ---- plan arithmetic -----------------------------------------------------------------
 

@@ -6,6 +6,7 @@
 //! event to the next. The randomness is the simulator's own seeded [`Rng`], passed in at
 //! each draw, so that a simulator decides the order of its draws and a seed replays.
 
+use crate::id::NodeId;
 use crate::rng::Rng;
 use std::cmp::{Ordering, Reverse};
 use std::collections::BinaryHeap;
@@ -168,3 +169,89 @@ pub(crate) fn run_until<S: Driven>(
         s.run_to(step);
     }
 }
+
+/// A fresh random node id drawn from the simulator's seeded `rng` (high half first).
+pub(crate) fn fresh_id(rng: &mut Rng) -> NodeId {
+    NodeId::from_u128(((rng.next_u64() as u128) << 64) | rng.next_u64() as u128)
+}
+
+/// The part of a simulator's API that is the same for both: `$sim` has `nodes` (each with
+/// `id` and `core: Option<_>`), `net: Net<_>`, a `run_to(end)` of its own, and a config in
+/// field `$cfg` with `seed` and `check_interval`. Writes those methods and [`Driven`].
+macro_rules! simulator_api {
+    ($sim:ty, $cfg:ident) => {
+        impl $sim {
+            /// The seed this run replays from.
+            pub fn seed(&self) -> u64 {
+                self.$cfg.seed
+            }
+
+            /// Simulated time since the start.
+            pub fn now(&self) -> Duration {
+                self.net.now()
+            }
+
+            /// Number of nodes (running or not).
+            pub fn len(&self) -> usize {
+                self.nodes.len()
+            }
+
+            /// Whether the simulation has no nodes.
+            pub fn is_empty(&self) -> bool {
+                self.nodes.is_empty()
+            }
+
+            /// Current id of node `i` (the last one it ran with, if crashed).
+            pub fn id(&self, i: usize) -> NodeId {
+                self.nodes[i].id
+            }
+
+            /// Whether node `i` runs (started, not crashed, not finished).
+            pub fn is_running(&self, i: usize) -> bool {
+                self.nodes[i].core.is_some()
+            }
+
+            /// Splits the network: nodes in different groups cannot reach each other. Nodes
+            /// in no group form one more group together.
+            pub fn partition(&mut self, groups: &[Vec<usize>]) {
+                self.net.partition(groups);
+            }
+
+            /// Removes any partition.
+            pub fn heal(&mut self) {
+                self.net.heal();
+            }
+
+            /// Runs for `d` of simulated time.
+            pub fn run_for(&mut self, d: Duration) {
+                let end = self.net.now() + d;
+                self.run_to(end);
+            }
+
+            /// Runs until `pred` holds (checked every `check_interval`) or `limit` of
+            /// simulated time has passed; returns the time it took, or `None` on timeout.
+            pub fn run_until(
+                &mut self,
+                limit: Duration,
+                pred: impl FnMut(&Self) -> bool,
+            ) -> Option<Duration> {
+                $crate::sim::net::run_until(self, limit, pred)
+            }
+        }
+
+        impl $crate::sim::net::Driven for $sim {
+            fn sim_now(&self) -> Duration {
+                self.net.now()
+            }
+
+            fn check_interval(&self) -> Duration {
+                self.$cfg.check_interval
+            }
+
+            fn run_to(&mut self, end: Duration) {
+                <$sim>::run_to(self, end)
+            }
+        }
+    };
+}
+pub(crate) use simulator_api;

@@ -11,7 +11,7 @@
 //! Each launched round's job-wide store is the node core's own ([`NodeSim::store_set`],
 //! [`NodeSim::store_get`]).
 
-use super::net::{self, Driven, Net};
+use super::net::{self, Net, simulator_api};
 use super::node_addr;
 use crate::id::NodeId;
 use crate::membership::{Delivery, MembershipConfig};
@@ -184,6 +184,8 @@ impl std::fmt::Debug for NodeSim {
     }
 }
 
+simulator_api!(NodeSim, cfg);
+
 impl NodeSim {
     /// A cluster of stopped nodes.
     pub fn new(cfg: NodeSimConfig) -> NodeSim {
@@ -191,7 +193,7 @@ impl NodeSim {
         let nodes: Vec<SimNode> = (0..cfg.nodes)
             .map(|i| SimNode {
                 addr: node_addr(i),
-                id: NodeId::from_u128(((rng.next_u64() as u128) << 64) | rng.next_u64() as u128),
+                id: net::fresh_id(&mut rng),
                 life: 0,
                 core: None,
                 wake: None,
@@ -226,39 +228,9 @@ impl NodeSim {
         }
     }
 
-    /// The seed this run replays from.
-    pub fn seed(&self) -> u64 {
-        self.cfg.seed
-    }
-
-    /// Simulated time since the start.
-    pub fn now(&self) -> Duration {
-        self.net.now()
-    }
-
-    /// Number of nodes.
-    pub fn len(&self) -> usize {
-        self.nodes.len()
-    }
-
-    /// Whether there are no nodes.
-    pub fn is_empty(&self) -> bool {
-        self.nodes.is_empty()
-    }
-
-    /// Current id of node `i`.
-    pub fn id(&self, i: usize) -> NodeId {
-        self.nodes[i].id
-    }
-
     /// The core of node `i`, while it runs.
     pub fn node(&self, i: usize) -> Option<&Node> {
         self.nodes[i].core.as_ref()
-    }
-
-    /// Whether node `i` runs (started, not crashed, not finished).
-    pub fn is_running(&self, i: usize) -> bool {
-        self.nodes[i].core.is_some()
     }
 
     /// Every launch so far.
@@ -415,8 +387,7 @@ impl NodeSim {
     /// Crashes node `i` and starts it again at the same address with a new id.
     pub fn restart(&mut self, i: usize) {
         self.crash(i);
-        self.nodes[i].id =
-            NodeId::from_u128(((self.rng.next_u64() as u128) << 64) | self.rng.next_u64() as u128);
+        self.nodes[i].id = net::fresh_id(&mut self.rng);
         self.start(i);
     }
 
@@ -442,28 +413,6 @@ impl NodeSim {
         let at = self.net.now() + self.cfg.latency.0;
         let life = self.nodes[to].life;
         self.net.push(at, Kind::Deliver { to, life, from: usize::MAX, from_addr, id, bytes });
-    }
-
-    /// Splits the network into groups (nodes in none form one more group).
-    pub fn partition(&mut self, groups: &[Vec<usize>]) {
-        self.net.partition(groups);
-    }
-
-    /// Removes any partition.
-    pub fn heal(&mut self) {
-        self.net.heal();
-    }
-
-    /// Runs for `d` of simulated time.
-    pub fn run_for(&mut self, d: Duration) {
-        let end = self.net.now() + d;
-        self.run_to(end);
-    }
-
-    /// Runs until `pred` holds (checked every `check_interval`) or `limit` passed; returns
-    /// the time it took.
-    pub fn run_until(&mut self, limit: Duration, pred: impl FnMut(&NodeSim) -> bool) -> Option<Duration> {
-        net::run_until(self, limit, pred)
     }
 
     /// Whether every node that was started has ended.
@@ -706,20 +655,6 @@ impl NodeSim {
             _ => {}
         }
         false
-    }
-}
-
-impl Driven for NodeSim {
-    fn sim_now(&self) -> Duration {
-        self.net.now()
-    }
-
-    fn check_interval(&self) -> Duration {
-        self.cfg.check_interval
-    }
-
-    fn run_to(&mut self, end: Duration) {
-        NodeSim::run_to(self, end)
     }
 }
 

@@ -86,35 +86,25 @@ pub struct LighthouseHeartbeatRequest {
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct LighthouseHeartbeatResponse {}
 
-impl From<QuorumMember> for Member {
-    fn from(m: QuorumMember) -> Member {
-        Member {
-            replica_id: m.replica_id,
-            address: m.address,
-            store_address: m.store_address,
-            step: m.step,
-            world_size: m.world_size,
-            shrink_only: m.shrink_only,
-            data: m.data,
-            commit_failures: m.commit_failures,
+/// Both ways between two structs with the same fields, the list written once.
+macro_rules! convert_both_ways {
+    ($a:ident <-> $b:ident: $($field:ident),+ $(,)?) => {
+        impl From<$a> for $b {
+            fn from(m: $a) -> $b {
+                $b { $($field: m.$field),+ }
+            }
         }
-    }
+
+        impl From<$b> for $a {
+            fn from(m: $b) -> $a {
+                $a { $($field: m.$field),+ }
+            }
+        }
+    };
 }
 
-impl From<Member> for QuorumMember {
-    fn from(m: Member) -> QuorumMember {
-        QuorumMember {
-            replica_id: m.replica_id,
-            address: m.address,
-            store_address: m.store_address,
-            step: m.step,
-            world_size: m.world_size,
-            shrink_only: m.shrink_only,
-            data: m.data,
-            commit_failures: m.commit_failures,
-        }
-    }
-}
+convert_both_ways!(QuorumMember <-> Member:
+    replica_id, address, store_address, step, world_size, shrink_only, data, commit_failures);
 
 impl Quorum {
     /// The wire form of a core quorum, created at `created`.

@@ -17,7 +17,8 @@
 //! `send` fails with EPIPE. Only the job's own connections are touched: another process's
 //! connection to that host (an ssh session, a monitoring agent) is left alone.
 
-use crate::tunnel::listeners::{self, TCP_CLOSE, TCP_LISTEN, TCP_TIME_WAIT};
+use super::orphans::tree;
+use super::sockets::{self, TCP_CLOSE, TCP_LISTEN, TCP_TIME_WAIT};
 use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::{FromRawFd, OwnedFd, RawFd};
@@ -35,12 +36,12 @@ pub struct Cut {
 
 /// Whether a socket is a live connection (not a listener, not TIME_WAIT or CLOSE, which
 /// no process holds any more).
-fn live(s: &listeners::SocketLine) -> bool {
+fn live(s: &sockets::SocketLine) -> bool {
     ![TCP_LISTEN, TCP_TIME_WAIT, TCP_CLOSE].contains(&s.state) && s.inode != 0
 }
 
 /// The inodes of the live connections in `all` to `ip`.
-pub fn sockets_to(all: &[listeners::SocketLine], ip: IpAddr) -> HashSet<u64> {
+pub fn sockets_to(all: &[sockets::SocketLine], ip: IpAddr) -> HashSet<u64> {
     let ip = ip.to_canonical();
     all.iter().filter(|s| live(s) && s.remote.0 == ip).map(|s| s.inode).collect()
 }
@@ -48,7 +49,7 @@ pub fn sockets_to(all: &[listeners::SocketLine], ip: IpAddr) -> HashSet<u64> {
 /// The inodes of the live connections in `all` to any of `peers` whose ends are neither
 /// of them in `keep` (the torchft groups' managers and stores: what the next quorum needs).
 pub fn sockets_to_peers_except(
-    all: &[listeners::SocketLine],
+    all: &[sockets::SocketLine],
     peers: &[IpAddr],
     keep: &[SocketAddr],
 ) -> HashSet<u64> {
@@ -101,7 +102,7 @@ fn take_fd(pid: i32, fd: RawFd) -> std::io::Result<OwnedFd> {
 /// Shuts down every TCP connection that `root`'s descendants (the job's processes) hold
 /// to any of `ips`. Reads /proc and makes syscalls: call it off the runtime's workers.
 pub fn cut_connections_to(root: i32, ips: &[IpAddr]) -> Cut {
-    let all = listeners::sockets();
+    let all = sockets::sockets();
     cut_inodes(root, ips.iter().flat_map(|ip| sockets_to(&all, *ip)).collect())
 }
 
@@ -113,7 +114,7 @@ pub fn cut_inodes(root: i32, inodes: HashSet<u64>) -> Cut {
     }
     let mut done: HashSet<u64> = HashSet::new();
     let mut per_pid: HashMap<i32, usize> = HashMap::new();
-    for pid in listeners::tree(root, false) {
+    for pid in tree(root, false) {
         for fd in fds_of(pid, &inodes) {
             // The same socket in several processes (fork, dup) is shut down once; its
             // inode is read again to be sure the number still names it.
@@ -217,7 +218,7 @@ mod tests {
         };
         let all: Vec<_> = [line("01", 10), line("06", 11), line("0A", 12), line("08", 13)]
             .iter()
-            .filter_map(|l| listeners::parse_socket(l))
+            .filter_map(|l| sockets::parse_socket(l))
             .collect();
         assert_eq!(all.len(), 4);
         let host: IpAddr = "198.19.0.30".parse().expect("ip");

@@ -73,6 +73,24 @@ pub(crate) fn process_parents() -> Vec<(i32, i32)> {
     processes().into_iter().map(|p| (p.pid, p.ppid)).collect()
 }
 
+/// The pids of `root`'s descendants (and `root` itself when `with_root`).
+pub fn tree(root: i32, with_root: bool) -> BTreeSet<i32> {
+    let procs = process_parents();
+    let mut found: BTreeSet<i32> = BTreeSet::new();
+    let mut frontier = vec![root];
+    while let Some(p) = frontier.pop() {
+        for &(pid, ppid) in &procs {
+            if ppid == p && found.insert(pid) {
+                frontier.push(pid);
+            }
+        }
+    }
+    if with_root {
+        found.insert(root);
+    }
+    found
+}
+
 /// The processes a round's ranks left behind: members of their process `groups`, and
 /// meshd's children that are not its helpers (orphans re-parented to the subreaper).
 fn left_behind(groups: &BTreeSet<i32>, me: i32, all: &[Proc]) -> Vec<Proc> {

@@ -230,37 +230,54 @@ impl Refusal {
     /// The reason as the refusing node logs it ("peer X failed authentication: ..."), where
     /// "it" is the peer. `peer_version` is the version the peer announced.
     pub fn here(&self, peer_version: u16) -> String {
-        match self {
-            Refusal::DifferentToken => {
-                format!("different token: it holds another token than this node ({SAME_TOKEN})")
-            }
-            Refusal::NoToken => format!("it has no token; this node has one ({SAME_TOKEN})"),
-            Refusal::UnexpectedToken => format!("it holds a token; this node has none ({SAME_TOKEN})"),
-            Refusal::OtherRun => format!("it belongs to another job: {}", other_run_hint()),
-            Refusal::Version(v) => format!("it speaks meshd protocol v{peer_version}, this node v{v}"),
-            Refusal::Itself => "it is this node itself (same node id)".into(),
-            Refusal::Other(s) => s.clone(),
-        }
+        let own_version = match self {
+            Refusal::Version(v) => *v,
+            _ => 0,
+        };
+        let itself = "it is this node itself (same node id)";
+        self.words("it", ("it", "this node"), (peer_version, own_version), itself)
     }
 
     /// The reason as the refused node logs it ("peer X refused this node: failed
     /// authentication: ..."), naming the refusing `peer`; `own_version` is this node's.
     pub fn there(&self, peer: std::net::IpAddr, own_version: u16) -> String {
+        let peer_version = match self {
+            Refusal::Version(v) => *v,
+            _ => 0,
+        };
+        let peer = peer.to_string();
+        let itself = format!("{peer} has this node's own id");
+        self.words(&peer, ("this node", &peer), (peer_version, own_version), &itself)
+    }
+
+    /// The reason in the words of one end: `far` names the other end, `refused` and
+    /// `refusing` the two ends, `far_version` and `own_version` what each speaks; `itself`
+    /// is the words for [`Refusal::Itself`].
+    fn words(
+        &self,
+        far: &str,
+        (refused, refusing): (&str, &str),
+        (far_version, own_version): (u16, u16),
+        itself: &str,
+    ) -> String {
         match self {
             Refusal::DifferentToken => {
-                format!("different token: {peer} holds another token than this node ({SAME_TOKEN})")
+                format!("different token: {far} holds another token than this node ({SAME_TOKEN})")
             }
-            Refusal::NoToken => format!("this node has no token; {peer} has one ({SAME_TOKEN})"),
-            Refusal::UnexpectedToken => format!("this node holds a token; {peer} has none ({SAME_TOKEN})"),
-            Refusal::OtherRun => format!("{peer} belongs to another job: {}", other_run_hint()),
-            Refusal::Version(v) => format!("{peer} speaks meshd protocol v{v}, this node v{own_version}"),
-            Refusal::Itself => format!("{peer} has this node's own id"),
+            Refusal::NoToken => format!("{refused} has no token; {refusing} has one ({SAME_TOKEN})"),
+            Refusal::UnexpectedToken => {
+                format!("{refused} holds a token; {refusing} has none ({SAME_TOKEN})")
+            }
+            Refusal::OtherRun => format!("{far} belongs to another job: {}", other_run_hint()),
+            Refusal::Version(_) => {
+                format!("{far} speaks meshd protocol v{far_version}, this node v{own_version}")
+            }
+            Refusal::Itself => itself.into(),
             Refusal::Other(s) => s.clone(),
         }
     }
 }
 
-/// What separates runs, and what to do when two jobs meet.
 fn other_run_hint() -> &'static str {
     "its run id differs from this node's (the run id is --run-id, else derived from SLURM_JOB_ID \
      only); another job with the same token uses these nodes: give each job its own --run-id"
@@ -270,6 +287,20 @@ fn other_run_hint() -> &'static str {
 mod tests {
     use super::*;
 
+    /// The session of the tests' two nodes (ids 1 and 2, run 9) with `exporter` and the
+    /// SPAKE2 messages `ma` (client) and `mb` (server).
+    fn transcript<'a>(exporter: &'a [u8; 32], ma: &'a [u8], mb: &'a [u8]) -> Transcript<'a> {
+        Transcript {
+            exporter,
+            client: &[1; 16],
+            server: &[2; 16],
+            client_run: 9,
+            server_run: 9,
+            client_msg: ma,
+            server_msg: mb,
+        }
+    }
+
     /// Runs the exchange between a client holding `a` and a server holding `b`, each end
     /// with its own TLS exporter; (client accepts the server, server accepts the client).
     fn exchange(a: &Token, b: &Token, ex_a: [u8; 32], ex_b: [u8; 32]) -> (bool, bool) {
@@ -277,16 +308,7 @@ mod tests {
         let (ma, mb) = (pa.message().to_vec(), pb.message().to_vec());
         assert_eq!(ma.len(), PAKE_MESSAGE_LEN);
         let (ka, kb) = (pa.finish(&mb).expect("a"), pb.finish(&ma).expect("b"));
-        let at = |exporter| Transcript {
-            exporter,
-            client: &[1; 16],
-            server: &[2; 16],
-            client_run: 9,
-            server_run: 9,
-            client_msg: &ma,
-            server_msg: &mb,
-        };
-        let (ta, tb) = (at(&ex_a), at(&ex_b));
+        let (ta, tb) = (transcript(&ex_a, &ma, &mb), transcript(&ex_b, &ma, &mb));
         let s = kb.confirm(Role::Server, &tb);
         let c = ka.confirm(Role::Client, &ta);
         (ka.verify(Role::Server, &ta, &s), kb.verify(Role::Client, &tb, &c))
@@ -305,15 +327,7 @@ mod tests {
         let (pa, pb) = (a.start(), same.start());
         let (ma, mb) = (pa.message().to_vec(), pb.message().to_vec());
         let (ka, kb) = (pa.finish(&mb).expect("a"), pb.finish(&ma).expect("b"));
-        let t = Transcript {
-            exporter: &[5; 32],
-            client: &[1; 16],
-            server: &[2; 16],
-            client_run: 9,
-            server_run: 9,
-            client_msg: &ma,
-            server_msg: &mb,
-        };
+        let t = transcript(&[5; 32], &ma, &mb);
         let s = kb.confirm(Role::Server, &t);
         assert!(ka.verify(Role::Server, &t, &s));
         assert!(!kb.verify(Role::Client, &t, &s), "reflection");

@@ -145,14 +145,7 @@ impl DemuxSocket {
 
     /// Sends `contents` to `to` as datagrams of `segment_size` bytes (one GSO send).
     pub fn try_send_plane(&self, to: SocketAddr, contents: &[u8], segment_size: usize) -> io::Result<()> {
-        let transmit = Transmit {
-            destination: to,
-            ecn: None,
-            contents,
-            segment_size: (contents.len() > segment_size).then_some(segment_size),
-            src_ip: None,
-        };
-        self.io.try_io(Interest::WRITABLE, || self.state.send((&self.io).into(), &transmit))
+        gso_send(&self.io, &self.state, to, contents, segment_size)
     }
 
     /// Waits until the socket may take a send again.
@@ -412,14 +405,7 @@ impl LaneSocket {
 
     /// Sends `contents` to `to` as datagrams of `segment_size` bytes (one GSO send).
     pub fn try_send(&self, to: SocketAddr, contents: &[u8], segment_size: usize) -> io::Result<()> {
-        let transmit = Transmit {
-            destination: to,
-            ecn: None,
-            contents,
-            segment_size: (contents.len() > segment_size).then_some(segment_size),
-            src_ip: None,
-        };
-        self.io.try_io(Interest::WRITABLE, || self.state.send((&self.io).into(), &transmit))
+        gso_send(&self.io, &self.state, to, contents, segment_size)
     }
 
     /// Waits until the socket may take a send again.
@@ -444,6 +430,25 @@ impl LaneSocket {
         got.clear();
         self.io.try_io(Interest::READABLE, || recv_batches(&self.io, bufs, got))
     }
+}
+
+/// Sends `contents` to `to` as datagrams of `segment_size` bytes (one GSO send) without
+/// waiting: `WouldBlock` when the socket is full.
+fn gso_send(
+    io: &tokio::net::UdpSocket,
+    state: &UdpSocketState,
+    to: SocketAddr,
+    contents: &[u8],
+    segment_size: usize,
+) -> io::Result<()> {
+    let transmit = Transmit {
+        destination: to,
+        ecn: None,
+        contents,
+        segment_size: (contents.len() > segment_size).then_some(segment_size),
+        src_ip: None,
+    };
+    io.try_io(Interest::WRITABLE, || state.send(io.into(), &transmit))
 }
 
 /// recvmmsg(2) into the spare capacity of `bufs` (no `&mut [u8]` over memory the kernel

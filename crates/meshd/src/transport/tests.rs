@@ -1,4 +1,5 @@
 use super::*;
+use auth::Token;
 
 /// A node of another protocol version (ALPN `meshd/1`) is named as such, not as a bare
 /// TLS alert.

@@ -60,8 +60,8 @@ impl Refusal {
     /// The status byte the peer's rank gets.
     fn status(&self) -> u8 {
         match self {
-            Refusal::NotTheJobs(_) | Refusal::PeerCap(_) | Refusal::NodeCap(_) => wire::REFUSED,
-            _ => wire::UNREACHABLE,
+            Refusal::NotTheJobs(_) | Refusal::PeerCap(_) | Refusal::NodeCap(_) => wire::status::REFUSED,
+            _ => wire::status::UNREACHABLE,
         }
     }
 
@@ -182,7 +182,7 @@ async fn serve(mut t: TunnelStream, far: &Far) {
                     why.status()
                 }
                 // As the kernel would answer; nothing to log.
-                None => wire::REFUSED,
+                None => wire::status::REFUSED,
             };
             refuse(t, status).await;
             return;
@@ -190,12 +190,12 @@ async fn serve(mut t: TunnelStream, far: &Far) {
     };
     let status = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(dest)).await {
         Ok(Ok(tcp)) => Ok(tcp),
-        Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused => Err(wire::REFUSED),
+        Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused => Err(wire::status::REFUSED),
         Ok(Err(e)) => {
             debug!("tunnel: connect {dest} for {}: {e}", t.from);
-            Err(wire::FAILED)
+            Err(wire::status::FAILED)
         }
-        Err(_) => Err(wire::TIMED_OUT),
+        Err(_) => Err(wire::status::TIMED_OUT),
     };
     let tcp = match status {
         Ok(tcp) => tcp,
@@ -212,7 +212,7 @@ async fn serve(mut t: TunnelStream, far: &Far) {
     }
     let mine = plane_stream::Mine::register(far.plane.as_ref(), t.from);
     let mut answer = [0u8; 1 + plane_stream::OFFER_LEN];
-    answer[0] = wire::OK;
+    answer[0] = wire::status::OK;
     answer[1..].copy_from_slice(&plane_stream::offer(mine.as_ref()).encode());
     if tokio::time::timeout(REFUSE_TIMEOUT, t.send.write_all(&answer)).await.map_or(true, |r| r.is_err()) {
         return;

@@ -1,6 +1,11 @@
 use super::*;
 use crate::transport::TransportConfig;
+use std::path::Path;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpListener;
+use tokio::net::UnixStream;
 
 #[test]
 fn the_embedded_library_is_a_shared_object() {
@@ -115,7 +120,7 @@ async fn loopback_tunnel_half_closes_refuses_and_resets() {
     let dest = listener.local_addr().expect("addr");
 
     let (mut u, st) = open(&p, dest).await;
-    assert_eq!(st, wire::OK);
+    assert_eq!(st, wire::status::OK);
     let (mut srv, _) = listener.accept().await.expect("accept");
     u.write_all(b"hello").await.expect("write");
     u.shutdown().await.expect("half-close");
@@ -133,13 +138,13 @@ async fn loopback_tunnel_half_closes_refuses_and_resets() {
         let l = std::net::TcpListener::bind("127.0.0.2:0").expect("bind");
         l.local_addr().expect("addr")
     };
-    assert_eq!(open(&p, closed).await.1, wire::REFUSED);
+    assert_eq!(open(&p, closed).await.1, wire::status::REFUSED);
     // Not a roster node's address: unreachable, without any QUIC stream.
-    assert_eq!(open(&p, "127.0.0.3:1".parse().expect("addr")).await.1, wire::UNREACHABLE);
+    assert_eq!(open(&p, "127.0.0.3:1".parse().expect("addr")).await.1, wire::status::UNREACHABLE);
 
     // The far application resets its connection: the near one's socket ends.
     let (mut u, st) = open(&p, dest).await;
-    assert_eq!(st, wire::OK);
+    assert_eq!(st, wire::status::OK);
     let (srv, _) = listener.accept().await.expect("accept");
     reset_on_close(&srv);
     drop(srv);
@@ -162,7 +167,7 @@ async fn the_far_end_refuses_ports_outside_the_job_and_ids_from_elsewhere() {
     let p = pair_with("outside", false);
     let listener = TcpListener::bind("127.0.0.2:0").await.expect("listen");
     let dest = listener.local_addr().expect("addr");
-    assert_eq!(open(&p, dest).await.1, wire::REFUSED);
+    assert_eq!(open(&p, dest).await.1, wire::status::REFUSED);
     assert_eq!(p.b.stats().refused.load(Ordering::Relaxed), 1, "{}", p.b.stats().line());
     assert_eq!(p.b.stats().served.load(Ordering::Relaxed), 0);
     let accepted = tokio::time::timeout(Duration::from_millis(300), listener.accept()).await;
@@ -182,7 +187,7 @@ async fn the_far_end_refuses_ports_outside_the_job_and_ids_from_elsewhere() {
         .await
         .expect("answer")
         .expect("byte");
-    assert_eq!(st[0], wire::UNREACHABLE);
+    assert_eq!(st[0], wire::status::UNREACHABLE);
     assert_eq!(p.b.stats().refused.load(Ordering::Relaxed), 2, "{}", p.b.stats().line());
     assert!(tokio::time::timeout(Duration::from_millis(300), listener.accept()).await.is_err());
 }
@@ -197,8 +202,8 @@ async fn per_peer_caps_refuse_at_once_and_free_up() {
     let dest = listener.local_addr().expect("addr");
     let (u1, s1) = open(&p, dest).await;
     let (_u2, s2) = open(&p, dest).await;
-    assert_eq!((s1, s2), (wire::OK, wire::OK));
-    assert_eq!(open(&p, dest).await.1, wire::REFUSED, "b's far cap of 2");
+    assert_eq!((s1, s2), (wire::status::OK, wire::status::OK));
+    assert_eq!(open(&p, dest).await.1, wire::status::REFUSED, "b's far cap of 2");
     assert_eq!(p.b.stats().refused.load(Ordering::Relaxed), 1, "{}", p.b.stats().line());
     // The refused stream's near permit is back: still 2 held of a's 3.
     drop(u1);
@@ -206,7 +211,7 @@ async fn per_peer_caps_refuse_at_once_and_free_up() {
     for _ in 0..50 {
         tokio::time::sleep(Duration::from_millis(100)).await;
         let (u, st) = open(&p, dest).await;
-        if st == wire::OK {
+        if st == wire::status::OK {
             freed = true;
             drop(u);
             break;
@@ -410,7 +415,7 @@ async fn a_cut_ends_the_lost_nodes_connections_at_both_ends_and_keeps_what_it_mu
     let (mut srv1, _) = l1.accept().await.expect("accept");
     let (mut u2, s2) = open(&p, d2).await;
     let (mut srv2, _) = l2.accept().await.expect("accept");
-    assert_eq!((s1, s2), (wire::OK, wire::OK));
+    assert_eq!((s1, s2), (wire::status::OK, wire::status::OK));
 
     // A lost node that is not b: nothing of a's is cut.
     assert_eq!(p.a.cut("127.0.0.9".parse().expect("ip"), None), 0);
@@ -464,7 +469,7 @@ async fn a_node_that_joins_the_running_job_is_let_in_and_listed() {
     u.write_all(&encode_request(dest)).await.expect("request");
     let mut st = [0u8; 1];
     u.read_exact(&mut st).await.expect("status");
-    assert_eq!(st[0], wire::UNREACHABLE, "not a member of b's roster");
+    assert_eq!(st[0], wire::status::UNREACHABLE, "not a member of b's roster");
     // a joins: served.
     roster.members.push(member(1, a_addr));
     roster.epoch += 1;
@@ -472,7 +477,7 @@ async fn a_node_that_joins_the_running_job_is_let_in_and_listed() {
     let mut u = UnixStream::connect(&p.a.socket).await.expect("tunnel socket");
     u.write_all(&encode_request(dest)).await.expect("request");
     u.read_exact(&mut st).await.expect("status");
-    assert_eq!(st[0], wire::OK);
+    assert_eq!(st[0], wire::status::OK);
     // a's own list: a third node at 127.0.0.3 joins; its address is in a's peers file.
     roster.members.push(member(3, "127.0.0.3:9".parse().expect("addr")));
     p.a.set_roster(&roster, NodeId::from_u128(1));
@@ -520,7 +525,7 @@ async fn bytes_travel_on_the_data_plane_in_order_with_half_closes() {
     let dest = listener.local_addr().expect("addr");
     // A first connection makes the data connection (and its plane links).
     let (u, st) = open(&p, dest).await;
-    assert_eq!(st, wire::OK);
+    assert_eq!(st, wire::status::OK);
     let (srv, _) = listener.accept().await.expect("accept");
     drop((u, srv));
     let (ta, tb) = (&p._transports[0], &p._transports[1]);
@@ -531,7 +536,7 @@ async fn bytes_travel_on_the_data_plane_in_order_with_half_closes() {
 
     let n = 3 * plane_stream::WINDOW as usize + 12_345;
     let (u, st) = open(&p, dest).await;
-    assert_eq!(st, wire::OK);
+    assert_eq!(st, wire::status::OK);
     let (srv, _) = listener.accept().await.expect("accept");
     let (ur, uw) = u.into_split();
     let (sr, sw) = srv.into_split();
@@ -546,7 +551,7 @@ async fn bytes_travel_on_the_data_plane_in_order_with_half_closes() {
 
     // The far application resets: the near end's socket ends, plane or not.
     let (mut u, st) = open(&p, dest).await;
-    assert_eq!(st, wire::OK);
+    assert_eq!(st, wire::status::OK);
     let (mut srv, _) = listener.accept().await.expect("accept");
     u.write_all(&[7; 100_000]).await.expect("write");
     let mut some = [0u8; 1000];

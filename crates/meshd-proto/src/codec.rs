@@ -1,6 +1,6 @@
 //! The codec: postcard encoding, decoding bounded in size, and length prefixes. A leaf:
 //! the protocol cores that only need sizes and bytes (membership, the store) use it without
-//! the frame catalogue of [`super`].
+//! the frame catalogue of [`crate::wire`] (which re-exports it as `wire::codec`).
 
 use serde::{Deserialize, Serialize};
 
