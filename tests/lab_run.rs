@@ -226,6 +226,11 @@ fn max_restarts_restarts_every_rank_and_succeeds() {
             "host {i} ranks must run again with count 1:\n{out}\n{err}"
         );
         assert!(err.contains("restart round 1 of 1: restarting all ranks"), "host {i}:\n{err}");
+        // Round 0's cause is shown, but meshd does not say it exits with its status.
+        assert!(
+            err.contains("meshd: root cause: rank 3") && !err.contains("meshd: exit status"),
+            "host {i}:\n{err}"
+        );
     }
 }
 

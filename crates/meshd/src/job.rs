@@ -603,11 +603,11 @@ impl Edge for JobIo {
     }
 
     /// Every node says why, once the ranks' last output is out.
-    async fn round_failed(&mut self, _reason: &str, cause: Option<&RankFailure>, _restarting: bool) {
+    async fn round_failed(&mut self, _reason: &str, cause: Option<&RankFailure>, restarting: bool) {
         self.round = None;
         let Some(c) = cause else { return };
         supervisor::output::flush().await;
-        eprint!("{}", cause::block(c));
+        eprint!("{}", cause::block(c, restarting));
         if let Some(d) = self.dirs.as_ref().filter(|d| d.user) {
             // Written whole then renamed: nodes sharing the directory write the same file.
             let p = d.base().join("error.json");

@@ -183,7 +183,9 @@ pub fn explain(f: &mut RankFailure, error_file: &Path, tail: &[String]) {
 
 /// The root-cause block every meshd prints (several lines, each starting with `meshd: `
 /// or two spaces).
-pub fn block(f: &RankFailure) -> String {
+/// A round that restarts (`restarting`) does not end meshd: the block then leaves out the
+/// exit status line (the restart's own warning says what happens next).
+pub fn block(f: &RankFailure, restarting: bool) -> String {
     let mut s = format!(
         "meshd: root cause: rank {} (local rank {}, node rank {}) on {} ({}) {} at {}\n",
         f.rank,
@@ -210,8 +212,10 @@ pub fn block(f: &RankFailure) -> String {
             s.push('\n');
         }
     }
-    let whose = if f.source == FailureSource::Stall { "the job stalled" } else { "the failed rank's" };
-    s.push_str(&format!("meshd: exit status {} ({whose})\n", f.status));
+    if !restarting {
+        let whose = if f.source == FailureSource::Stall { "the job stalled" } else { "the failed rank's" };
+        s.push_str(&format!("meshd: exit status {} ({whose})\n", f.status));
+    }
     s
 }
 
@@ -270,8 +274,12 @@ mod tests {
         let mut f = RankFailure::default();
         explain(&mut f, &p, &["a".into(), "KeyError: 'x'".into(), "".into()]);
         assert_eq!((f.message.as_str(), f.source.as_str()), ("KeyError: 'x'", "stderr"));
-        let b = block(&f);
+        let b = block(&f, false);
         assert!(b.contains("last lines of the rank's stderr") && b.contains("    KeyError: 'x'"), "{b}");
+        assert!(b.contains("meshd: exit status 0 (the failed rank's)"), "{b}");
+        // A round that restarts: the cause, but no exit status (meshd goes on).
+        let r = block(&f, true);
+        assert!(r.contains("meshd: root cause:") && !r.contains("exit status"), "{r}");
     }
 
     #[test]
