@@ -260,7 +260,28 @@ impl Lab {
     /// `meshd run` for this lab: `--nnodes` every host and `--peers` every host's eth1,
     /// unless the builder says otherwise.
     pub fn meshd_run(&self) -> MeshdRun {
-        MeshdRun { nnodes: self.hosts.len().to_string(), peers: Some(self.peers()), flags: Vec::new() }
+        MeshdRun {
+            sub: &["run"],
+            nnodes: self.hosts.len().to_string(),
+            peers: Some(self.peers()),
+            flags: Vec::new(),
+        }
+    }
+
+    /// `meshd bench allreduce` for this lab, as [`Lab::meshd_run`]; end it with
+    /// [`MeshdRun::args`] (no `--`).
+    pub fn meshd_bench(&self) -> MeshdRun {
+        MeshdRun { sub: &["bench", "allreduce"], ..self.meshd_run() }
+    }
+
+    /// Waits for each child of `ks` (from [`Lab::spawn`]) in turn, each up to `limit`:
+    /// (exit code, stdout, stderr) per child, in the order of `ks`.
+    pub fn wait_all(
+        &mut self,
+        ks: impl IntoIterator<Item = usize>,
+        limit: Duration,
+    ) -> Vec<(Option<i32>, String, String)> {
+        ks.into_iter().map(|k| self.wait(k, limit)).collect()
     }
 
     /// Sends `sig` to child `k` (a `meshd run`) and waits for it: it must exit with `code`
@@ -471,6 +492,7 @@ impl Drop for Lab {
 /// `--` and the command every rank runs.
 #[derive(Clone, Debug)]
 pub struct MeshdRun {
+    sub: &'static [&'static str],
     nnodes: String,
     peers: Option<String>,
     flags: Vec<String>,
@@ -497,15 +519,47 @@ impl MeshdRun {
 
     /// The whole line: meshd, `run`, the flags, `--`, then `cmd`.
     pub fn cmd(&self, cmd: &[&str]) -> Vec<String> {
-        let mut v: Vec<String> = vec![meshd().into(), "run".into(), "--nnodes".into(), self.nnodes.clone()];
+        self.args(&[&["--"], cmd].concat())
+    }
+
+    /// The whole line without `--`: meshd, the subcommand, the flags, then `tail` (a script
+    /// and its arguments, as torchrun takes them, or more flags).
+    pub fn args(&self, tail: &[&str]) -> Vec<String> {
+        let mut v: Vec<String> =
+            std::iter::once(meshd()).chain(self.sub.iter().copied()).map(String::from).collect();
+        v.extend(["--nnodes".to_string(), self.nnodes.clone()]);
         if let Some(p) = &self.peers {
             v.extend(["--peers".to_string(), p.clone()]);
         }
         v.extend(self.flags.iter().cloned());
-        v.push("--".into());
-        v.extend(cmd.iter().map(|c| c.to_string()));
+        v.extend(tail.iter().map(|c| c.to_string()));
         v
     }
+}
+
+/// Owned environment pairs: `MESHD_TOKEN` = `token`, then `more` (a torch's `env()`
+/// variables, say); [`env_refs`] lends them to [`Lab::spawn`] and [`Lab::run_on_all`].
+pub fn token_env(
+    token: &str,
+    more: impl IntoIterator<Item = (&'static str, String)>,
+) -> Vec<(&'static str, String)> {
+    std::iter::once(("MESHD_TOKEN", token.to_string())).chain(more).collect()
+}
+
+/// `(name, value)` pairs as the lab's spawning functions take them.
+pub fn env_refs<'a>(env: &'a [(&'a str, String)]) -> Vec<(&'a str, &'a str)> {
+    env.iter().map(|(k, v)| (*k, v.as_str())).collect()
+}
+
+/// A fresh directory `meshd-NAME-PID` under the temp dir with `text` written to its file
+/// `file`: (the directory, the file's path).
+pub fn script_in_temp(name: &str, file: &str, text: &str) -> (std::path::PathBuf, String) {
+    let dir = std::env::temp_dir().join(format!("meshd-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let script = dir.join(file);
+    std::fs::write(&script, text).expect("script");
+    let path = script.display().to_string();
+    (dir, path)
 }
 
 /// Tests of one binary that measure time or memory take this lock to run one at a time.
