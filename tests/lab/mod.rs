@@ -261,6 +261,7 @@ impl Lab {
     /// unless the builder says otherwise.
     pub fn meshd_run(&self) -> MeshdRun {
         MeshdRun {
+            bin: meshd().to_string(),
             sub: &["run"],
             nnodes: self.hosts.len().to_string(),
             peers: Some(self.peers()),
@@ -492,6 +493,7 @@ impl Drop for Lab {
 /// `--` and the command every rank runs.
 #[derive(Clone, Debug)]
 pub struct MeshdRun {
+    bin: String,
     sub: &'static [&'static str],
     nnodes: String,
     peers: Option<String>,
@@ -499,6 +501,12 @@ pub struct MeshdRun {
 }
 
 impl MeshdRun {
+    /// Another meshd binary (an installed one) in place of the one under test.
+    pub fn bin(mut self, bin: &str) -> Self {
+        self.bin = bin.to_string();
+        self
+    }
+
     /// Another `--nnodes` (`N` or `MIN:MAX`).
     pub fn nnodes(mut self, n: &str) -> Self {
         self.nnodes = n.to_string();
@@ -526,7 +534,7 @@ impl MeshdRun {
     /// and its arguments, as torchrun takes them, or more flags).
     pub fn args(&self, tail: &[&str]) -> Vec<String> {
         let mut v: Vec<String> =
-            std::iter::once(meshd()).chain(self.sub.iter().copied()).map(String::from).collect();
+            std::iter::once(self.bin.as_str()).chain(self.sub.iter().copied()).map(String::from).collect();
         v.extend(["--nnodes".to_string(), self.nnodes.clone()]);
         if let Some(p) = &self.peers {
             v.extend(["--peers".to_string(), p.clone()]);
