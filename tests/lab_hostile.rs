@@ -321,25 +321,16 @@ fn job_script(iters: u32) -> String {
     )
 }
 
+/// `meshd run` of the 3-node job: hosts 0, 1 and 2 (host 3 is the attacker's).
+fn job_run(lab: &Lab) -> lab::MeshdRun {
+    let peers = lab.hosts[..3].iter().map(|h| h.eth1.clone()).collect::<Vec<_>>().join(",");
+    lab.meshd_run().nnodes("3").peers(&peers)
+}
+
 /// Starts host `i`'s meshd of the 3-node job (hosts 0, 1, 2) running `script`.
 fn spawn_job_node(lab: &mut Lab, i: usize, script: &str) -> usize {
-    let peers = lab.hosts[..3].iter().map(|h| h.eth1.clone()).collect::<Vec<_>>().join(",");
-    let args = [
-        meshd(),
-        "run",
-        "--nnodes",
-        "3",
-        "--peers",
-        &peers,
-        "--nproc-per-node",
-        "1",
-        "--rdzv-timeout",
-        "90s",
-        "--",
-        PY,
-        "-c",
-        script,
-    ];
+    let args =
+        job_run(lab).flags(&["--nproc-per-node", "1", "--rdzv-timeout", "90s"]).cmd(&[PY, "-c", script]);
     lab.spawn(i, &args, &[("MESHD_TOKEN", LAB_TOKEN)])
 }
 
@@ -548,30 +539,6 @@ fn half_open_handshakes_are_bounded_and_the_job_still_forms() {
     assert!(hit.rss.2 < 256 * 1024, "victim VmHWM {} KiB", hit.rss.2);
 }
 
-/// Median VmRSS (KiB) of `pid` over `n` samples 100 ms apart.
-fn idle_rss(pid: u32, n: usize) -> u64 {
-    let mut v: Vec<u64> = (0..n)
-        .map(|_| {
-            std::thread::sleep(Duration::from_millis(100));
-            rss_kib(pid).0
-        })
-        .collect();
-    v.sort_unstable();
-    v[n / 2]
-}
-
-/// Max VmRSS (KiB) of `pid`, sampled every 20 ms until `stop`.
-fn max_rss_until(pid: u32, stop: Arc<std::sync::atomic::AtomicBool>) -> std::thread::JoinHandle<u64> {
-    std::thread::spawn(move || {
-        let mut max = 0;
-        while !stop.load(Ordering::Relaxed) {
-            max = max.max(rss_kib(pid).0);
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        max
-    })
-}
-
 /// What unauthenticated clients may add to the victim's RSS (KiB): 64 connections'
 /// pre-authentication state (each a 4 KiB receive window, one stream, a drained datagram
 /// buffer, QUIC and TLS state) plus allocator slack.
@@ -711,25 +678,9 @@ fn spoofed_initials_do_not_lock_out_joins_or_a_replacement() {
         "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then touch {dir}/formed.$RANK; sleep 60; fi; \
          echo REPLACED count=$TORCHELASTIC_RESTART_COUNT"
     );
-    let peers = lab.hosts[..3].iter().map(|h| h.eth1.clone()).collect::<Vec<_>>().join(",");
-    let args = [
-        meshd(),
-        "run",
-        "--nnodes",
-        "3",
-        "--peers",
-        &peers,
-        "--max-restarts",
-        "1",
-        "--grace",
-        "1s",
-        "--rdzv-timeout",
-        "40s",
-        "--",
-        "sh",
-        "-c",
-        &script,
-    ];
+    let args = job_run(&lab)
+        .flags(&["--max-restarts", "1", "--grace", "1s", "--rdzv-timeout", "40s"])
+        .cmd(&["sh", "-c", &script]);
     let env = [("MESHD_TOKEN", LAB_TOKEN)];
     let t = Instant::now();
     let ks: Vec<usize> = (0..3).map(|i| lab.spawn(i, &args, &env)).collect();
