@@ -406,6 +406,32 @@ fn finish_job(
     JobResult { secs, rss, victim_err }
 }
 
+/// The victim's side of an attack on a forming job: host 0's node, started alone.
+struct Victim {
+    /// The job's script (`job_script(30)`), for the other hosts' nodes.
+    script: String,
+    /// When the victim started.
+    t: Instant,
+    /// The victim's memory, sampled until it exits ([`sample_rss`]).
+    rss: std::thread::JoinHandle<(u64, u64, u64)>,
+    /// The victim's child.
+    k0: usize,
+    /// Where it listens ([`VICTIM`]).
+    addr: SocketAddr,
+}
+
+/// Starts the victim (host 0's node of the 3-node job) alone, sampling its memory, and
+/// gives it 500 ms, so it is listening when the attack starts.
+fn start_victim(lab: &mut Lab) -> Victim {
+    let script = job_script(30);
+    let t = Instant::now();
+    let rss = sample_rss(lab.hosts[0].ns.clone());
+    let k0 = spawn_job_node(lab, 0, &script);
+    std::thread::sleep(Duration::from_millis(500));
+    let addr: SocketAddr = VICTIM.parse().expect("addr");
+    Victim { script, t, rss, k0, addr }
+}
+
 fn lines_about(log: &str, what: &str) -> Vec<String> {
     log.lines().filter(|l| l.contains(what)).map(String::from).collect()
 }
@@ -458,13 +484,7 @@ fn half_open_handshakes_are_bounded_and_the_job_still_forms() {
     lab_or_skip!();
     let _g = serial();
     let mut lab = Lab::new(4);
-    // The victim alone first, so it is listening when the attack starts.
-    let script = job_script(30);
-    let t = Instant::now();
-    let rss = sample_rss(lab.hosts[0].ns.clone());
-    let k0 = spawn_job_node(&mut lab, 0, &script);
-    std::thread::sleep(Duration::from_millis(500));
-    let victim: SocketAddr = VICTIM.parse().expect("addr");
+    let Victim { script, t, rss, k0, addr: victim } = start_victim(&mut lab);
     let attacker = in_netns(&lab.hosts[3].ns, move || {
         rt().block_on(async move {
             let ep = client_endpoint();
@@ -742,12 +762,7 @@ fn recorded_session_replayed_and_truncated_is_ignored() {
     lab_or_skip!();
     let _g = serial();
     let mut lab = Lab::new(4);
-    let script = job_script(30);
-    let t = Instant::now();
-    let rss = sample_rss(lab.hosts[0].ns.clone());
-    let k0 = spawn_job_node(&mut lab, 0, &script);
-    std::thread::sleep(Duration::from_millis(500));
-    let victim: SocketAddr = VICTIM.parse().expect("addr");
+    let Victim { script, t, rss, k0, addr: victim } = start_victim(&mut lab);
     // The relay: 198.19.0.44:29400 <-> victim, recording what the client sends.
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let stop2 = stop.clone();
