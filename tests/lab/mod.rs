@@ -334,38 +334,13 @@ impl Lab {
 
     /// Drops eth1 traffic between host `i` and the hosts in `others` (a partition).
     pub fn partition(&self, i: usize, others: &[usize]) {
+        let nft_add =
+            |what: &[&str]| must(&[&["ip", "netns", "exec", &self.hosts[i].ns, "nft", "add"], what].concat());
         for &j in others {
             let ip = &self.hosts[j].eth1;
-            must(&["ip", "netns", "exec", &self.hosts[i].ns, "nft", "add", "table", "inet", "mdpart"]);
-            must(&[
-                "ip",
-                "netns",
-                "exec",
-                &self.hosts[i].ns,
-                "nft",
-                "add",
-                "chain",
-                "inet",
-                "mdpart",
-                "in",
-                "{ type filter hook input priority 0; }",
-            ]);
-            must(&[
-                "ip",
-                "netns",
-                "exec",
-                &self.hosts[i].ns,
-                "nft",
-                "add",
-                "rule",
-                "inet",
-                "mdpart",
-                "in",
-                "ip",
-                "saddr",
-                ip,
-                "drop",
-            ]);
+            nft_add(&["table", "inet", "mdpart"]);
+            nft_add(&["chain", "inet", "mdpart", "in", "{ type filter hook input priority 0; }"]);
+            nft_add(&["rule", "inet", "mdpart", "in", "ip", "saddr", ip, "drop"]);
         }
     }
 
