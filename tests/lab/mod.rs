@@ -12,6 +12,7 @@
 #![allow(dead_code)]
 
 pub mod library;
+pub mod torchft;
 
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
