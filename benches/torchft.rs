@@ -36,10 +36,10 @@
 #[path = "../tests/lab/mod.rs"]
 mod lab;
 
-use lab::{Lab, meshd};
+use lab::Lab;
+use lab::torchft::{Line, Logs, ft_args, now_secs, rank_command, wait_lines};
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::PathBuf;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 const TOKEN: (&str, &str) = ("MESHD_TOKEN", "torchft-bench");
 /// Steps of the whole run (`--steps`): the survivors must still be training when the
@@ -51,114 +51,6 @@ const VICTIM: usize = 2;
 /// The window, before and after the kill, in which steps are counted.
 const WINDOW: f64 = 5.0;
 const LIGHTHOUSE_PORT: u16 = 29510;
-
-/// One JSON line of the script.
-#[derive(Clone, Debug)]
-struct Line {
-    group: u64,
-    rank: u64,
-    pid: u64,
-    t: f64,
-    step: i64,
-    committed: bool,
-    participants: i64,
-    final_digest: Option<String>,
-}
-
-/// The scripts' shared log directory, removed on drop.
-struct Logs(PathBuf);
-
-impl Logs {
-    fn new(name: &str) -> Logs {
-        let d = std::env::temp_dir().join(format!("meshd-bench-torchft-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).expect("log dir");
-        Logs(d)
-    }
-
-    fn dir(&self) -> String {
-        self.0.display().to_string()
-    }
-
-    fn lines(&self) -> Vec<Line> {
-        let mut v = Vec::new();
-        for e in std::fs::read_dir(&self.0).expect("log dir").flatten() {
-            if !e.file_name().to_string_lossy().ends_with(".jsonl") {
-                continue;
-            }
-            let text = std::fs::read_to_string(e.path()).unwrap_or_default();
-            for l in text.lines() {
-                let Ok(j) = serde_json::from_str::<serde_json::Value>(l) else { continue };
-                v.push(Line {
-                    group: j["group"].as_u64().unwrap_or(u64::MAX),
-                    rank: j["rank"].as_u64().unwrap_or(u64::MAX),
-                    pid: j["pid"].as_u64().unwrap_or(0),
-                    t: j["t"].as_f64().unwrap_or(0.0),
-                    step: j["step"].as_i64().unwrap_or(-1),
-                    committed: j["committed"].as_bool().unwrap_or(false),
-                    participants: j["participants"].as_i64().unwrap_or(0),
-                    final_digest: j["digest"].as_str().map(String::from),
-                });
-            }
-        }
-        v.sort_by(|a, b| a.t.total_cmp(&b.t));
-        v
-    }
-
-    /// The last lines of every process's output (and the lighthouse's), for failure messages.
-    fn outputs(&self) -> String {
-        let mut s = String::new();
-        let mut names: Vec<PathBuf> = std::fs::read_dir(&self.0)
-            .expect("log dir")
-            .flatten()
-            .map(|e| e.path())
-            .filter(|p| p.extension().is_some_and(|x| x == "out"))
-            .collect();
-        names.sort();
-        for p in names {
-            let text = std::fs::read_to_string(&p).unwrap_or_default();
-            let tail: Vec<&str> = text.lines().rev().take(20).collect();
-            s.push_str(&format!("---- {}\n", p.file_name().unwrap_or_default().to_string_lossy()));
-            for l in tail.into_iter().rev() {
-                s.push_str(l);
-                s.push('\n');
-            }
-        }
-        s
-    }
-}
-
-impl Drop for Logs {
-    fn drop(&mut self) {
-        if std::env::var_os("MESHD_LAB_KEEP").is_none() {
-            let _ = std::fs::remove_dir_all(&self.0);
-        } else {
-            eprintln!("logs kept in {}", self.0.display());
-        }
-    }
-}
-
-fn now_secs() -> f64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
-}
-
-/// Waits until `pred` holds for the lines (at most `limit`).
-fn wait_lines(logs: &Logs, limit: Duration, pred: impl Fn(&[Line]) -> bool) -> bool {
-    let deadline = Instant::now() + limit;
-    while Instant::now() < deadline {
-        if pred(&logs.lines()) {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    pred(&logs.lines())
-}
-
-/// The rank command both setups run: the script, its output to a file per process.
-fn rank_command(python: &str) -> String {
-    let script = format!("{}/tests/python/torchft_train.py", env!("CARGO_MANIFEST_DIR"));
-    format!("exec {python} -u {script} >> \"$FT_LOG/g$REPLICA_GROUP_ID.r$RANK.$$.out\" 2>&1")
-}
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Setup {
@@ -204,7 +96,7 @@ struct Job {
 impl Job {
     fn new(setup: Setup, python: &str, steps: u32) -> Job {
         let lab = Lab::new(3);
-        let logs = Logs::new(setup.name());
+        let logs = Logs::new("meshd-bench-torchft", setup.name());
         let mut job = Job { setup, lab, logs, python: python.to_string(), steps, ks: Vec::new() };
         if setup == Setup::Torchft {
             job.start_lighthouse();
@@ -243,7 +135,7 @@ impl Job {
             assert!(
                 Instant::now() < deadline,
                 "torchft_lighthouse listens on host 0 within 20 s:\n{}",
-                self.logs.outputs()
+                self.logs.outputs(20)
             );
             std::thread::sleep(Duration::from_millis(100));
         }
@@ -259,31 +151,8 @@ impl Job {
         let args: Vec<String> = match self.setup {
             Setup::Meshd => {
                 env.push((TOKEN.0, TOKEN.1.into()));
-                // tests/lab_torchft.rs's ft_args: the identical command on every host.
-                let mut a: Vec<String> = [
-                    meshd(),
-                    "run",
-                    "--fault-tolerance",
-                    "node",
-                    "--nnodes",
-                    "2:3",
-                    "--nproc-per-node",
-                    "2",
-                    "--peers",
-                    &self.lab.peers(),
-                    "--grace",
-                    "1s",
-                    "--max-restarts",
-                    "2",
-                    "--",
-                    "sh",
-                    "-c",
-                ]
-                .iter()
-                .map(|s| s.to_string())
-                .collect();
-                a.push(rank);
-                a
+                // tests/lab_torchft.rs's: the identical command on every host.
+                ft_args(&self.lab, &self.python, "2:3", &[])
             }
             Setup::Torchft => {
                 let eth1 = self.lab.hosts[i].eth1.clone();
@@ -338,7 +207,7 @@ impl Job {
     }
 
     fn fail(&self, what: &str) -> ! {
-        panic!("{}: {what}\n{}", self.setup.name(), self.logs.outputs())
+        panic!("{}: {what}\n{}", self.setup.name(), self.logs.outputs(20))
     }
 }
 

@@ -6,7 +6,7 @@
 //! /etc/resolv.conf points at it (`ip netns exec` bind-mounts /etc/netns/NS/resolv.conf).
 
 mod lab;
-use lab::{Lab, meshd};
+use lab::Lab;
 use std::collections::BTreeSet;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -125,22 +125,11 @@ fn dns_job(at: [u64; 3]) -> Vec<Duration> {
     let dns = Dns::start(&lab);
     let eth1: Vec<String> = lab.hosts.iter().map(|h| h.eth1.clone()).collect();
     let line = "echo ENV RANK=$RANK WORLD=$WORLD_SIZE MASTER_ADDR=$MASTER_ADDR NODE_ADDR=$MESHD_NODE_ADDR";
-    let args = [
-        meshd(),
-        "run",
-        "--nnodes",
-        "3",
-        "--peers",
-        "dns:workers.lab",
-        "--rdzv-timeout",
-        "90s",
-        "--nproc-per-node",
-        "2",
-        "--",
-        "sh",
-        "-c",
-        line,
-    ];
+    let args = lab
+        .meshd_run()
+        .peers("dns:workers.lab")
+        .flags(&["--rdzv-timeout", "90s", "--nproc-per-node", "2"])
+        .cmd(&["sh", "-c", line]);
     let token = [("MESHD_TOKEN", "lab-dns-token")];
     let start = Instant::now();
     let published = |upto: usize| -> Vec<(&str, &str)> {

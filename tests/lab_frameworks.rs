@@ -11,7 +11,7 @@
 
 mod lab;
 mod torches;
-use lab::{Lab, meshd};
+use lab::Lab;
 use std::collections::BTreeMap;
 use std::time::Duration;
 use torches::Torch;
@@ -62,28 +62,15 @@ fn run_framework(
         }
     }
     let script = format!("{}/tests/python/{script}", env!("CARGO_MANIFEST_DIR"));
-    let peers = lab.peers();
-    let args = [
-        meshd(),
-        "run",
-        "--nnodes",
-        "3",
-        "--peers",
-        &peers,
-        "--nproc-per-node",
-        "2",
-        "--rdzv-timeout",
-        "120s",
-    ];
-    let args = [&args[..], &["--", &t.python, "-W", "ignore", &script]].concat();
+    let args = lab
+        .meshd_run()
+        .flags(&["--nproc-per-node", "2", "--rdzv-timeout", "120s"])
+        .cmd(&[&t.python, "-W", "ignore", &script]);
     let started = std::time::Instant::now();
     let ks: Vec<usize> = (0..3)
         .map(|i| {
-            let mut env = vec![("MESHD_TOKEN", "frameworks".to_string())];
-            env.extend(t.env());
-            env.extend(per_host(i));
-            let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-            lab.spawn(i, &args, &env)
+            let env = lab::token_env("frameworks", t.env().into_iter().chain(per_host(i)));
+            lab.spawn(i, &args, &lab::env_refs(&env))
         })
         .collect();
     let deadline = std::time::Instant::now() + Duration::from_secs(420);

@@ -122,22 +122,11 @@ fn doctor_and_bench_with_every_node_given_only_the_head_address() {
         assert_eq!(v["master"], "198.19.0.7", "host {i}: {v}");
         assert_eq!(v["ok"], true, "host {i}: {v}");
     }
-    let bench = [
-        meshd(),
-        "bench",
-        "allreduce",
-        "--nnodes",
-        "3",
-        "--peers",
-        &head,
-        "--rdzv-timeout",
-        "60s",
-        "--size",
-        "65536",
-        "--iters",
-        "3",
-        "--json",
-    ];
+    let bench = lab
+        .meshd_bench()
+        .peers(&head)
+        .flags(&["--rdzv-timeout", "60s", "--size", "65536", "--iters", "3"])
+        .args(&["--json"]);
     let res = lab.run_on_all(&bench, &[TOKEN], Duration::from_secs(60));
     for (i, (code, out, err)) in res.iter().enumerate() {
         assert_eq!(*code, Some(0), "bench on host {i}:\n{out}\n{err}");

@@ -321,25 +321,16 @@ fn job_script(iters: u32) -> String {
     )
 }
 
+/// `meshd run` of the 3-node job: hosts 0, 1 and 2 (host 3 is the attacker's).
+fn job_run(lab: &Lab) -> lab::MeshdRun {
+    let peers = lab.hosts[..3].iter().map(|h| h.eth1.clone()).collect::<Vec<_>>().join(",");
+    lab.meshd_run().nnodes("3").peers(&peers)
+}
+
 /// Starts host `i`'s meshd of the 3-node job (hosts 0, 1, 2) running `script`.
 fn spawn_job_node(lab: &mut Lab, i: usize, script: &str) -> usize {
-    let peers = lab.hosts[..3].iter().map(|h| h.eth1.clone()).collect::<Vec<_>>().join(",");
-    let args = [
-        meshd(),
-        "run",
-        "--nnodes",
-        "3",
-        "--peers",
-        &peers,
-        "--nproc-per-node",
-        "1",
-        "--rdzv-timeout",
-        "90s",
-        "--",
-        PY,
-        "-c",
-        script,
-    ];
+    let args =
+        job_run(lab).flags(&["--nproc-per-node", "1", "--rdzv-timeout", "90s"]).cmd(&[PY, "-c", script]);
     lab.spawn(i, &args, &[("MESHD_TOKEN", LAB_TOKEN)])
 }
 
@@ -415,6 +406,32 @@ fn finish_job(
     JobResult { secs, rss, victim_err }
 }
 
+/// The victim's side of an attack on a forming job: host 0's node, started alone.
+struct Victim {
+    /// The job's script (`job_script(30)`), for the other hosts' nodes.
+    script: String,
+    /// When the victim started.
+    t: Instant,
+    /// The victim's memory, sampled until it exits ([`sample_rss`]).
+    rss: std::thread::JoinHandle<(u64, u64, u64)>,
+    /// The victim's child.
+    k0: usize,
+    /// Where it listens ([`VICTIM`]).
+    addr: SocketAddr,
+}
+
+/// Starts the victim (host 0's node of the 3-node job) alone, sampling its memory, and
+/// gives it 500 ms, so it is listening when the attack starts.
+fn start_victim(lab: &mut Lab) -> Victim {
+    let script = job_script(30);
+    let t = Instant::now();
+    let rss = sample_rss(lab.hosts[0].ns.clone());
+    let k0 = spawn_job_node(lab, 0, &script);
+    std::thread::sleep(Duration::from_millis(500));
+    let addr: SocketAddr = VICTIM.parse().expect("addr");
+    Victim { script, t, rss, k0, addr }
+}
+
 fn lines_about(log: &str, what: &str) -> Vec<String> {
     log.lines().filter(|l| l.contains(what)).map(String::from).collect()
 }
@@ -467,13 +484,7 @@ fn half_open_handshakes_are_bounded_and_the_job_still_forms() {
     lab_or_skip!();
     let _g = serial();
     let mut lab = Lab::new(4);
-    // The victim alone first, so it is listening when the attack starts.
-    let script = job_script(30);
-    let t = Instant::now();
-    let rss = sample_rss(lab.hosts[0].ns.clone());
-    let k0 = spawn_job_node(&mut lab, 0, &script);
-    std::thread::sleep(Duration::from_millis(500));
-    let victim: SocketAddr = VICTIM.parse().expect("addr");
+    let Victim { script, t, rss, k0, addr: victim } = start_victim(&mut lab);
     let attacker = in_netns(&lab.hosts[3].ns, move || {
         rt().block_on(async move {
             let ep = client_endpoint();
@@ -546,30 +557,6 @@ fn half_open_handshakes_are_bounded_and_the_job_still_forms() {
     assert!(tls_ok.len() <= meshd::transport::guard::MAX_PENDING_PER_IP, "per-IP bound not applied");
     assert!(about.len() <= 3, "refusals must be logged once:\n{about:?}");
     assert!(hit.rss.2 < 256 * 1024, "victim VmHWM {} KiB", hit.rss.2);
-}
-
-/// Median VmRSS (KiB) of `pid` over `n` samples 100 ms apart.
-fn idle_rss(pid: u32, n: usize) -> u64 {
-    let mut v: Vec<u64> = (0..n)
-        .map(|_| {
-            std::thread::sleep(Duration::from_millis(100));
-            rss_kib(pid).0
-        })
-        .collect();
-    v.sort_unstable();
-    v[n / 2]
-}
-
-/// Max VmRSS (KiB) of `pid`, sampled every 20 ms until `stop`.
-fn max_rss_until(pid: u32, stop: Arc<std::sync::atomic::AtomicBool>) -> std::thread::JoinHandle<u64> {
-    std::thread::spawn(move || {
-        let mut max = 0;
-        while !stop.load(Ordering::Relaxed) {
-            max = max.max(rss_kib(pid).0);
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        max
-    })
 }
 
 /// What unauthenticated clients may add to the victim's RSS (KiB): 64 connections'
@@ -711,25 +698,9 @@ fn spoofed_initials_do_not_lock_out_joins_or_a_replacement() {
         "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then touch {dir}/formed.$RANK; sleep 60; fi; \
          echo REPLACED count=$TORCHELASTIC_RESTART_COUNT"
     );
-    let peers = lab.hosts[..3].iter().map(|h| h.eth1.clone()).collect::<Vec<_>>().join(",");
-    let args = [
-        meshd(),
-        "run",
-        "--nnodes",
-        "3",
-        "--peers",
-        &peers,
-        "--max-restarts",
-        "1",
-        "--grace",
-        "1s",
-        "--rdzv-timeout",
-        "40s",
-        "--",
-        "sh",
-        "-c",
-        &script,
-    ];
+    let args = job_run(&lab)
+        .flags(&["--max-restarts", "1", "--grace", "1s", "--rdzv-timeout", "40s"])
+        .cmd(&["sh", "-c", &script]);
     let env = [("MESHD_TOKEN", LAB_TOKEN)];
     let t = Instant::now();
     let ks: Vec<usize> = (0..3).map(|i| lab.spawn(i, &args, &env)).collect();
@@ -791,12 +762,7 @@ fn recorded_session_replayed_and_truncated_is_ignored() {
     lab_or_skip!();
     let _g = serial();
     let mut lab = Lab::new(4);
-    let script = job_script(30);
-    let t = Instant::now();
-    let rss = sample_rss(lab.hosts[0].ns.clone());
-    let k0 = spawn_job_node(&mut lab, 0, &script);
-    std::thread::sleep(Duration::from_millis(500));
-    let victim: SocketAddr = VICTIM.parse().expect("addr");
+    let Victim { script, t, rss, k0, addr: victim } = start_victim(&mut lab);
     // The relay: 198.19.0.44:29400 <-> victim, recording what the client sends.
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let stop2 = stop.clone();

@@ -37,21 +37,11 @@ fn every_rank_gets_the_same_checked_nccl_id_rooted_on_eth1() {
     lab_or_skip!();
     let Some(libpath) = nccl_lib() else { return };
     let mut lab = Lab::new(3);
-    let peers = lab.peers();
-    let args = [
-        meshd(),
-        "run",
-        "--nnodes",
-        "3",
-        "--peers",
-        &peers,
-        "--nproc-per-node",
-        "2",
-        "--",
+    let args = lab.meshd_run().flags(&["--nproc-per-node", "2"]).cmd(&[
         "sh",
         "-c",
         "echo NCCLID $MESHD_NCCL_UNIQUE_ID",
-    ];
+    ]);
     let res = lab.run_on_all(
         &args,
         &[("MESHD_NCCL_LIB", &libpath), ("MESHD_TOKEN", "nccl")],

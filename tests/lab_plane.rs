@@ -3,7 +3,7 @@
 //! and QUIC streams where a middlebox drops the plane's datagrams.
 
 mod lab;
-use lab::{Lab, meshd};
+use lab::Lab;
 use std::time::Duration;
 
 fn firewalled_lab() -> Lab {
@@ -22,32 +22,16 @@ const ENV: [(&str, &str); 2] = [("MESHD_TOKEN", "plane"), ("MESHD_RING_CHUNK", "
 const DROP_PLANE: &str = "table inet mdplane {\n chain input {\n type filter hook input priority -5; policy accept;\n \
                           udp dport 29400 @th,64,8 & 0xc0 == 0 drop\n }\n}\n";
 
-/// `meshd bench allreduce --json` of 3 nodes on `peers`: `size` bytes, `iters` times, by
+/// `meshd bench allreduce --json` of the lab's 3 nodes: `size` bytes, `iters` times, by
 /// `plane` (auto, streams or both).
-fn bench_args<'a>(peers: &'a str, size: &'a str, iters: &'a str, plane: &'a str) -> [&'a str; 14] {
-    [
-        meshd(),
-        "bench",
-        "allreduce",
-        "--nnodes",
-        "3",
-        "--peers",
-        peers,
-        "--size",
-        size,
-        "--iters",
-        iters,
-        "--plane",
-        plane,
-        "--json",
-    ]
+fn bench_args(lab: &Lab, size: &str, iters: &str, plane: &str) -> Vec<String> {
+    lab.meshd_bench().flags(&["--size", size, "--iters", iters, "--plane", plane]).args(&["--json"])
 }
 
 /// `meshd bench allreduce` of one size on every host by `plane`; per host, the "served
 /// by" of each row. The bench checks every result before timing it.
 fn bench(lab: &mut Lab, size: &str, plane: &str) -> Vec<Vec<String>> {
-    let peers = lab.peers();
-    let res = lab.run_on_all(&bench_args(&peers, size, "2", plane), &ENV, Duration::from_secs(180));
+    let res = lab.run_on_all(&bench_args(lab, size, "2", plane), &ENV, Duration::from_secs(180));
     res.iter()
         .enumerate()
         .map(|(i, (code, out, err))| {
@@ -127,22 +111,14 @@ while time.time() < end:
 "#
     );
     let flooder = lab.spawn(3, &["/usr/bin/python3", "-c", &flood], &[]);
-    let args = [
-        meshd(),
-        "bench",
-        "allreduce",
-        "--nnodes",
-        "3",
-        "--peers",
-        &peers,
-        "--size",
-        "8388608",
-        "--iters",
-        "2",
-        "--json",
-    ];
+    let args = lab
+        .meshd_bench()
+        .nnodes("3")
+        .peers(&peers)
+        .flags(&["--size", "8388608", "--iters", "2"])
+        .args(&["--json"]);
     let nodes: Vec<usize> = (0..3).map(|i| lab.spawn(i, &args, &ENV)).collect();
-    let done: Vec<_> = nodes.into_iter().map(|k| lab.wait(k, Duration::from_secs(180))).collect();
+    let done = lab.wait_all(nodes, Duration::from_secs(180));
     let mut strangers = 0;
     for (i, (code, out, err)) in done.into_iter().enumerate() {
         assert_eq!(code, Some(0), "host {i}:\n{out}\n{err}");
@@ -173,8 +149,7 @@ while time.time() < end:
 fn datagrams_that_stop_getting_through_mid_run_end_the_operation_naming_the_cause() {
     lab_or_skip!();
     let mut lab = firewalled_lab();
-    let peers = lab.peers();
-    let args = bench_args(&peers, "16777216", "200", "auto");
+    let args = bench_args(&lab, "16777216", "200", "auto");
     let nodes: Vec<usize> = (0..3).map(|i| lab.spawn(i, &args, &ENV)).collect();
     // Long enough for the rendezvous and the first operations on the plane.
     std::thread::sleep(Duration::from_secs(8));

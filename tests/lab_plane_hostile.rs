@@ -12,7 +12,7 @@ mod hostile;
 mod lab;
 
 use hostile::*;
-use lab::{Lab, meshd};
+use lab::Lab;
 use meshd::transport::auth::Token;
 use std::net::{SocketAddr, SocketAddrV4};
 use std::sync::Arc;
@@ -20,30 +20,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 const TOKEN: &str = "lab-plane-hostile-K2w9";
-
-/// Max VmRSS (KiB) of `pid`, sampled every 20 ms until `stop`.
-fn max_rss_until(pid: u32, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<u64> {
-    std::thread::spawn(move || {
-        let mut max = 0;
-        while !stop.load(Ordering::Relaxed) {
-            max = max.max(rss_kib(pid).0);
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        max
-    })
-}
-
-/// Median VmRSS (KiB) of `pid` over `n` samples 100 ms apart.
-fn idle_rss(pid: u32, n: usize) -> u64 {
-    let mut v: Vec<u64> = (0..n)
-        .map(|_| {
-            std::thread::sleep(Duration::from_millis(100));
-            rss_kib(pid).0
-        })
-        .collect();
-    v.sort_unstable();
-    v[n / 2]
-}
 
 /// What the hostile member sent.
 #[derive(Debug, Default)]
@@ -147,7 +123,7 @@ fn a_members_unfinished_and_unclaimed_plane_messages_stay_within_its_budget() {
     std::fs::create_dir_all(&dir).expect("marker dir");
     let script = format!("touch {dir}/formed.$RANK; sleep 16");
     let peers = lab.hosts[..3].iter().map(|h| h.eth1.clone()).collect::<Vec<_>>().join(",");
-    let args = [meshd(), "run", "--nnodes", "3", "--peers", &peers, "--", "sh", "-c", &script];
+    let args = lab.meshd_run().nnodes("3").peers(&peers).cmd(&["sh", "-c", &script]);
     let env = [("MESHD_TOKEN", TOKEN), ("MESHD_LANES", "1")];
     let ks: Vec<usize> = (0..3).map(|i| lab.spawn(i, &args, &env)).collect();
     let t = Instant::now();
@@ -224,28 +200,16 @@ fn a_members_unfinished_and_unclaimed_plane_messages_stay_within_its_budget() {
     assert!(!everything.contains(TOKEN), "the token appears in a log");
 }
 
-/// `meshd bench allreduce --json` of 3 nodes on `peers`: 16 MiB allreduces, `iters` times.
-fn bench_args<'a>(peers: &'a str, iters: &'a str) -> [&'a str; 12] {
-    [
-        meshd(),
-        "bench",
-        "allreduce",
-        "--nnodes",
-        "3",
-        "--peers",
-        peers,
-        "--size",
-        "16777216",
-        "--iters",
-        iters,
-        "--json",
-    ]
-}
-
-/// Starts the 3 hosts' bench of `iters` allreduces.
+/// Starts the 3 hosts' bench (`meshd bench allreduce --json`, hosts 0 to 2): 16 MiB
+/// allreduces, `iters` times.
 fn spawn_bench(lab: &mut Lab, iters: &str) -> Vec<usize> {
     let peers = lab.hosts[..3].iter().map(|h| h.eth1.clone()).collect::<Vec<_>>().join(",");
-    let args = bench_args(&peers, iters);
+    let args = lab
+        .meshd_bench()
+        .nnodes("3")
+        .peers(&peers)
+        .flags(&["--size", "16777216", "--iters", iters])
+        .args(&["--json"]);
     let env = [("MESHD_TOKEN", TOKEN)];
     (0..3).map(|i| lab.spawn(i, &args, &env)).collect()
 }

@@ -94,23 +94,10 @@ fn run_behind_a_one_port_firewall_warns_once_on_every_node_and_tunnels() {
 fn launch_refused_when_one_node_runs_another_command() {
     lab_or_skip!();
     let mut lab = Lab::new(3);
-    let peers = lab.peers();
     let ks: Vec<usize> = (0..3)
         .map(|i| {
             let epochs = if i == 2 { "4" } else { "3" };
-            let args = [
-                meshd(),
-                "run",
-                "--nnodes",
-                "3",
-                "--peers",
-                &peers,
-                "--",
-                "echo",
-                "train",
-                "--epochs",
-                epochs,
-            ];
+            let args = lab.meshd_run().cmd(&["echo", "train", "--epochs", epochs]);
             lab.spawn(i, &args, &[("MESHD_TOKEN", "cmd")])
         })
         .collect();

@@ -4,7 +4,7 @@
 
 mod lab;
 mod torches;
-use lab::{Lab, meshd};
+use lab::Lab;
 use std::time::Duration;
 use torches::Torch;
 
@@ -78,15 +78,13 @@ fn collectives_store_and_barrier_across_firewalled_hosts(t) {
     lab_or_skip!();
     let mut lab = firewalled_lab();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/collectives_check.py");
-    let peers = lab.peers();
     // Buffers read and written in place (the default), then sent through the socket, with
     // the ring's data spread over 3 lanes (connections) per link in 64 KiB chunks.
     for (in_place, want, lanes, chunk) in
         [("1", "in_place=True", "1", "1048576"), ("0", "in_place=False", "3", "65536")]
     {
         let py = t.python.as_str();
-        let args =
-            [meshd(), "run", "--nnodes", "3", "--peers", &peers, "--nproc-per-node", "2", "--", py, script];
+        let args = lab.meshd_run().flags(&["--nproc-per-node", "2"]).cmd(&[py, script]);
         let mut env = vec![
             ("MESHD_TOKEN", "quic".to_string()),
             ("MESHD_IN_PLACE", in_place.to_string()),
@@ -119,26 +117,10 @@ fn collectives_store_and_barrier_across_firewalled_hosts(t) {
 fn bench_allreduce_checks_results_and_interleaves_the_bare_ring_over_lanes() {
     lab_or_skip!();
     let mut lab = firewalled_lab();
-    let peers = lab.peers();
-    let args = [
-        meshd(),
-        "bench",
-        "allreduce",
-        "--nnodes",
-        "3",
-        "--peers",
-        &peers,
-        "--max-size",
-        "1048576",
-        "--iters",
-        "2",
-        "--ceiling",
-        "--rounds",
-        "2",
-        "--lanes",
-        "3",
-        "--json",
-    ];
+    let args = lab
+        .meshd_bench()
+        .flags(&["--max-size", "1048576", "--iters", "2", "--ceiling", "--rounds", "2", "--lanes", "3"])
+        .args(&["--json"]);
     let res = lab.run_on_all(&args, &[("MESHD_TOKEN", "bench")], Duration::from_secs(120));
     let mut ranks = Vec::new();
     for (i, (code, out, err)) in res.iter().enumerate() {

@@ -121,35 +121,12 @@ const WRONG: &str = "tok-wrong-Xe51pR";
 fn wrong_token_is_refused_and_both_ends_say_so() {
     lab_or_skip!();
     let mut lab = Lab::new(3);
-    let peers = lab.peers();
     // Hosts 0 and 1 share a token and form a 2-node job; host 2 holds another token.
-    let good = |lab: &mut Lab, i| {
-        lab.spawn(
-            i,
-            &[
-                meshd(),
-                "run",
-                "--nnodes",
-                "2",
-                "--peers",
-                &peers,
-                "--rdzv-timeout",
-                "30s",
-                "--",
-                "sh",
-                "-c",
-                "sleep 3",
-            ],
-            &[("MESHD_TOKEN", RIGHT)],
-        )
-    };
-    let a = good(&mut lab, 0);
-    let b = good(&mut lab, 1);
-    let c = lab.spawn(
-        2,
-        &[meshd(), "run", "--nnodes", "3", "--peers", &peers, "--rdzv-timeout", "4s", "--", "true"],
-        &[("MESHD_TOKEN", WRONG)],
-    );
+    let args = lab.meshd_run().nnodes("2").flags(&["--rdzv-timeout", "30s"]).cmd(&["sh", "-c", "sleep 3"]);
+    let a = lab.spawn(0, &args, &[("MESHD_TOKEN", RIGHT)]);
+    let b = lab.spawn(1, &args, &[("MESHD_TOKEN", RIGHT)]);
+    let intruder = lab.meshd_run().flags(&["--rdzv-timeout", "4s"]).cmd(&["true"]);
+    let c = lab.spawn(2, &intruder, &[("MESHD_TOKEN", WRONG)]);
     let (cc, cout, cerr) = lab.wait(c, Duration::from_secs(30));
     let (ac, aout, aerr) = lab.wait(a, Duration::from_secs(40));
     let (bc, bout, berr) = lab.wait(b, Duration::from_secs(40));
@@ -190,8 +167,7 @@ fn wrong_token_is_refused_and_both_ends_say_so() {
 fn killed_node_stops_the_job_everywhere() {
     lab_or_skip!();
     let mut lab = Lab::new(3);
-    let peers = lab.peers();
-    let args = [meshd(), "run", "--nnodes", "3", "--peers", &peers, "--grace", "1s", "--", "sleep", "60"];
+    let args = lab.meshd_run().flags(&["--grace", "1s"]).cmd(&["sleep", "60"]);
     let ks: Vec<usize> = (0..3).map(|i| lab.spawn(i, &args, &[("MESHD_TOKEN", "t")])).collect();
     std::thread::sleep(Duration::from_secs(4)); // the job is running by now
     let t = std::time::Instant::now();
@@ -239,13 +215,14 @@ fn pytorch_ddp_over_gloo_ends_with_identical_parameters(t) {
     lab_or_skip!();
     let mut lab = Lab::new(3);
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/ddp_gloo.py");
-    let peers = lab.peers();
-    let args = [meshd(), "run", "--nnodes", "3", "--peers", &peers, "--rdzv-timeout", "60s"];
-    let args = [&args[..], &["--nproc-per-node", "2", "--", &t.python, script, "--steps", "15"]].concat();
-    let mut env = vec![("MESHD_TOKEN", "lab-secret".to_string())];
-    env.extend(t.env());
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let res = lab.run_on_all(&args, &env, Duration::from_secs(180));
+    let args = lab.meshd_run().flags(&["--rdzv-timeout", "60s", "--nproc-per-node", "2"]).cmd(&[
+        &t.python,
+        script,
+        "--steps",
+        "15",
+    ]);
+    let env = lab::token_env("lab-secret", t.env());
+    let res = lab.run_on_all(&args, &lab::env_refs(&env), Duration::from_secs(180));
     let mut digests = Vec::new();
     for (i, (code, out, err)) in res.iter().enumerate() {
         assert_eq!(*code, Some(0), "host {i}:\n{out}\n{err}");
@@ -265,24 +242,8 @@ fn pytorch_ddp_over_gloo_ends_with_identical_parameters(t) {
 fn a_dead_node_replaced_by_a_new_one_restarts_the_job_with_max_restarts() {
     lab_or_skip!();
     let mut lab = Lab::new(3);
-    let peers = lab.peers();
     let script = "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then sleep 60; fi; echo REPLACED count=$TORCHELASTIC_RESTART_COUNT";
-    let args = [
-        meshd(),
-        "run",
-        "--nnodes",
-        "3",
-        "--peers",
-        &peers,
-        "--max-restarts",
-        "1",
-        "--grace",
-        "1s",
-        "--",
-        "sh",
-        "-c",
-        script,
-    ];
+    let args = lab.meshd_run().flags(&["--max-restarts", "1", "--grace", "1s"]).cmd(&["sh", "-c", script]);
     let env = [("MESHD_TOKEN", "replace")];
     let ks: Vec<usize> = (0..3).map(|i| lab.spawn(i, &args, &env)).collect();
     std::thread::sleep(Duration::from_secs(4));
@@ -308,18 +269,14 @@ fn a_dead_node_replaced_by_a_new_one_restarts_the_job_with_max_restarts() {
 fn a_torchrun_launch_line_runs_on_three_hosts() {
     lab_or_skip!();
     let mut lab = Lab::new(3);
-    let dir = std::env::temp_dir().join(format!("meshd-torchrun-line-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("dir");
-    let script = dir.join("print_env.py");
-    std::fs::write(
-        &script,
+    let (dir, script_s) = lab::script_in_temp(
+        "torchrun-line",
+        "print_env.py",
         "import os, sys\n\
          keys = 'RANK LOCAL_RANK WORLD_SIZE NODE_RANK MASTER_ADDR TORCHELASTIC_RUN_ID TORCHELASTIC_MAX_RESTARTS'.split()\n\
          print('ENV ' + ' '.join(f'{k}={os.environ[k]}' for k in keys) + ' ARGS=' + ','.join(sys.argv[1:]) \
          + ' U=' + str('-u' in sys.orig_argv))\n",
-    )
-    .expect("script");
-    let script_s = script.display().to_string();
+    );
     let head = format!("{}:29400", lab.hosts[0].eth1);
     let ks: Vec<usize> = (0..3)
         .map(|i| {
@@ -391,28 +348,12 @@ fn a_rank_exception_is_the_root_cause_on_every_node(t) {
     .expect("script");
     let logs = dir.join("logs");
     let (script_s, logs_s) = (script.display().to_string(), logs.display().to_string());
-    let peers = lab.peers();
-    let args = [
-        meshd(),
-        "run",
-        "--nnodes",
-        "3",
-        "--peers",
-        &peers,
-        "--rdzv-timeout",
-        "60s",
-        "--nproc-per-node",
-        "1",
-        "--grace",
-        "2s",
-        "--log-dir",
-        &logs_s,
-        &script_s,
-    ];
-    let mut env = vec![("MESHD_TOKEN", "lab-secret".to_string()), ("MESHD_PYTHON", t.python.clone())];
-    env.extend(t.env());
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let res = lab.run_on_all(&args, &env, Duration::from_secs(120));
+    let args = lab
+        .meshd_run()
+        .flags(&["--rdzv-timeout", "60s", "--nproc-per-node", "1", "--grace", "2s", "--log-dir", &logs_s])
+        .args(&[&script_s]);
+    let env = lab::token_env("lab-secret", [("MESHD_PYTHON", t.python.clone())].into_iter().chain(t.env()));
+    let res = lab.run_on_all(&args, &lab::env_refs(&env), Duration::from_secs(120));
     for (i, (code, _, err)) in res.iter().enumerate() {
         assert_eq!(*code, Some(1), "host {i} must exit with the rank's status 1:\n{err}");
         let block = err
@@ -459,25 +400,9 @@ fn a_rank_killed_by_a_signal_gives_128_plus_n_on_every_node() {
 fn sigusr1_to_one_meshd_reaches_every_rank_on_every_node() {
     lab_or_skip!();
     let mut lab = Lab::new(2);
-    let peers = lab.peers();
     let script = "trap 'echo GOT-USR1 rank=$RANK; exit 0' USR1; echo STARTED rank=$RANK; \
                   i=0; while [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done; exit 5";
-    let args = [
-        meshd(),
-        "run",
-        "--nnodes",
-        "2",
-        "--peers",
-        &peers,
-        "--nproc-per-node",
-        "2",
-        "--grace",
-        "1s",
-        "--",
-        "sh",
-        "-c",
-        script,
-    ];
+    let args = lab.meshd_run().flags(&["--nproc-per-node", "2", "--grace", "1s"]).cmd(&["sh", "-c", script]);
     let ks: Vec<usize> = (0..2).map(|i| lab.spawn(i, &args, &[("MESHD_TOKEN", "sig")])).collect();
     std::thread::sleep(Duration::from_secs(6)); // the job runs by now
     lab.signal(ks[1], libc::SIGUSR1);
@@ -502,34 +427,18 @@ fn sigusr1_to_one_meshd_reaches_every_rank_on_every_node() {
 fn a_stalled_job_ends_everywhere_with_python_stacks() {
     lab_or_skip!();
     let mut lab = Lab::new(2);
-    let dir = std::env::temp_dir().join(format!("meshd-stall-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("dir");
-    let script = dir.join("stall.py");
-    std::fs::write(
-        &script,
+    let (dir, script_s) = lab::script_in_temp(
+        "stall",
+        "stall.py",
         "import os, time\n\
          def wait_forever_zq():\n    while True:\n        time.sleep(1000)\n\
          print('started', os.environ['RANK'])\n\
          wait_forever_zq()\n",
-    )
-    .expect("script");
-    let script_s = script.display().to_string();
-    let peers = lab.peers();
-    let args = [
-        meshd(),
-        "run",
-        "--nnodes",
-        "2",
-        "--peers",
-        &peers,
-        "--nproc-per-node",
-        "1",
-        "--grace",
-        "1s",
-        "--stall-timeout",
-        "3s",
-        &script_s,
-    ];
+    );
+    let args = lab
+        .meshd_run()
+        .flags(&["--nproc-per-node", "1", "--grace", "1s", "--stall-timeout", "3s"])
+        .args(&[&script_s]);
     let t = std::time::Instant::now();
     let res = lab.run_on_all(
         &args,

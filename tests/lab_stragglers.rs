@@ -6,7 +6,7 @@
 mod hostile;
 mod lab;
 
-use lab::{Lab, meshd};
+use lab::Lab;
 use meshd::mesh::stable_hash;
 use meshd::proto::membership::{Delivery, Membership, MembershipConfig};
 use meshd::proto::rendezvous::Message;
@@ -94,25 +94,15 @@ fn a_straggler_of_an_earlier_job_neither_aborts_nor_finishes_the_new_one() {
     std::thread::sleep(Duration::from_secs(1));
     // The new job on hosts 0 and 1: runs 4 s, all ranks exit 0.
     let peers = format!("{},{}", lab.hosts[0].eth1, lab.hosts[1].eth1);
-    let args = [
-        meshd(),
-        "run",
-        "--nnodes",
-        "2",
-        "--peers",
-        &peers,
-        "--rdzv-timeout",
-        "30s",
-        "--nproc-per-node",
-        "1",
-        "--",
-        "sh",
-        "-c",
-        "sleep 4; echo RANK $RANK DONE",
-    ];
+    let args = lab
+        .meshd_run()
+        .nnodes("2")
+        .peers(&peers)
+        .flags(&["--rdzv-timeout", "30s", "--nproc-per-node", "1"])
+        .cmd(&["sh", "-c", "sleep 4; echo RANK $RANK DONE"]);
     let t = Instant::now();
     let ks: Vec<usize> = (0..2).map(|i| lab.spawn(i, &args, &[])).collect();
-    let res: Vec<_> = ks.into_iter().map(|k| lab.wait(k, Duration::from_secs(40))).collect();
+    let res = lab.wait_all(ks, Duration::from_secs(40));
     let took = t.elapsed();
     let sent = straggler.join().expect("straggler thread");
     assert!(sent > 10, "the straggler sent {sent} rounds of Abort and Done");

@@ -6,124 +6,12 @@
 
 mod lab;
 mod torches;
-use lab::{Lab, meshd};
+use lab::Lab;
+use lab::torchft::{Line, Logs, ft_args, now_secs, wait_lines};
 use std::collections::BTreeMap;
-use std::path::PathBuf;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 const TOKEN: (&str, &str) = ("MESHD_TOKEN", "torchft-lab");
-
-/// One JSON line of the script.
-#[derive(Clone, Debug)]
-struct Line {
-    group: u64,
-    rank: u64,
-    pid: u64,
-    t: f64,
-    step: i64,
-    committed: bool,
-    participants: i64,
-    final_digest: Option<String>,
-}
-
-/// The scripts' shared log directory, removed on drop.
-struct Logs(PathBuf);
-
-impl Logs {
-    fn new(name: &str) -> Logs {
-        let d = std::env::temp_dir().join(format!("meshd-torchft-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).expect("log dir");
-        Logs(d)
-    }
-
-    fn dir(&self) -> String {
-        self.0.display().to_string()
-    }
-
-    fn lines(&self) -> Vec<Line> {
-        let mut v = Vec::new();
-        for e in std::fs::read_dir(&self.0).expect("log dir").flatten() {
-            if !e.file_name().to_string_lossy().ends_with(".jsonl") {
-                continue;
-            }
-            let text = std::fs::read_to_string(e.path()).unwrap_or_default();
-            for l in text.lines() {
-                let Ok(j) = serde_json::from_str::<serde_json::Value>(l) else { continue };
-                v.push(Line {
-                    group: j["group"].as_u64().unwrap_or(u64::MAX),
-                    rank: j["rank"].as_u64().unwrap_or(u64::MAX),
-                    pid: j["pid"].as_u64().unwrap_or(0),
-                    t: j["t"].as_f64().unwrap_or(0.0),
-                    step: j["step"].as_i64().unwrap_or(-1),
-                    committed: j["committed"].as_bool().unwrap_or(false),
-                    participants: j["participants"].as_i64().unwrap_or(0),
-                    final_digest: j["digest"].as_str().map(String::from),
-                });
-            }
-        }
-        v.sort_by(|a, b| a.t.total_cmp(&b.t));
-        v
-    }
-
-    /// The ranks' own output (stdout and stderr of every process), for failure messages.
-    fn outputs(&self) -> String {
-        let mut s = String::new();
-        for e in std::fs::read_dir(&self.0).expect("log dir").flatten() {
-            if e.file_name().to_string_lossy().ends_with(".out") {
-                let text = std::fs::read_to_string(e.path()).unwrap_or_default();
-                let tail: Vec<&str> = text.lines().rev().take(25).collect();
-                s.push_str(&format!("---- {}\n", e.file_name().to_string_lossy()));
-                for l in tail.into_iter().rev() {
-                    s.push_str(l);
-                    s.push('\n');
-                }
-            }
-        }
-        s
-    }
-}
-
-impl Drop for Logs {
-    fn drop(&mut self) {
-        if std::env::var_os("MESHD_LAB_KEEP").is_none() {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-}
-
-fn now_secs() -> f64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
-}
-
-/// The identical command of every host: `--fault-tolerance node`, 2 ranks per host, the
-/// script's output to files (a rank's heavy logging must not fill the test's pipes).
-fn ft_args(lab: &Lab, python: &str, nnodes: &str, extra: &[&str]) -> Vec<String> {
-    let script = format!("{}/tests/python/torchft_train.py", env!("CARGO_MANIFEST_DIR"));
-    let mut a: Vec<String> = [
-        meshd(),
-        "run",
-        "--fault-tolerance",
-        "node",
-        "--nnodes",
-        nnodes,
-        "--nproc-per-node",
-        "2",
-        "--peers",
-        &lab.peers(),
-        "--grace",
-        "1s",
-        "--max-restarts",
-        "2",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    a.extend(extra.iter().map(|s| s.to_string()));
-    a.extend(["--", "sh", "-c"].iter().map(|s| s.to_string()));
-    a.push(format!("exec {python} -u {script} >> \"$FT_LOG/g$REPLICA_GROUP_ID.r$RANK.$$.out\" 2>&1"));
-    a
-}
 
 fn spawn(
     lab: &mut Lab,
@@ -139,18 +27,6 @@ fn spawn(
     let mut env = vec![TOKEN, ("FT_LOG", dir.as_str()), ("FT_STEPS", &steps), ("FT_STEP_SLEEP", "0.1")];
     env.extend(extra.iter().map(|(k, v)| (*k, v.as_str())));
     lab.spawn(i, &a, &env)
-}
-
-/// Waits until `pred` holds for the lines (at most `limit`).
-fn wait_lines(logs: &Logs, limit: Duration, pred: impl Fn(&[Line]) -> bool) -> bool {
-    let deadline = Instant::now() + limit;
-    while Instant::now() < deadline {
-        if pred(&logs.lines()) {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    pred(&logs.lines())
 }
 
 /// Group of the node on host `i`: the REPLICA_GROUP_ID its ranks logged. Hosts are told
@@ -207,7 +83,7 @@ impl Job {
                 lab.firewall_only_udp(i, 29400);
             }
         }
-        let logs = Logs::new(name);
+        let logs = Logs::new("meshd-torchft", name);
         let args = ft_args(&lab, &torch.python, "2:3", &[]);
         let envs: Vec<Vec<(&'static str, String)>> = (0..3).map(extra_env).collect();
         let ks: Vec<usize> = (0..3).map(|i| spawn(&mut lab, i, &args, &logs, steps, &envs[i])).collect();
@@ -216,7 +92,7 @@ impl Job {
                 l.iter().filter(|l| l.step >= warm).map(|l| l.group).collect();
             groups.len() == 3
         });
-        assert!(started, "every group reaches step {warm}:\n{}", logs.outputs());
+        assert!(started, "every group reaches step {warm}:\n{}", logs.outputs(25));
         Job { lab, logs, args, ks, steps, envs }
     }
 
@@ -246,7 +122,7 @@ impl Job {
         assert!(
             resumed,
             "{fault:?}: the survivors commit a step without the lost group within {limit_resume:?}:\n{}",
-            logs.outputs()
+            logs.outputs(25)
         );
         let next = logs.lines().iter().filter(|x| survivors_on(x)).map(|x| x.t).fold(f64::INFINITY, f64::min);
         if fault == Fault::LinkCut {
@@ -270,7 +146,10 @@ impl Job {
         });
         if !healed {
             let nodes = self.stop_all();
-            panic!("the replacement heals and commits with all 3 groups:\n{}\n{nodes}", self.logs.outputs());
+            panic!(
+                "the replacement heals and commits with all 3 groups:\n{}\n{nodes}",
+                self.logs.outputs(25)
+            );
         }
         let first = self
             .logs
@@ -303,13 +182,13 @@ impl Job {
     fn finish(mut self) -> (Logs, Vec<String>) {
         // Every group stops 20 steps on (FT_STEPS is only the bound).
         let at = self.logs.lines().iter().map(|l| l.step).max().unwrap_or(0) + 20;
-        let stop = self.logs.0.join("stop_at");
+        let stop = self.logs.path().join("stop_at");
         std::fs::write(stop.with_extension("tmp"), at.to_string()).expect("stop_at");
         std::fs::rename(stop.with_extension("tmp"), &stop).expect("stop_at");
         let mut errs = Vec::new();
         for i in 0..3 {
             let (code, _, err) = self.lab.wait(self.ks[i], Duration::from_secs(180));
-            assert_eq!(code, Some(0), "host {i} ends 0:\n{err}\n{}", self.logs.outputs());
+            assert_eq!(code, Some(0), "host {i} ends 0:\n{err}\n{}", self.logs.outputs(25));
             errs.push(err);
         }
         let mut finals: BTreeMap<u64, Vec<(u64, String)>> = BTreeMap::new();
@@ -482,7 +361,7 @@ fn a_failed_rank_restarts_its_node_only_and_the_deciders_loss_is_survived() {
     assert!(
         restarted_and_healed,
         "host 0's restarted ranks commit with all 3 groups:\n{}",
-        job.logs.outputs()
+        job.logs.outputs(25)
     );
     // While host 0's ranks restarted, the others committed steps without it.
     let lines = job.logs.lines();
@@ -496,7 +375,7 @@ fn a_failed_rank_restarts_its_node_only_and_the_deciders_loss_is_survived() {
     let others_on = lines
         .iter()
         .any(|x| x.group != g0 && x.committed && x.participants == 2 && x.t > t_down && x.t < t_back);
-    assert!(others_on, "the other groups committed steps while host 0 restarted:\n{}", job.logs.outputs());
+    assert!(others_on, "the other groups committed steps while host 0 restarted:\n{}", job.logs.outputs(25));
     // Now the decider.
     let mid = pids_by_rank(&job.logs.lines());
     let (g1, next, first) = job.lose_and_replace(1, Fault::Kill, Duration::from_secs(60));

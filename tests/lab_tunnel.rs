@@ -20,11 +20,8 @@ fn firewalled_lab(n: usize) -> Lab {
 }
 
 fn run(lab: &mut Lab, t: &Torch, args: &[String]) -> Vec<(Option<i32>, String, String)> {
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let mut env = vec![("MESHD_TOKEN", "tunnel".to_string())];
-    env.extend(t.env());
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    lab.run_on_all(&args, &env, Duration::from_secs(240))
+    let env = lab::token_env("tunnel", t.env());
+    lab.run_on_all(args, &lab::env_refs(&env), Duration::from_secs(240))
 }
 
 /// The preflight chose the tunnel by itself, said so, and the tunnel carried connections.
@@ -100,11 +97,8 @@ fn store_objects_user_sockets_and_refusals_go_through_the_tunnel(t) {
         })
         .collect();
     let args = python_job(&t.python, &lab.peers(), 3, 2, "auto", "tunnel_check.py", &[]);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let mut env = vec![("MESHD_TOKEN", "tunnel".to_string()), ("MESHD_TEST_OUTSIDE_PORT", OUTSIDE.to_string())];
-    env.extend(t.env());
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let results = lab.run_on_all(&args, &env, Duration::from_secs(240));
+    let env = lab::token_env("tunnel", [("MESHD_TEST_OUTSIDE_PORT", OUTSIDE.to_string())].into_iter().chain(t.env()));
+    let results = lab.run_on_all(&args, &lab::env_refs(&env), Duration::from_secs(240));
     for k in outside {
         lab.signal(k, libc::SIGKILL);
         let (_, out, err) = lab.wait(k, Duration::from_secs(5));
@@ -240,7 +234,6 @@ fn the_nccl_unique_ids_root_is_reachable_through_the_tunnel_from_every_node() {
         }
     };
     let mut lab = firewalled_lab(3);
-    let peers = lab.peers();
     // The id's sockaddr: family (LE u16) at byte 8, port (BE) at 10, IPv4 at 12. Eight bytes
     // that are not NCCL's magic, then close (what the preflight sends: safe on every version).
     let script = r#"
@@ -253,20 +246,7 @@ s.sendall(b"\0" * 8)
 s.close()
 print(f"NCCLROOT OK {ip}:{port} from {os.environ['MESHD_NODE_ADDR']}", flush=True)
 "#;
-    let args = [
-        lab::meshd(),
-        "run",
-        "--nnodes",
-        "3",
-        "--peers",
-        &peers,
-        "--nproc-per-node",
-        "2",
-        "--",
-        PY,
-        "-c",
-        script,
-    ];
+    let args = lab.meshd_run().flags(&["--nproc-per-node", "2"]).cmd(&[PY, "-c", script]);
     let res = lab.run_on_all(
         &args,
         &[("MESHD_NCCL_LIB", &libpath), ("MESHD_TOKEN", "nccl-tunnel")],
@@ -342,24 +322,9 @@ fn tunnelled_connections_past_the_open_files_limit_are_refused_and_the_tunnel_li
     lab_or_skip!();
     let mut lab = firewalled_lab(2);
     let script = format!("{}/tests/python/tunnel_fds.py", env!("CARGO_MANIFEST_DIR"));
-    let peers = lab.peers();
-    let args = [
-        "prlimit",
-        "--nofile=128",
-        lab::meshd(),
-        "run",
-        "--nnodes",
-        "2",
-        "--peers",
-        &peers,
-        "--nproc-per-node",
-        "2",
-        "--collective",
-        "tunnel",
-        "--",
-        PY,
-        &script,
-    ];
+    let meshd_run =
+        lab.meshd_run().flags(&["--nproc-per-node", "2", "--collective", "tunnel"]).cmd(&[PY, &script]);
+    let args = [vec!["prlimit".to_string(), "--nofile=128".to_string()], meshd_run].concat();
     let results = lab.run_on_all(&args, &[("MESHD_TOKEN", "tunnel")], Duration::from_secs(120));
     for (i, (code, out, err)) in results.iter().enumerate() {
         assert_eq!(*code, Some(0), "host {i}:\n{out}\n{err}");

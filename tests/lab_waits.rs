@@ -3,7 +3,7 @@
 //! nodes started with another `--nnodes` are named instead of waited for in silence.
 
 mod lab;
-use lab::{Lab, meshd};
+use lab::Lab;
 use std::time::{Duration, Instant};
 
 const TOKEN: (&str, &str) = ("MESHD_TOKEN", "lab-secret");
@@ -19,24 +19,12 @@ fn min_max_with_three_of_four_starts_twenty_times_in_a_row() {
     let peers = format!("{},198.19.0.99", lab.peers());
     let tries: usize = std::env::var("MESHD_MINMAX_TRIES").ok().and_then(|t| t.parse().ok()).unwrap_or(20);
     for t in 0..tries {
-        let args = [
-            meshd(),
-            "run",
-            "--nnodes",
-            "2:4",
-            "--settle",
-            "1s",
-            "--peers",
-            &peers,
-            "--rdzv-timeout",
-            "30s",
-            "--nproc-per-node",
-            "1",
-            "--",
-            "sh",
-            "-c",
-            "echo started $WORLD_SIZE",
-        ];
+        let args = lab
+            .meshd_run()
+            .nnodes("2:4")
+            .peers(&peers)
+            .flags(&["--settle", "1s", "--rdzv-timeout", "30s", "--nproc-per-node", "1"])
+            .cmd(&["sh", "-c", "echo started $WORLD_SIZE"]);
         let started = Instant::now();
         let res = lab.run_on_all(&args, &[TOKEN], Duration::from_secs(30));
         println!("FIGURE min:max try {t}: all 3 hosts ended after {:?}", started.elapsed());
@@ -66,8 +54,7 @@ fn cpu_seconds(pid: u32) -> f64 {
 fn waiting_nodes_sleep_and_end_on_sigint_and_sigterm_within_a_second() {
     lab_or_skip!();
     let mut lab = Lab::new(3);
-    let peers = lab.peers();
-    let args = [meshd(), "run", "--nnodes", "3", "--peers", &peers, "--rdzv-timeout", "60s", "--", "true"];
+    let args = lab.meshd_run().flags(&["--rdzv-timeout", "60s"]).cmd(&["true"]);
     let k0 = lab.spawn(0, &args, &[TOKEN]);
     let k1 = lab.spawn(1, &args, &[TOKEN]);
     std::thread::sleep(Duration::from_secs(3));
@@ -89,7 +76,6 @@ fn waiting_nodes_sleep_and_end_on_sigint_and_sigterm_within_a_second() {
 fn sigint_ends_a_restart_round_wait() {
     lab_or_skip!();
     let mut lab = Lab::new(2);
-    let peers = lab.peers();
     // Host 1's rank fails once; then host 1 is crashed, so round 1 waits for it.
     let marks = std::env::temp_dir().join(format!("meshd-round-{}", std::process::id()));
     std::fs::create_dir_all(&marks).expect("mkdir");
@@ -98,24 +84,10 @@ fn sigint_ends_a_restart_round_wait() {
          if [ \"$RANK\" = 1 ] && [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then exit 3; fi; sleep 30",
         marks.display()
     );
-    let args = [
-        meshd(),
-        "run",
-        "--nnodes",
-        "2",
-        "--peers",
-        &peers,
-        "--max-restarts",
-        "2",
-        "--rdzv-timeout",
-        "60s",
-        "--nproc-per-node",
-        "1",
-        "--",
-        "sh",
-        "-c",
-        &script,
-    ];
+    let args = lab
+        .meshd_run()
+        .flags(&["--max-restarts", "2", "--rdzv-timeout", "60s", "--nproc-per-node", "1"])
+        .cmd(&["sh", "-c", &script]);
     let k0 = lab.spawn(0, &args, &[TOKEN]);
     let k1 = lab.spawn(1, &args, &[TOKEN]);
     // Wait for round 1 to be under way on both hosts, then crash host 1.
@@ -139,16 +111,14 @@ fn sigint_ends_a_restart_round_wait() {
 fn a_different_nnodes_is_named_not_waited_for_in_silence() {
     lab_or_skip!();
     let mut lab = Lab::new(3);
-    let peers = lab.peers();
     let ks: Vec<usize> = (0..3)
         .map(|i| {
             let n = if i == 0 { "3" } else { "4" };
-            let args =
-                [meshd(), "run", "--nnodes", n, "--peers", &peers, "--rdzv-timeout", "6s", "--", "true"];
+            let args = lab.meshd_run().nnodes(n).flags(&["--rdzv-timeout", "6s"]).cmd(&["true"]);
             lab.spawn(i, &args, &[TOKEN])
         })
         .collect();
-    let res: Vec<_> = ks.into_iter().map(|k| lab.wait(k, Duration::from_secs(30))).collect();
+    let res = lab.wait_all(ks, Duration::from_secs(30));
     let h0 = &lab.hosts[0].eth1;
     for (i, (code, _, err)) in res.iter().enumerate() {
         assert_ne!(*code, Some(0), "host {i} cannot start:\n{err}");
@@ -176,24 +146,10 @@ fn a_different_nnodes_is_named_not_waited_for_in_silence() {
 fn sigint_ends_the_preflight_wait() {
     lab_or_skip!();
     let mut lab = Lab::new(2);
-    let peers = lab.peers();
     for i in 0..2 {
         lab.firewall_only_udp(i, 29400);
     }
-    let args = [
-        meshd(),
-        "run",
-        "--nnodes",
-        "2",
-        "--peers",
-        &peers,
-        "--rdzv-timeout",
-        "30s",
-        "--",
-        "sh",
-        "-c",
-        "echo LAUNCHED",
-    ];
+    let args = lab.meshd_run().flags(&["--rdzv-timeout", "30s"]).cmd(&["sh", "-c", "echo LAUNCHED"]);
     let k0 = lab.spawn(0, &args, &[TOKEN]);
     let k1 = lab.spawn(1, &args, &[TOKEN]);
     // Roster in well under a second; the preflight's TCP probes then wait 2 s.

@@ -31,27 +31,15 @@ fn two_hosts_run_a_job_with_the_venv_meshd() {
     let venv_bin = std::path::Path::new(&bin).parent().expect("venv bin dir").display().to_string();
     assert!(std::path::Path::new(&bin).is_file(), "MESHD_WHEEL_BIN={bin} is not a file");
     let mut lab = Lab::new(2);
-    let peers = lab.peers();
     let path = format!("{venv_bin}:/usr/bin:/bin");
     // Each rank: which meshd its PATH finds, where the venv's python imports meshd from.
     let script = "echo \"WHEEL rank=$RANK world=$WORLD_SIZE meshd=$(command -v meshd) \
                   client=$(python -c 'import meshd, os; print(os.path.dirname(meshd.__file__))')\"";
-    let args = [
-        bin.as_str(),
-        "run",
-        "--nnodes",
-        "2",
-        "--peers",
-        &peers,
-        "--rdzv-timeout",
-        "60s",
-        "--nproc-per-node",
-        "2",
-        "--",
-        "sh",
-        "-c",
-        script,
-    ];
+    let args = lab
+        .meshd_run()
+        .bin(&bin)
+        .flags(&["--rdzv-timeout", "60s", "--nproc-per-node", "2"])
+        .cmd(&["sh", "-c", script]);
     let env = [("PATH", path.as_str()), ("MESHD_TOKEN", "wheel-lab-token")];
     let res = lab.run_on_all(&args, &env, Duration::from_secs(90));
     let mut ranks = Vec::new();

@@ -60,9 +60,19 @@ fn line_after(r: impl Read + Send + 'static, needle: &'static str) -> String {
 }
 
 fn meshd_lighthouse(min_replicas: u64, join_timeout_ms: u64) -> Lighthouse {
+    start_lighthouse(&[
+        "--min-replicas",
+        &min_replicas.to_string(),
+        "--join_timeout_ms",
+        &join_timeout_ms.to_string(),
+    ])
+}
+
+/// `meshd lighthouse --bind 127.0.0.1:0 FLAGS`, once it has printed its address.
+fn start_lighthouse(flags: &[&str]) -> Lighthouse {
     let mut child = Command::new(env!("CARGO_BIN_EXE_meshd"))
-        .args(["lighthouse", "--bind", "127.0.0.1:0", "--min-replicas", &min_replicas.to_string()])
-        .args(["--join_timeout_ms", &join_timeout_ms.to_string()])
+        .args(["lighthouse", "--bind", "127.0.0.1:0"])
+        .args(flags)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -258,16 +268,16 @@ fn hostile_connections_do_not_kill_the_lighthouse() {
 /// flag, and a raw connection served.
 #[test]
 fn cli_takes_both_spellings_and_prints_its_address() {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_meshd"))
-        .args(["lighthouse", "--bind", "127.0.0.1:0", "--min_replicas", "2", "--join-timeout-ms", "50"])
-        .args(["--heartbeat_timeout_ms", "1000", "--quorum-tick-ms", "20"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start meshd lighthouse");
-    let out = child.stdout.take().expect("stdout");
-    let addr = line_after(out, "listening on ");
-    let mut lh = Lighthouse { child, sock: addr.trim_start_matches("http://").to_string(), addr };
+    let mut lh = start_lighthouse(&[
+        "--min_replicas",
+        "2",
+        "--join-timeout-ms",
+        "50",
+        "--heartbeat_timeout_ms",
+        "1000",
+        "--quorum-tick-ms",
+        "20",
+    ]);
     assert!(lh.addr.starts_with("http://127.0.0.1:"), "{}", lh.addr);
     let mut s = TcpStream::connect(&lh.sock).expect("connect");
     s.write_all(b"not http/2").expect("write");

@@ -15,6 +15,13 @@ fn meshd(args: &[&str], envs: &[(&str, &str)]) -> Output {
     c.output().expect("run meshd")
 }
 
+/// `meshd run FLAGS` of a 2-node job on loopback port 29774 whose other node (29775)
+/// never comes: a 1 s rendezvous timeout ends it.
+fn two_node_job_that_times_out(flags: &[&str]) -> Output {
+    let tail = ["--nnodes", "2", "--peers", "127.0.0.1:29775", "--port", "29774", "--rdzv-timeout", "1s"];
+    meshd(&[&["run"], flags, &tail, &["--", "true"]].concat(), &[])
+}
+
 fn single(port: u16, script: &str) -> Output {
     let p = port.to_string();
     meshd(
@@ -124,47 +131,14 @@ fn a_multi_node_mesh_without_a_token_is_refused_unless_insecure() {
         );
     }
     // With --insecure it starts (and waits for the other node: a short timeout ends it).
-    let out = meshd(
-        &[
-            "run",
-            "--insecure",
-            "--nnodes",
-            "2",
-            "--peers",
-            "127.0.0.1:29775",
-            "--port",
-            "29774",
-            "--rdzv-timeout",
-            "1s",
-            "--",
-            "true",
-        ],
-        &[],
-    );
+    let out = two_node_job_that_times_out(&["--insecure"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("rendezvous timed out"), "{err}");
     // README: a timed-out rendezvous exits 1 (the node core's outcome), not 2 (bad usage).
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("ANYONE who can reach UDP 29774"), "{err}");
     // A token on the command line works, with a warning that ps shows it.
-    let out = meshd(
-        &[
-            "run",
-            "--token",
-            "visible",
-            "--nnodes",
-            "2",
-            "--peers",
-            "127.0.0.1:29775",
-            "--port",
-            "29774",
-            "--rdzv-timeout",
-            "1s",
-            "--",
-            "true",
-        ],
-        &[],
-    );
+    let out = two_node_job_that_times_out(&["--token", "visible"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--token on the command line is visible"), "{err}");
 }

@@ -305,6 +305,30 @@ pub fn rss_kib(pid: u32) -> (u64, u64) {
     (field("VmRSS:"), field("VmHWM:"))
 }
 
+/// Median VmRSS (KiB) of `pid` over `n` samples 100 ms apart.
+pub fn idle_rss(pid: u32, n: usize) -> u64 {
+    let mut v: Vec<u64> = (0..n)
+        .map(|_| {
+            std::thread::sleep(Duration::from_millis(100));
+            rss_kib(pid).0
+        })
+        .collect();
+    v.sort_unstable();
+    v[n / 2]
+}
+
+/// Max VmRSS (KiB) of `pid`, sampled every 20 ms until `stop`.
+pub fn max_rss_until(pid: u32, stop: Arc<std::sync::atomic::AtomicBool>) -> std::thread::JoinHandle<u64> {
+    std::thread::spawn(move || {
+        let mut max = 0;
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            max = max.max(rss_kib(pid).0);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        max
+    })
+}
+
 /// The pid of the meshd process in namespace `ns`.
 pub fn meshd_pid(ns: &str) -> Option<u32> {
     let out = std::process::Command::new("ip").args(["netns", "pids", ns]).output().ok()?;

@@ -12,6 +12,7 @@
 #![allow(dead_code)]
 
 pub mod library;
+pub mod torchft;
 
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -260,7 +261,29 @@ impl Lab {
     /// `meshd run` for this lab: `--nnodes` every host and `--peers` every host's eth1,
     /// unless the builder says otherwise.
     pub fn meshd_run(&self) -> MeshdRun {
-        MeshdRun { nnodes: self.hosts.len().to_string(), peers: Some(self.peers()), flags: Vec::new() }
+        MeshdRun {
+            bin: meshd().to_string(),
+            sub: &["run"],
+            nnodes: self.hosts.len().to_string(),
+            peers: Some(self.peers()),
+            flags: Vec::new(),
+        }
+    }
+
+    /// `meshd bench allreduce` for this lab, as [`Lab::meshd_run`]; end it with
+    /// [`MeshdRun::args`] (no `--`).
+    pub fn meshd_bench(&self) -> MeshdRun {
+        MeshdRun { sub: &["bench", "allreduce"], ..self.meshd_run() }
+    }
+
+    /// Waits for each child of `ks` (from [`Lab::spawn`]) in turn, each up to `limit`:
+    /// (exit code, stdout, stderr) per child, in the order of `ks`.
+    pub fn wait_all(
+        &mut self,
+        ks: impl IntoIterator<Item = usize>,
+        limit: Duration,
+    ) -> Vec<(Option<i32>, String, String)> {
+        ks.into_iter().map(|k| self.wait(k, limit)).collect()
     }
 
     /// Sends `sig` to child `k` (a `meshd run`) and waits for it: it must exit with `code`
@@ -312,38 +335,13 @@ impl Lab {
 
     /// Drops eth1 traffic between host `i` and the hosts in `others` (a partition).
     pub fn partition(&self, i: usize, others: &[usize]) {
+        let nft_add =
+            |what: &[&str]| must(&[&["ip", "netns", "exec", &self.hosts[i].ns, "nft", "add"], what].concat());
         for &j in others {
             let ip = &self.hosts[j].eth1;
-            must(&["ip", "netns", "exec", &self.hosts[i].ns, "nft", "add", "table", "inet", "mdpart"]);
-            must(&[
-                "ip",
-                "netns",
-                "exec",
-                &self.hosts[i].ns,
-                "nft",
-                "add",
-                "chain",
-                "inet",
-                "mdpart",
-                "in",
-                "{ type filter hook input priority 0; }",
-            ]);
-            must(&[
-                "ip",
-                "netns",
-                "exec",
-                &self.hosts[i].ns,
-                "nft",
-                "add",
-                "rule",
-                "inet",
-                "mdpart",
-                "in",
-                "ip",
-                "saddr",
-                ip,
-                "drop",
-            ]);
+            nft_add(&["table", "inet", "mdpart"]);
+            nft_add(&["chain", "inet", "mdpart", "in", "{ type filter hook input priority 0; }"]);
+            nft_add(&["rule", "inet", "mdpart", "in", "ip", "saddr", ip, "drop"]);
         }
     }
 
@@ -471,12 +469,20 @@ impl Drop for Lab {
 /// `--` and the command every rank runs.
 #[derive(Clone, Debug)]
 pub struct MeshdRun {
+    bin: String,
+    sub: &'static [&'static str],
     nnodes: String,
     peers: Option<String>,
     flags: Vec<String>,
 }
 
 impl MeshdRun {
+    /// Another meshd binary (an installed one) in place of the one under test.
+    pub fn bin(mut self, bin: &str) -> Self {
+        self.bin = bin.to_string();
+        self
+    }
+
     /// Another `--nnodes` (`N` or `MIN:MAX`).
     pub fn nnodes(mut self, n: &str) -> Self {
         self.nnodes = n.to_string();
@@ -497,15 +503,47 @@ impl MeshdRun {
 
     /// The whole line: meshd, `run`, the flags, `--`, then `cmd`.
     pub fn cmd(&self, cmd: &[&str]) -> Vec<String> {
-        let mut v: Vec<String> = vec![meshd().into(), "run".into(), "--nnodes".into(), self.nnodes.clone()];
+        self.args(&[&["--"], cmd].concat())
+    }
+
+    /// The whole line without `--`: meshd, the subcommand, the flags, then `tail` (a script
+    /// and its arguments, as torchrun takes them, or more flags).
+    pub fn args(&self, tail: &[&str]) -> Vec<String> {
+        let mut v: Vec<String> =
+            std::iter::once(self.bin.as_str()).chain(self.sub.iter().copied()).map(String::from).collect();
+        v.extend(["--nnodes".to_string(), self.nnodes.clone()]);
         if let Some(p) = &self.peers {
             v.extend(["--peers".to_string(), p.clone()]);
         }
         v.extend(self.flags.iter().cloned());
-        v.push("--".into());
-        v.extend(cmd.iter().map(|c| c.to_string()));
+        v.extend(tail.iter().map(|c| c.to_string()));
         v
     }
+}
+
+/// Owned environment pairs: `MESHD_TOKEN` = `token`, then `more` (a torch's `env()`
+/// variables, say); [`env_refs`] lends them to [`Lab::spawn`] and [`Lab::run_on_all`].
+pub fn token_env(
+    token: &str,
+    more: impl IntoIterator<Item = (&'static str, String)>,
+) -> Vec<(&'static str, String)> {
+    std::iter::once(("MESHD_TOKEN", token.to_string())).chain(more).collect()
+}
+
+/// `(name, value)` pairs as the lab's spawning functions take them.
+pub fn env_refs<'a>(env: &'a [(&'a str, String)]) -> Vec<(&'a str, &'a str)> {
+    env.iter().map(|(k, v)| (*k, v.as_str())).collect()
+}
+
+/// A fresh directory `meshd-NAME-PID` under the temp dir with `text` written to its file
+/// `file`: (the directory, the file's path).
+pub fn script_in_temp(name: &str, file: &str, text: &str) -> (std::path::PathBuf, String) {
+    let dir = std::env::temp_dir().join(format!("meshd-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let script = dir.join(file);
+    std::fs::write(&script, text).expect("script");
+    let path = script.display().to_string();
+    (dir, path)
 }
 
 /// Tests of one binary that measure time or memory take this lock to run one at a time.

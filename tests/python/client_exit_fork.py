@@ -9,11 +9,8 @@ Prints `EXIT-FORK OK` when all hold.
 """
 import json
 import os
-import socket
 import struct
 import sys
-import tempfile
-import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
@@ -21,37 +18,20 @@ import torch  # noqa: E402
 
 import meshd  # noqa: E402
 import meshd.torch as mt  # noqa: E402
+import stand_in  # noqa: E402  (tests/python, beside this script)
 
 
 def serve(conn):
     """Answers hello and barrier; never answers an allreduce."""
     with conn:
-        while True:
-            n = conn.recv(4, socket.MSG_WAITALL)
-            if len(n) < 4:
-                return
-            head = json.loads(conn.recv(struct.unpack(">I", n)[0], socket.MSG_WAITALL))
-            if head.get("nbytes"):
-                conn.recv(head["nbytes"], socket.MSG_WAITALL)
+        for head in stand_in.requests(conn):
             if head["op"] == "allreduce":
                 continue
             reply = json.dumps({"ok": True, "world": 2, "local_world": 2, "nbytes": 0}).encode()
             conn.sendall(struct.pack(">I", len(reply)) + reply)
 
 
-path = os.path.join(tempfile.mkdtemp(), "sock")
-listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-listener.bind(path)
-listener.listen()
-
-
-def accept():
-    while True:
-        c, _ = listener.accept()
-        threading.Thread(target=serve, args=(c,), daemon=True).start()
-
-
-threading.Thread(target=accept, daemon=True).start()
+path = stand_in.listen(serve)
 os.environ.update(MESHD_SOCKET=path, RANK="0", WORLD_SIZE="2", MESHD_IN_PLACE="0")
 
 # Fork: the child refuses, the parent goes on.

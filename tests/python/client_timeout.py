@@ -11,15 +11,13 @@ Prints `TIMEOUT OK` when all hold.
 """
 import json
 import os
-import socket
 import struct
 import sys
-import tempfile
-import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
 import meshd  # noqa: E402
+import stand_in  # noqa: E402  (tests/python, beside this script)
 
 
 def reply(conn, head, body=b""):
@@ -31,13 +29,7 @@ def reply(conn, head, body=b""):
 def serve(conn):
     """Answers hello; a store_get after 1.5 s; never answers a barrier; closes on allreduce."""
     with conn:
-        while True:
-            n = conn.recv(4, socket.MSG_WAITALL)
-            if len(n) < 4:
-                return
-            head = json.loads(conn.recv(struct.unpack(">I", n)[0], socket.MSG_WAITALL))
-            if head.get("nbytes"):
-                conn.recv(head["nbytes"], socket.MSG_WAITALL)
+        for head in stand_in.requests(conn):
             op = head["op"]
             if op == "hello":
                 reply(conn, {"ok": True, "world": 1, "local_world": 1})
@@ -49,19 +41,7 @@ def serve(conn):
             # barrier: silence
 
 
-path = os.path.join(tempfile.mkdtemp(), "sock")
-listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-listener.bind(path)
-listener.listen()
-
-
-def accept():
-    while True:
-        c, _ = listener.accept()
-        threading.Thread(target=serve, args=(c,), daemon=True).start()
-
-
-threading.Thread(target=accept, daemon=True).start()
+path = stand_in.listen(serve)
 os.environ["MESHD_IN_PLACE"] = "0"
 
 # The environment's timeout, a silent meshd.
