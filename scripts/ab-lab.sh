@@ -11,12 +11,13 @@
 #   every host (the preflight picks the tunnel). Prints per run: busbw of each rank, and
 #   each meshd's CPU seconds per GB it tunnelled (sent + received) from its end-of-round
 #   `tunnel:` line.
-# MODE ring: `meshd bench allreduce --size 64MiB --iters 5 --plane auto` (MESHD_AB_PLANE
+# MODE ring: `meshd bench allreduce --size 64MiB --iters 5 --plane auto` (MESHD_AB_RING_ITERS,
+#   MESHD_AB_PLANE
 #   to change). Prints busbw and CPU s/GB per link of each host.
 # MODE gloo: Gloo's allreduce on the open network (no firewall): the yardstick.
 #
 # The binaries run in the order A B B A, repeated ROUNDS times. MESHD_AB_ENV: extra
-# `K=V ...` for every meshd.
+# `K=V ...` for every meshd. MESHD_AB_KEEP: a folder to keep each run's output in.
 set -euo pipefail
 mode=$1 mtu=$2 rounds=$3
 shift 3
@@ -78,7 +79,7 @@ one() { # BIN LABEL
         if [ "$mode" = ring ]; then
             # shellcheck disable=SC2086
             env MESHD_TOKEN=ab MESHD_LOG=warn ${MESHD_AB_ENV:-} timeout 300 ip netns exec "$p-h$i" "$bin" bench allreduce --json \
-                --nnodes 3 --peers "$peers" --size "$size" --iters 5 --plane "${MESHD_AB_PLANE:-auto}" \
+                --nnodes 3 --peers "$peers" --size "$size" --iters "${MESHD_AB_RING_ITERS:-5}" --plane "${MESHD_AB_PLANE:-auto}" \
                 >"$out/$i.out" 2>"$out/$i.err" &
         else
             # shellcheck disable=SC2086
@@ -115,6 +116,7 @@ EOF
         fi
     done
     echo "$line"
+    if [ -n "${MESHD_AB_KEEP:-}" ]; then mkdir -p "$MESHD_AB_KEEP" && cp -r "$out" "$MESHD_AB_KEEP/"; fi
     rm -rf "$out"
 }
 

@@ -119,6 +119,8 @@ impl Cubic {
 pub struct Pacer {
     tokens: u64,
     capacity: u64,
+    /// The window and RTT `capacity` was computed for.
+    sized_for: (u64, Duration),
     last: Instant,
 }
 
@@ -128,7 +130,7 @@ impl Pacer {
     /// A pacer that starts with a full burst allowance.
     pub fn new(now: Instant, window: u64, rtt: Duration, mss: usize) -> Pacer {
         let capacity = Self::capacity(window, rtt, mss);
-        Pacer { tokens: capacity, capacity, last: now }
+        Pacer { tokens: capacity, capacity, sized_for: (window, rtt), last: now }
     }
 
     fn capacity(window: u64, rtt: Duration, mss: usize) -> u64 {
@@ -147,7 +149,12 @@ impl Pacer {
         rtt: Duration,
         mss: usize,
     ) -> Option<Instant> {
-        self.capacity = Self::capacity(window, rtt, mss);
+        // The capacity changes only with the window or the RTT (a 128-bit division a
+        // packet otherwise).
+        if (window, rtt) != self.sized_for {
+            self.capacity = Self::capacity(window, rtt, mss);
+            self.sized_for = (window, rtt);
+        }
         let elapsed = now.saturating_duration_since(self.last);
         self.last = self.last.max(now);
         let rtt_s = rtt.as_secs_f64().max(1e-6);

@@ -17,6 +17,19 @@ impl RangeSet {
             return;
         }
         let (mut start, mut end) = (r.start, r.end);
+        // In order (packet numbers, a message's bytes, finished messages): `r` touches or
+        // follows the highest range only, which grows in place or is followed by a new one.
+        if let Some(mut last) = self.map.last_entry() {
+            if *last.key() <= start {
+                if *last.get() >= start {
+                    let e = last.get_mut();
+                    *e = (*e).max(end);
+                } else {
+                    self.map.insert(start, end);
+                }
+                return;
+            }
+        }
         if let Some((&s, &e)) = self.map.range(..=start).next_back() {
             if e >= end {
                 return;

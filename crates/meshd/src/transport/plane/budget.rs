@@ -20,8 +20,8 @@
 //! what a peer makes this node hold is bounded whatever it sends.
 
 use bytes::Bytes;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
 
 /// Most bytes of receive buffers the plane holds (and reserves) for one peer host: enough
 /// for the ring's normal work (a few 1 MiB chunks being reassembled per lane, the ones it
@@ -101,11 +101,58 @@ impl Budget {
     }
 }
 
+/// Receive buffers whose pieces were all dropped, kept for the next receives of a lane: a
+/// fresh allocation of a GRO batch's size is memory the kernel must fault in and zero
+/// before its copy can write it (`clear_page`, measured at 3-4% of the machine on the
+/// plane's ring), a recycled one is already mapped and likely still cached.
+#[derive(Debug)]
+pub struct BufferPool {
+    free: Mutex<Vec<Vec<u8>>>,
+    /// Capacity every pooled buffer has exactly.
+    size: usize,
+    /// Most buffers kept.
+    max: usize,
+}
+
+impl BufferPool {
+    /// A pool of at most `max` buffers of `size` bytes' capacity.
+    pub fn new(size: usize, max: usize) -> BufferPool {
+        BufferPool { free: Mutex::new(Vec::new()), size, max }
+    }
+
+    /// An empty buffer with `size` bytes of capacity: a recycled one if there is one.
+    pub fn take(&self) -> Vec<u8> {
+        let recycled = self.free.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        recycled.unwrap_or_else(|| Vec::with_capacity(self.size))
+    }
+
+    /// Keeps `buf` for a later [`take`](Self::take) if it has the pool's size and the pool
+    /// has room; drops it otherwise.
+    pub fn give(&self, mut buf: Vec<u8>) {
+        if buf.capacity() != self.size {
+            return;
+        }
+        buf.clear();
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        if free.len() < self.max {
+            free.push(buf);
+        }
+    }
+
+    /// Buffers kept now.
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.free.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+}
+
 /// A receive buffer kept alive by the pieces handed on from it; its bytes count as held
-/// by its peer's [`Budget`] until the last piece is dropped.
+/// by its peer's [`Budget`] until the last piece is dropped, when it goes back to its pool
+/// (if it came from one).
 struct Held {
     data: Vec<u8>,
     budget: Arc<Budget>,
+    pool: Option<Arc<BufferPool>>,
 }
 
 impl AsRef<[u8]> for Held {
@@ -117,15 +164,18 @@ impl AsRef<[u8]> for Held {
 impl Drop for Held {
     fn drop(&mut self) {
         self.budget.held.fetch_sub(self.data.capacity(), Relaxed);
+        if let Some(pool) = &self.pool {
+            pool.give(std::mem::take(&mut self.data));
+        }
     }
 }
 
 /// `data` as shared bytes whose allocation counts as held by `budget` until its last
-/// slice is dropped.
-pub fn hold(data: Vec<u8>, budget: &Arc<Budget>) -> Bytes {
+/// slice is dropped; then it goes back to `pool`, if given.
+pub fn hold(data: Vec<u8>, budget: &Arc<Budget>, pool: Option<&Arc<BufferPool>>) -> Bytes {
     let now = budget.held.fetch_add(data.capacity(), Relaxed) + data.capacity();
     budget.peak.fetch_max(now, Relaxed);
-    Bytes::from_owner(Held { data, budget: budget.clone() })
+    Bytes::from_owner(Held { data, budget: budget.clone(), pool: pool.cloned() })
 }
 
 #[cfg(test)]
@@ -143,7 +193,7 @@ mod tests {
         assert_eq!(b.open_messages(), 2);
         // The first one's bytes arrive and are held (at most twice their size): still full.
         b.arrived(16 * mib);
-        let piece = hold(vec![0u8; 20 << 20], &b).slice(0..10);
+        let piece = hold(vec![0u8; 20 << 20], &b, None).slice(0..10);
         assert!(!b.open(7 * mib));
         // It completes and the ring drops it: room again.
         b.close(0);
@@ -156,6 +206,32 @@ mod tests {
         b.close(16 * mib);
         assert_eq!(b.open_messages(), 0);
         assert!(b.open(32 * mib - 1));
+    }
+
+    #[test]
+    fn a_held_buffer_goes_back_to_its_pool_when_its_last_piece_drops() {
+        let b = Arc::new(Budget::default());
+        let pool = Arc::new(BufferPool::new(4096, 2));
+        let mut buf = pool.take();
+        assert_eq!(buf.capacity(), 4096);
+        buf.extend_from_slice(&[7u8; 100]);
+        let ptr = buf.as_ptr();
+        let whole = hold(buf, &b, Some(&pool));
+        let (a, c) = (whole.slice(0..10), whole.slice(50..60));
+        drop(whole);
+        drop(a);
+        assert_eq!(pool.len(), 0, "a piece still holds it");
+        assert_eq!(&c[..], &[7u8; 10]);
+        drop(c);
+        assert_eq!((pool.len(), b.held()), (1, 0));
+        let again = pool.take();
+        assert_eq!((again.as_ptr(), again.len(), again.capacity()), (ptr, 0, 4096), "the same buffer, empty");
+        // Buffers of another size, and any past the pool's bound, are freed.
+        pool.give(Vec::with_capacity(10));
+        for _ in 0..3 {
+            pool.give(Vec::with_capacity(4096));
+        }
+        assert_eq!(pool.len(), 2);
     }
 
     #[test]

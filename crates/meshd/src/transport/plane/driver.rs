@@ -2,7 +2,7 @@
 //! sends, opens what the socket queued, runs the links' timers and reassembles messages,
 //! which [`take_message`] hands on.
 
-use super::budget::{self, Budget, MAX_OPEN_PER_PEER};
+use super::budget::{self, Budget, BufferPool, MAX_OPEN_PER_PEER};
 use super::{
     Cmd, MAX_MESSAGE, Plane, SILENCE, TAG_CREDIT, TAG_DATA, TAG_PROBE, TAG_STREAM, lock, take_message,
 };
@@ -22,6 +22,10 @@ use tokio::sync::mpsc;
 /// Receive calls one wakeup of a lane's own socket makes at most before the driver looks
 /// at its other work (sends, timers).
 const OWN_READS: usize = 8;
+
+/// Receive buffers a lane keeps for reuse once the ring dropped every piece of them (4 MiB
+/// of [`LANE_BUF`]s: a few chunks' worth, the churn between one ring step and the next).
+const POOLED_BUFFERS: usize = 64;
 
 struct Entry {
     conn: quinn::Connection,
@@ -64,6 +68,8 @@ pub(super) struct Driver {
     own: Option<Arc<LaneSocket>>,
     /// Receive buffers for `own`.
     rbufs: Vec<Vec<u8>>,
+    /// Where `own`'s buffers come from and go back to once nothing holds them.
+    pool: Arc<BufferPool>,
     got: Vec<Received>,
     max_datagram: usize,
     links: HashMap<SocketAddr, Vec<Entry>>,
@@ -97,6 +103,7 @@ impl Driver {
             socket,
             own,
             rbufs: Vec::new(),
+            pool: Arc::new(BufferPool::new(LANE_BUF, POOLED_BUFFERS)),
             got: Vec::new(),
             max_datagram,
             links: HashMap::new(),
@@ -289,11 +296,11 @@ impl Driver {
                 own.extend_from_slice(&data[f.start..f.start + f.len]);
             }
             copied += n as u64;
-            sources.push((g, budget::hold(own, &budget), true));
+            sources.push((g, budget::hold(own, &budget, None), true));
         }
         let spare = match keeper {
             Some(g) => {
-                sources.push((g, budget::hold(data, &budget), false));
+                sources.push((g, budget::hold(data, &budget, Some(&self.pool)), false));
                 None
             }
             None => Some(data),
@@ -331,7 +338,8 @@ impl Driver {
     fn read_own(&mut self) {
         let Some(own) = self.own.clone() else { return };
         for _ in 0..OWN_READS {
-            self.rbufs.resize_with(LANE_BATCH, Vec::new);
+            let pool = &self.pool;
+            self.rbufs.resize_with(LANE_BATCH, || pool.take());
             let n = match own.recv(&mut self.rbufs, &mut self.got) {
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
