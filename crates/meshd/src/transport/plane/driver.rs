@@ -338,8 +338,12 @@ impl Driver {
     fn read_own(&mut self) {
         let Some(own) = self.own.clone() else { return };
         for _ in 0..OWN_READS {
-            let pool = &self.pool;
-            self.rbufs.resize_with(LANE_BATCH, || pool.take());
+            // Every slot a kept buffer left empty gets a recycled one (not a fresh
+            // allocation in `recv`).
+            self.rbufs.resize_with(LANE_BATCH, Vec::new);
+            for b in self.rbufs.iter_mut().filter(|b| b.capacity() < LANE_BUF) {
+                *b = self.pool.take();
+            }
             let n = match own.recv(&mut self.rbufs, &mut self.got) {
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
