@@ -331,7 +331,7 @@ fn log_time(line: &str) -> Option<f64> {
 #[test]
 fn log_time_reads_meshds_stamps() {
     assert_eq!(log_time("1970-01-01T00:00:01.5Z INFO x"), Some(1.5));
-    let t = log_time("2026-12-06T16:32:26.507075Z  WARN node vm").unwrap();
+    let t = log_time("2026-12-06T16:32:26.507075Z  WARN node vm").expect("a meshd stamp parses");
     assert!((t - 1_796_574_746.507_075).abs() < 1e-3, "{t}");
     assert_eq!(log_time("no stamp here"), None);
 }
