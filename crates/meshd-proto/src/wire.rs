@@ -2,7 +2,7 @@
 //!
 //! Every QUIC connection between two nodes starts with an [`AuthHello`] exchange on its
 //! first bidirectional stream (the protocol version travels there as well as in the ALPN
-//! `meshd/8`). After that, [`Frame`]s travel either as QUIC datagrams (gossip probes, where
+//! `meshd/9`). After that, [`Frame`]s travel either as QUIC datagrams (gossip probes, where
 //! loss is information) or length-prefixed on unidirectional streams (everything that must
 //! arrive). Enums are append-only: a new variant goes at the end so older nodes decode the
 //! old ones unchanged and refuse the new ones with a clear error.
@@ -17,9 +17,9 @@ use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
 
 /// Version of the frame format; bumped on any incompatible change.
-pub const PROTOCOL_VERSION: u16 = 8;
+pub const PROTOCOL_VERSION: u16 = 9;
 /// ALPN protocol id; a peer speaking another version fails the TLS handshake.
-pub const ALPN: &[u8] = b"meshd/8";
+pub const ALPN: &[u8] = b"meshd/9";
 
 /// First message each side sends on a new connection.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

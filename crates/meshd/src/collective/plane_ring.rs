@@ -89,15 +89,17 @@ impl Drop for Tracked {
 /// waits for chunks; weak, so that the queue still closes when its readers end) as well
 /// as to the caller.
 pub(super) async fn write_chunks(
-    plane: Plane,
-    next: SocketAddr,
+    credit: Arc<SendCredit>,
     lane: usize,
-    op: u64,
     mut chunks: mpsc::Receiver<(u64, Bytes)>,
     progress: Arc<Progress>,
     errors: mpsc::WeakSender<Result<(u64, Vec<Bytes>), CollectiveError>>,
 ) -> Result<(), CollectiveError> {
+    let (plane, next, op) = (&credit.plane, credit.next, credit.op);
     let outstanding = Arc::new(Outstanding::default());
+    let mut granted = credit.granted.granted();
+    // A chunk taken from the ring that waits for the next node's credit.
+    let mut held: Option<(u64, Bytes)> = None;
     let silent = || CollectiveError::Link {
         peer: next,
         reason: format!(
@@ -109,8 +111,26 @@ pub(super) async fn write_chunks(
     let mut tick = tokio::time::interval(Duration::from_millis(250));
     let mut open = true;
     loop {
+        // Within the credit (the lanes share it; each may pass it by the one chunk it
+        // sends on the last credit it saw), a held chunk goes to the plane.
+        if held.is_some() && credit.sent.load(Ordering::Acquire) < *granted.borrow() {
+            if let Some((id, bytes)) = held.take() {
+                credit.sent.fetch_add(bytes.len() as u64, Ordering::AcqRel);
+                outstanding.count.fetch_add(1, Ordering::AcqRel);
+                let tracked = Bytes::from_owner(Tracked {
+                    bytes,
+                    outstanding: outstanding.clone(),
+                    progress: progress.clone(),
+                });
+                // Lent, not copied: the link copies each fragment once, into the
+                // datagram it seals.
+                plane
+                    .send(next, lane, op, id, tracked)
+                    .map_err(|reason| CollectiveError::Link { peer: next, reason })?;
+            }
+        }
         let waiting = outstanding.count.load(Ordering::Acquire);
-        if !open && waiting == 0 {
+        if !open && waiting == 0 && held.is_none() {
             return Ok(());
         }
         if waiting > 0 && plane.ready_lanes(next) <= lane {
@@ -121,25 +141,70 @@ pub(super) async fn write_chunks(
         }
         let done = outstanding.done.notified();
         tokio::select! {
-            chunk = chunks.recv(), if open => match chunk {
-                Some((id, bytes)) => {
-                    outstanding.count.fetch_add(1, Ordering::AcqRel);
-                    let tracked = Bytes::from_owner(Tracked {
-                        bytes,
-                        outstanding: outstanding.clone(),
-                        progress: progress.clone(),
-                    });
-                    // Lent, not copied: the link copies each fragment once, into the
-                    // datagram it seals.
-                    plane
-                        .send(next, lane, op, id, tracked)
-                        .map_err(|reason| CollectiveError::Link { peer: next, reason })?;
-                }
+            chunk = chunks.recv(), if open && held.is_none() => match chunk {
+                Some(c) => held = Some(c),
                 None => open = false,
             },
+            // A new grant, or another lane's send (which may have used it up): look again.
+            _ = granted.changed(), if held.is_some() => {}
             _ = done, if !open => {}
             _ = tick.tick() => {}
         }
+    }
+}
+
+/// What an operation's writers (one per lane) may send to the next node: the credit it
+/// grants ([`crate::transport::plane::RING_WINDOW`] at first) against the payload bytes
+/// they handed to the plane, all lanes together.
+pub(super) struct SendCredit {
+    plane: Plane,
+    next: SocketAddr,
+    op: u64,
+    granted: crate::transport::plane::RingCredit,
+    sent: std::sync::atomic::AtomicU64,
+}
+
+impl SendCredit {
+    pub(super) fn new(plane: &Plane, next: SocketAddr, op: u64) -> Arc<SendCredit> {
+        Arc::new(SendCredit {
+            plane: plane.clone(),
+            next,
+            op,
+            granted: plane.ring_credit(next, op),
+            sent: Default::default(),
+        })
+    }
+}
+
+/// The credit this node grants the previous node's sending of one operation: a window
+/// beyond what the ring took from its receive queue, granted anew once less than half a
+/// window is left. Counted where the ring takes a chunk, not where it drops the chunk's
+/// pieces: a chunk whose range is still lent waits on the next node, which may wait on
+/// this node's credit in turn (around the ring, a cycle).
+pub(super) struct RecvCredit {
+    plane: Plane,
+    prev: SocketAddr,
+    op: u64,
+    taken: u64,
+    granted: u64,
+}
+
+impl RecvCredit {
+    pub(super) fn new(plane: Plane, prev: SocketAddr, op: u64) -> RecvCredit {
+        RecvCredit { plane, prev, op, taken: 0, granted: crate::transport::plane::RING_WINDOW }
+    }
+
+    /// The ring took a chunk of `len` payload bytes.
+    pub(super) fn took(&mut self, len: usize) -> Result<(), CollectiveError> {
+        const WINDOW: u64 = crate::transport::plane::RING_WINDOW;
+        self.taken += len as u64;
+        if self.granted.saturating_sub(self.taken) < WINDOW / 2 {
+            self.granted = self.taken + WINDOW;
+            self.plane
+                .grant_ring(self.prev, self.op, self.granted)
+                .map_err(|reason| CollectiveError::Link { peer: self.prev, reason })?;
+        }
+        Ok(())
     }
 }
 

@@ -45,6 +45,15 @@ pub const TAG_STREAM: u64 = 2;
 /// Plane message tag of a tunnel stream's credit: `[sender's stream id u64 LE][the offset
 /// it may send up to, u64 LE]` ([`streams`]).
 pub const TAG_CREDIT: u64 = 3;
+/// Plane message tag of a ring operation's credit: `[operation id u64 LE][payload bytes
+/// of its chunks the sender may have sent in all, u64 LE]` ([`RING_WINDOW`]).
+pub const TAG_RING_CREDIT: u64 = 4;
+/// Payload bytes of a ring operation's chunks a node may send on the plane to the next
+/// node before the next node granted more: the next node grants another window beyond
+/// what its ring took once less than half a window is left. What a peer's ring has not
+/// taken yet, held by the plane, is so bounded by about this (and a chunk per lane),
+/// not by the peer's receive budget.
+pub const RING_WINDOW: u64 = 8 << 20;
 /// Bytes before the payload of a data message: op id and transfer id.
 pub const MESSAGE_HEADER: usize = 16;
 /// Operations whose messages are kept per peer before anyone asked for them: a neighbour
@@ -131,6 +140,42 @@ pub struct Plane {
     budgets: Arc<Mutex<HashMap<IpAddr, Arc<Budget>>>>,
     /// The tunnel's byte streams on the plane.
     streams: Arc<streams::Streams>,
+    /// (next node, op) -> the credit it granted this node's ring operation sending to it.
+    ring_credits: Arc<Mutex<RingCredits>>,
+}
+
+/// (next node, op) -> the credit it granted this node's ring operation sending to it.
+type RingCredits = HashMap<(SocketAddr, u64), tokio::sync::watch::Sender<u64>>;
+
+/// What a ring operation may send on the plane to the next node: the credit it granted
+/// ([`RING_WINDOW`] at first). Dropping it ends the operation's registration.
+pub struct RingCredit {
+    plane: Plane,
+    key: (SocketAddr, u64),
+    granted: tokio::sync::watch::Receiver<u64>,
+}
+
+impl RingCredit {
+    /// The credit: payload bytes the operation may have sent in all. `changed()` wakes
+    /// on a new grant.
+    pub fn granted(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.granted.clone()
+    }
+}
+
+impl std::fmt::Debug for RingCredit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RingCredit")
+            .field("key", &self.key)
+            .field("granted", &*self.granted.borrow())
+            .finish()
+    }
+}
+
+impl Drop for RingCredit {
+    fn drop(&mut self) {
+        lock(&self.plane.ring_credits).remove(&self.key);
+    }
 }
 
 impl std::fmt::Debug for Plane {
@@ -173,6 +218,7 @@ impl Plane {
             stats: Arc::default(),
             budgets: Arc::default(),
             streams: Arc::default(),
+            ring_credits: Arc::default(),
         };
         let mut own = own.into_iter().map(Arc::new);
         for (lane, (cmd_rx, batches)) in rxs.into_iter().zip(batches).enumerate() {
@@ -252,6 +298,33 @@ impl Plane {
     /// The tunnel's byte streams on this plane.
     pub fn streams(&self) -> &Arc<streams::Streams> {
         &self.streams
+    }
+
+    /// Registers ring operation `op`'s sending to `next`: the credit `next` grants it.
+    pub fn ring_credit(&self, next: SocketAddr, op: u64) -> RingCredit {
+        let key = (super::canonical(next), op);
+        let (tx, granted) = tokio::sync::watch::channel(RING_WINDOW);
+        lock(&self.ring_credits).insert(key, tx);
+        RingCredit { plane: self.clone(), key, granted }
+    }
+
+    /// Grants `prev`'s ring operation `op` credit up to `upto` payload bytes in all.
+    pub fn grant_ring(&self, prev: SocketAddr, op: u64, upto: u64) -> Result<(), String> {
+        self.send_tagged(prev, 0, TAG_RING_CREDIT, op, upto, Bytes::new())
+    }
+
+    /// A ring credit from `from`: raises the registered operation's credit (a credit of an
+    /// operation this node is not sending, or one below what it has, changes nothing).
+    fn ring_granted(&self, from: SocketAddr, op: u64, upto: u64) {
+        if let Some(tx) = lock(&self.ring_credits).get(&(from, op)) {
+            tx.send_if_modified(|v| {
+                let raise = upto > *v;
+                if raise {
+                    *v = upto;
+                }
+                raise
+            });
+        }
     }
 
     /// The messages of operation `op` from `peer`, those that came already first.
@@ -367,6 +440,7 @@ fn take_message(plane: &Plane, from: SocketAddr, tag: u64, mut pieces: Vec<(u64,
     match tag {
         TAG_STREAM => plane.streams.data(from, op, id, parts),
         TAG_CREDIT => plane.streams.credit(from, op, id),
+        TAG_RING_CREDIT => plane.ring_granted(from, op, id),
         _ => plane.deliver(from, op, (id, parts)),
     }
 }

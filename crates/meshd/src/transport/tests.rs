@@ -18,7 +18,7 @@ async fn another_protocol_version_is_named() {
     cfg.bind = "127.0.0.1".parse().expect("ip");
     let (t, _events) = Transport::bind(cfg).expect("bind");
     let err = t.probe(to).await.expect_err("the handshake must fail").to_string();
-    assert!(err.contains("does not speak meshd/8") && err.contains("another meshd version"), "{err}");
+    assert!(err.contains("does not speak meshd/9") && err.contains("another meshd version"), "{err}");
     accept.abort();
 }
 
@@ -353,4 +353,44 @@ fn hellos_are_checked_without_a_connection() {
         Some(code::PROTOCOL),
         "a token hello without its key exchange"
     );
+}
+
+/// Issue 33: a ring operation's credit starts at one window; the next node's grant raises
+/// it across the plane, a lower grant (stale, reordered) changes nothing, a grant for
+/// another operation touches no other, and dropping the registration unregisters it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ring_credit_travels_on_the_plane_and_only_rises() {
+    let (a, _ea) = loopback(0xc1, None, 7);
+    let (b, _eb) = loopback(0xc2, None, 7);
+    // The main connection, then a data stream: the data connection and its plane links.
+    connect(&a.inner, b.local_addr(), 0).await.expect("main");
+    let _s = a.open_data(b.local_addr(), 1).await.expect("data connection");
+    let (pa, pb) = (a.plane().expect("plane a").clone(), b.plane().expect("plane b").clone());
+    assert!(pa.wait_ready(b.local_addr(), Duration::from_secs(10)).await, "a's plane to b");
+    assert!(pb.wait_ready(a.local_addr(), Duration::from_secs(10)).await, "b's plane to a");
+
+    let credit = pa.ring_credit(b.local_addr(), 42);
+    let other = pa.ring_credit(b.local_addr(), 43);
+    let mut granted = credit.granted();
+    assert_eq!(*granted.borrow(), plane::RING_WINDOW);
+    pb.grant_ring(a.local_addr(), 42, 3 * plane::RING_WINDOW).expect("grant");
+    tokio::time::timeout(Duration::from_secs(5), granted.changed())
+        .await
+        .expect("the grant arrives")
+        .expect("registered");
+    assert_eq!(*granted.borrow(), 3 * plane::RING_WINDOW);
+    assert_eq!(*other.granted().borrow(), plane::RING_WINDOW, "another operation's credit moved");
+    // A stale grant, then a higher one: only the higher one counts.
+    pb.grant_ring(a.local_addr(), 42, 2 * plane::RING_WINDOW).expect("grant");
+    pb.grant_ring(a.local_addr(), 42, 4 * plane::RING_WINDOW).expect("grant");
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while *granted.borrow() != 4 * plane::RING_WINDOW {
+            assert!(*granted.borrow() >= 3 * plane::RING_WINDOW, "a credit went down");
+            granted.changed().await.expect("registered");
+        }
+    })
+    .await
+    .expect("the higher grant arrives");
+    drop(credit);
+    assert!(granted.changed().await.is_err(), "dropping the credit unregisters it");
 }

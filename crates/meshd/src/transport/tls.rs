@@ -1,5 +1,5 @@
 //! TLS for QUIC: a throw-away self-signed certificate per node, TLS 1.3 only, ALPN
-//! `meshd/8` (the protocol version). Peer certificates are not trusted for identity (the token MAC in
+//! `meshd/9` (the protocol version). Peer certificates are not trusted for identity (the token MAC in
 //! [`super::auth`] is); their handshake signatures are still verified properly.
 
 use rustls::DigitallySignedStruct;

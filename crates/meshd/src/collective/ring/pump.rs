@@ -72,14 +72,13 @@ impl RingNet {
         }
         let (rtx, mut rrx) = mpsc::channel::<Result<(u64, Vec<Bytes>), CollectiveError>>(64);
         if let Some(plane) = plane_out {
+            let credit = crate::collective::plane_ring::SendCredit::new(&plane, next, op_id);
             for lane in 0..lanes {
                 let (wtx, wrx) = mpsc::channel::<(u64, Bytes)>(64);
                 wtxs.push(wtx);
                 writers.push(tokio::spawn(crate::collective::plane_ring::write_chunks(
-                    plane.clone(),
-                    next,
+                    credit.clone(),
                     lane,
-                    op_id,
                     wrx,
                     progress.clone(),
                     rtx.downgrade(),
@@ -90,6 +89,8 @@ impl RingNet {
             .into_iter()
             .map(|recv| tokio::spawn(read_frames(recv, rtx.clone(), prev, max_chunk, progress.clone())))
             .collect();
+        let mut credit_in =
+            plane_in.clone().map(|p| crate::collective::plane_ring::RecvCredit::new(p, prev, op_id));
         if let Some(plane) = plane_in {
             readers.push(tokio::spawn(crate::collective::plane_ring::read_chunks(
                 plane,
@@ -168,6 +169,9 @@ impl RingNet {
                             peer: prev,
                             reason: "stream ended early".into(),
                         })??;
+                        if let Some(c) = credit_in.as_mut() {
+                            c.took(parts.iter().map(|p| p.len()).sum())?;
+                        }
                         let range = state.expect(id)?.range;
                         if buf.is_lent(&range) {
                             waited += 1;

@@ -4,7 +4,8 @@
 
 use super::budget::{self, Budget, BufferPool, MAX_OPEN_PER_PEER};
 use super::{
-    Cmd, MAX_MESSAGE, Plane, SILENCE, TAG_CREDIT, TAG_DATA, TAG_PROBE, TAG_STREAM, lock, take_message,
+    Cmd, MAX_MESSAGE, Plane, SILENCE, TAG_CREDIT, TAG_DATA, TAG_PROBE, TAG_RING_CREDIT, TAG_STREAM, lock,
+    take_message,
 };
 use crate::transport::canonical;
 use crate::transport::socket::{DemuxSocket, LANE_BATCH, LANE_BUF, LaneSocket, PlaneBatch, Received};
@@ -518,5 +519,5 @@ fn admit(budget: &Budget, o: &Offer) -> bool {
 
 /// Whether messages of `tag` are kept and handed on (the probe is not).
 fn kept(tag: u64) -> bool {
-    matches!(tag, TAG_DATA | TAG_STREAM | TAG_CREDIT)
+    matches!(tag, TAG_DATA | TAG_STREAM | TAG_CREDIT | TAG_RING_CREDIT)
 }
