@@ -23,7 +23,7 @@ pub struct EnvConfig {
     /// `MESHD_GSO`: anything but `0` keeps UDP segmentation offload on.
     pub gso: bool,
     /// `MESHD_PLANE`: `0` keeps the ring on QUIC streams, anything else runs the data plane
-    /// (the ring's bulk as AEAD datagrams); unset: by the interface's MTU.
+    /// (the ring's bulk as AEAD datagrams); unset: the data plane.
     pub plane: Option<bool>,
     /// `MESHD_CC`: `cubic`, `bbr` or `newreno`.
     pub cc: CongestionControl,
