@@ -61,7 +61,7 @@ async fn node(port: u16) -> Result<(), String> {
     let want_lanes = lanes.min(if next.port() == PORTS[2] { 1 } else { 3 });
     ring.join_timeout = Duration::from_secs(30);
     let work = tokio::spawn(async move {
-        let check = |got: &[u8], want: &dyn Fn(usize) -> i32, what: &str| -> Result<(), String> {
+        let check = move |got: &[u8], want: &dyn Fn(usize) -> i32, what: &str| -> Result<(), String> {
             match got
                 .chunks_exact(4)
                 .enumerate()
@@ -114,6 +114,32 @@ async fn node(port: u16) -> Result<(), String> {
             return Err(format!("node {rank}: {served:?}, want {want:?}"));
         }
         ring.barrier(6).await.map_err(|e| e.to_string())?;
+        // A segment far past what the next node's credit (plane::RING_WINDOW) and a lane's
+        // queue hold (64 chunks of 32 KiB): each node's sends wait for credit while it
+        // must keep reading and granting, or the ring deadlocks.
+        ring.use_plane = true;
+        ring.chunk_bytes = std::num::NonZeroUsize::new(32 << 10).ok_or("not zero")?;
+        // Built and checked on a blocking thread (a debug build is slow over 48 MiB).
+        let r = rank as i32;
+        let mut huge = tokio::task::spawn_blocking(move || -> Vec<u8> {
+            (0..(48usize << 20) / 4).flat_map(|i| ((i % 5) as i32 * (r + 1)).to_le_bytes()).collect()
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+        tokio::time::timeout(
+            Duration::from_secs(120),
+            ring.allreduce(7, &mut huge, DType::I32, ReduceOp::Sum),
+        )
+        .await
+        .map_err(|_| format!("node {rank}: 48 MiB allreduce on the plane hung"))?
+        .map_err(|e| e.to_string())?;
+        let huge = tokio::task::spawn_blocking(move || {
+            check(&huge, &|i| (i % 5) as i32 * 6, "48 MiB sum past the credit")
+        });
+        huge.await.map_err(|e| e.to_string())??;
+        if ring.served().datagrams != if rank == 1 { 5 } else { 6 } {
+            return Err(format!("node {rank}: {:?}: the 48 MiB sum went by streams", ring.served()));
+        }
         Ok::<_, String>(plane.counters())
     });
     // The node's actor answers its peers while the ring runs.
