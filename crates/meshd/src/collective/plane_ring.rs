@@ -113,21 +113,19 @@ pub(super) async fn write_chunks(
     loop {
         // Within the credit (the lanes share it; each may pass it by the one chunk it
         // sends on the last credit it saw), a held chunk goes to the plane.
-        if held.is_some() && credit.sent.load(Ordering::Acquire) < *granted.borrow() {
-            if let Some((id, bytes)) = held.take() {
-                credit.sent.fetch_add(bytes.len() as u64, Ordering::AcqRel);
-                outstanding.count.fetch_add(1, Ordering::AcqRel);
-                let tracked = Bytes::from_owner(Tracked {
-                    bytes,
-                    outstanding: outstanding.clone(),
-                    progress: progress.clone(),
-                });
-                // Lent, not copied: the link copies each fragment once, into the
-                // datagram it seals.
-                plane
-                    .send(next, lane, op, id, tracked)
-                    .map_err(|reason| CollectiveError::Link { peer: next, reason })?;
-            }
+        if let Some((id, bytes)) = held.take_if(|_| credit.sent.load(Ordering::Acquire) < *granted.borrow()) {
+            credit.sent.fetch_add(bytes.len() as u64, Ordering::AcqRel);
+            outstanding.count.fetch_add(1, Ordering::AcqRel);
+            let tracked = Bytes::from_owner(Tracked {
+                bytes,
+                outstanding: outstanding.clone(),
+                progress: progress.clone(),
+            });
+            // Lent, not copied: the link copies each fragment once, into the datagram it
+            // seals.
+            plane
+                .send(next, lane, op, id, tracked)
+                .map_err(|reason| CollectiveError::Link { peer: next, reason })?;
         }
         let waiting = outstanding.count.load(Ordering::Acquire);
         if !open && waiting == 0 && held.is_none() {

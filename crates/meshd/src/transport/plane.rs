@@ -184,6 +184,16 @@ impl std::fmt::Debug for Plane {
     }
 }
 
+/// Raises a credit to `upto`, waking its watchers only when it grew: credits only grow (a
+/// stale or reordered grant changes nothing).
+fn raise_credit(credit: &tokio::sync::watch::Sender<u64>, upto: u64) {
+    credit.send_if_modified(|c| {
+        let grew = upto > *c;
+        *c = (*c).max(upto);
+        grew
+    });
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -317,13 +327,7 @@ impl Plane {
     /// operation this node is not sending, or one below what it has, changes nothing).
     fn ring_granted(&self, from: SocketAddr, op: u64, upto: u64) {
         if let Some(tx) = lock(&self.ring_credits).get(&(from, op)) {
-            tx.send_if_modified(|v| {
-                let raise = upto > *v;
-                if raise {
-                    *v = upto;
-                }
-                raise
-            });
+            raise_credit(tx, upto);
         }
     }
 

@@ -116,13 +116,7 @@ impl Streams {
     pub(super) fn credit(&self, from: SocketAddr, id: u64, max: u64) {
         let sinks = lock(&self.sinks);
         match sinks.get(&(from, id)) {
-            Some(s) => {
-                s.credit.send_if_modified(|c| {
-                    let grew = max > *c;
-                    *c = (*c).max(max);
-                    grew
-                });
-            }
+            Some(s) => super::raise_credit(&s.credit, max),
             None => {
                 self.unknown.fetch_add(1, Ordering::Relaxed);
             }
