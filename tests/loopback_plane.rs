@@ -119,10 +119,17 @@ async fn node(port: u16) -> Result<(), String> {
         // must keep reading and granting, or the ring deadlocks.
         ring.use_plane = true;
         ring.chunk_bytes = std::num::NonZeroUsize::new(32 << 10).ok_or("not zero")?;
+        // A debug build on a busy machine may take a while over the buffer before a
+        // neighbour's first byte: the operation's own timeout below bounds the wait.
+        ring.join_timeout = Duration::from_secs(110);
         // Built and checked on a blocking thread (a debug build is slow over 48 MiB).
         let r = rank as i32;
         let mut huge = tokio::task::spawn_blocking(move || -> Vec<u8> {
-            (0..(48usize << 20) / 4).flat_map(|i| ((i % 5) as i32 * (r + 1)).to_le_bytes()).collect()
+            let mut v = Vec::with_capacity(48 << 20);
+            for i in 0..(48usize << 20) / 4 {
+                v.extend_from_slice(&((i % 5) as i32 * (r + 1)).to_le_bytes());
+            }
+            v
         })
         .await
         .map_err(|e| e.to_string())?;
