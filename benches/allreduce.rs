@@ -1,7 +1,9 @@
 //! Allreduce benchmark on the lab (3 hosts unless `--hosts N`), side by side in one run:
 //! meshd's QUIC ring (`meshd bench allreduce`), a ring allreduce over TLS 1.3 TCP
 //! (rustls, AES-128-GCM) and the same ring over plaintext TCP (`allreduce/tls_ring.rs`, run
-//! by this binary itself on each host), PyTorch Gloo's allreduce (launched by meshd run)
+//! by this binary itself on each host), the same ring again in lean AES-128-GCM datagrams
+//! without loss recovery (`allreduce/dgram_ring.rs`: the data plane's yardstick, what its
+//! datagrams cost without its reliability), PyTorch Gloo's allreduce (launched by meshd run)
 //! directly over TCP, one TCP stream (iperf3) between two of the hosts, and last the same
 //! Gloo job behind the one-port firewall on every host, through meshd's tunnel.
 //! meshd's ring runs twice at the large size, on the data plane's datagrams and on QUIC
@@ -11,6 +13,8 @@
 //! `-- --mtu 9000` for jumbo frames on the lab's eth1, `-- --hosts 8` for a bigger lab,
 //! `-- --ring-only` for meshd's ring and the TCP rings alone: no Gloo, client or iperf3).
 
+#[path = "allreduce/dgram_ring.rs"]
+mod dgram_ring;
 #[path = "../tests/lab/mod.rs"]
 mod lab;
 #[path = "allreduce/tls_ring.rs"]
@@ -52,11 +56,40 @@ fn tcp_ring(lab: &mut Lab, size: usize, certs: Option<&tls_ring::CertDir>) -> Ve
         .collect()
 }
 
+/// The lean AEAD-datagram ring on every host of `lab` (datagrams of `mtu` less 28 bytes):
+/// one JSON line per host that finished.
+fn dgram_ring(lab: &mut Lab, size: usize, mtu: u32) -> Vec<serde_json::Value> {
+    let exe = std::env::current_exe().expect("the bench binary's path");
+    let exe = exe.to_str().expect("a UTF-8 path");
+    let (peers, size, iters, mtu) =
+        (lab.peers(), size.to_string(), TCP_RING_ITERS.to_string(), mtu.to_string());
+    let ks: Vec<usize> = (0..lab.hosts.len())
+        .map(|i| {
+            let rank = i.to_string();
+            lab.spawn(i, &[exe, "--dgram-ring-worker", &rank, &peers, &size, &iters, &mtu], &[])
+        })
+        .collect();
+    let deadline = std::time::Instant::now() + Duration::from_secs(300);
+    ks.into_iter()
+        .filter_map(|k| {
+            let (code, out, err) = lab.wait(k, deadline.saturating_duration_since(std::time::Instant::now()));
+            if code != Some(0) {
+                println!("datagram ring failed ({code:?}): {err}");
+            }
+            serde_json::from_str::<serde_json::Value>(out.trim()).ok()
+        })
+        .collect()
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     // One rank of the TCP ring, started by `tcp_ring` in a lab host.
     if let Some(i) = args.iter().position(|a| a == "--tls-ring-worker") {
         std::process::exit(tls_ring::worker(&args[i + 1..]));
+    }
+    // One rank of the lean datagram ring, started by `dgram_ring` in a lab host.
+    if let Some(i) = args.iter().position(|a| a == "--dgram-ring-worker") {
+        std::process::exit(dgram_ring::worker(&args[i + 1..]));
     }
     if !lab::bench_mode(env!("CARGO_CRATE_NAME")) {
         return;
@@ -160,6 +193,29 @@ fn main() {
         (Some(a), Some(b)) if b > 0.0 => format!("{:.2}", a / b),
         _ => "n/a".into(),
     };
+    // 2b. The same allreduce in lean AEAD datagrams (no loss recovery): what the data
+    //     plane's datagrams cost without the plane's reliability.
+    let lean = dgram_ring(&mut lab, size, mtu);
+    let (lean_bus, lean_cpu) = (pick(&lean, "busbw_gbs"), pick(&lean, "cpu_s_per_gb"));
+    println!(
+        "lean datagram ring, {size} bytes, {} of {hosts} ranks ({}): busbw {} GB/s, {} CPU s/GB per link, peak RSS {} MiB, {} datagrams per receive call",
+        lean.len(),
+        lean.first().and_then(|j| j["suite"].as_str()).unwrap_or("n/a"),
+        show(mean(&lean_bus)),
+        show(mean(&lean_cpu)),
+        pick(&lean, "peak_rss_mib")
+            .iter()
+            .copied()
+            .reduce(f64::max)
+            .map(|r| format!("{r:.0}"))
+            .unwrap_or_else(|| "n/a".into()),
+        show(mean(&pick(&lean, "datagrams_per_recv"))),
+    );
+    println!(
+        "data plane / lean datagram ring (this run): CPU s/GB {} (goal at most 2), busbw {}",
+        ratio(&meshd_cpu, &lean_cpu),
+        ratio(&meshd_bus, &lean_bus)
+    );
     if std::env::args().any(|a| a == "--ring-only") {
         println!(
             "busbw ratios: data plane / AES-TCP ring {}, QUIC streams / AES-TCP ring {}, data plane / plaintext TCP ring {}",

@@ -269,14 +269,14 @@ fn add_f32(dst: &mut [u8], src: &[u8]) {
 }
 
 /// CPU seconds (user + system) this process has used, as `meshd bench allreduce` counts.
-fn cpu_seconds() -> f64 {
+pub fn cpu_seconds() -> f64 {
     let ru = rusage();
     let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
     tv(ru.ru_utime) + tv(ru.ru_stime)
 }
 
 /// Peak resident set size, KiB.
-fn peak_rss_kib() -> i64 {
+pub fn peak_rss_kib() -> i64 {
     rusage().ru_maxrss
 }
 
