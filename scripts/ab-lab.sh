@@ -16,6 +16,12 @@
 #   to change). Prints busbw and CPU s/GB per link of each host.
 # MODE gloo: Gloo's allreduce on the open network (no firewall): the yardstick.
 #
+# In ring mode a BIN of `lean` runs the lean AES-GCM datagram ring of `cargo bench --bench
+# allreduce` instead (benches/allreduce/dgram_ring.rs: the data plane's yardstick; the
+# newest bench binary under target/release/deps, or MESHD_AB_LEAN_BIN; build it with
+# `cargo bench --bench allreduce --no-run`), so that the plane and its yardstick alternate:
+#   MESHD_AB_RING_ITERS=10 scripts/ab-lab.sh ring 1500 2 target/release/meshd lean
+#
 # The binaries run in the order A B B A, repeated ROUNDS times. MESHD_AB_ENV: extra
 # `K=V ...` for every meshd. MESHD_AB_KEEP: a folder to keep each run's output in.
 set -euo pipefail
@@ -38,6 +44,14 @@ cleanup() {
     ip netns del "$p-hub" 2>/dev/null || true
 }
 trap cleanup EXIT
+lean_bin=""
+for b in "${bins[@]}"; do
+    if [ "$b" = lean ]; then
+        [ "$mode" = ring ] || { echo "ab-lab: 'lean' is a ring-mode baseline" >&2; exit 2; }
+        lean_bin=${MESHD_AB_LEAN_BIN:-$(find "$here/target/release/deps" -maxdepth 1 -type f -executable -name 'allreduce-*' -printf '%T@ %p\n' 2>/dev/null | sort -rn | head -1 | cut -d' ' -f2-)}
+        [ -x "$lean_bin" ] || { echo "ab-lab: no bench binary for 'lean' (cargo bench --bench allreduce --no-run, or set MESHD_AB_LEAN_BIN)" >&2; exit 2; }
+    fi
+done
 
 ip netns add "$p-hub"
 ip -n "$p-hub" link add br1 type bridge
@@ -76,7 +90,10 @@ one() { # BIN LABEL
     local bin=$1 label=$2 out
     out=$(mktemp -d)
     for i in 0 1 2; do
-        if [ "$mode" = ring ]; then
+        if [ "$mode" = ring ] && [ "$bin" = lean ]; then
+            timeout 300 ip netns exec "$p-h$i" "$lean_bin" --dgram-ring-worker "$i" "$peers" "$size" \
+                "${MESHD_AB_RING_ITERS:-5}" "$mtu" >"$out/$i.out" 2>"$out/$i.err" &
+        elif [ "$mode" = ring ]; then
             # shellcheck disable=SC2086
             env MESHD_TOKEN=ab MESHD_LOG=warn ${MESHD_AB_ENV:-} timeout 300 ip netns exec "$p-h$i" "$bin" bench allreduce --json \
                 --nnodes 3 --peers "$peers" --size "$size" --iters "${MESHD_AB_RING_ITERS:-5}" --plane "${MESHD_AB_PLANE:-auto}" \
@@ -97,9 +114,10 @@ one() { # BIN LABEL
 import json, sys
 try:
     v = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
-    r = v["results"][0]
+    # The lean ring prints its figures at the top level.
+    r = v["results"][0] if "results" in v else v
     d = v.get("plane_datagrams") or {}
-    per = d.get("opened", 0) / max(d.get("batches", 0), 1)
+    per = d.get("opened", 0) / max(d.get("batches", 0), 1) if d else v.get("datagrams_per_recv", 0)
     print(f" | {r['busbw_gbs']:.3f} {r['cpu_s_per_gb']:.2f}s/GB {v.get('peak_rss_mib', 0):.0f}MiB {per:.0f}/batch held {d.get('held_peak', 0) / 2**20:.0f}MiB", end="")
 except Exception as e:
     print(f" | failed", end="")

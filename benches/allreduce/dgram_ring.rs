@@ -506,7 +506,7 @@ fn receive(
             // reads while its step's data still arrives.
             let dst = unsafe { std::slice::from_raw_parts_mut(a.ptr.add(at), body.len()) };
             if *reduce {
-                add_f32(dst, body);
+                super::tls_ring::add_f32(dst, body)?;
             } else {
                 dst.copy_from_slice(body);
             }
@@ -567,13 +567,5 @@ fn recv_gro(sock: &UdpSocket, buf: &mut [u8]) -> Result<Option<(usize, usize)>> 
             c = libc::CMSG_NXTHDR(&msg, c);
         }
         Ok(Some((len, seg)))
-    }
-}
-
-/// `dst[i] += src[i]` over little-endian float32s (as the TCP rings reduce).
-fn add_f32(dst: &mut [u8], src: &[u8]) {
-    for (d, s) in dst.chunks_exact_mut(4).zip(src.chunks_exact(4)) {
-        let v = f32::from_le_bytes([d[0], d[1], d[2], d[3]]) + f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
-        d.copy_from_slice(&v.to_le_bytes());
     }
 }

@@ -237,8 +237,7 @@ fn step(
             into.chunks_mut(SEGMENT).try_for_each(|seg| -> io::Result<()> {
                 let got = &mut scratch[..seg.len()];
                 rx.read_exact(got)?;
-                add_f32(seg, got);
-                Ok(())
+                add_f32(seg, got)
             })
         } else {
             rx.read_exact(into)
@@ -260,12 +259,16 @@ fn split(buf: &mut [u8], send: Range<usize>, recv: Range<usize>) -> (&[u8], &mut
     }
 }
 
-/// `dst[i] += src[i]` over little-endian float32s.
-fn add_f32(dst: &mut [u8], src: &[u8]) {
-    for (d, s) in dst.chunks_exact_mut(4).zip(src.chunks_exact(4)) {
-        let v = f32::from_le_bytes([d[0], d[1], d[2], d[3]]) + f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
-        d.copy_from_slice(&v.to_le_bytes());
-    }
+/// `dst[i] += src[i]` over little-endian float32s, with meshd's own reduction kernel (the
+/// one its ring uses), so that no yardstick pays for a slower loop than meshd does.
+pub fn add_f32(dst: &mut [u8], src: &[u8]) -> io::Result<()> {
+    meshd_proto::reduce::reduce_into(
+        meshd_proto::reduce::DType::F32,
+        meshd_proto::reduce::ReduceOp::Sum,
+        dst,
+        src,
+    )
+    .map_err(|e| io::Error::other(format!("reduce: {e}")))
 }
 
 /// CPU seconds (user + system) this process has used, as `meshd bench allreduce` counts.
