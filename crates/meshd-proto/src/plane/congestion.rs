@@ -156,10 +156,13 @@ impl Pacer {
             self.sized_for = (window, rtt);
         }
         let elapsed = now.saturating_duration_since(self.last);
-        self.last = self.last.max(now);
         let rtt_s = rtt.as_secs_f64().max(1e-6);
-        let earned = window as f64 * 1.25 * elapsed.as_secs_f64() / rtt_s;
-        self.tokens = self.tokens.saturating_add(earned as u64).min(self.capacity);
+        // A link plans a whole send batch at one `now`: only its first packet refills.
+        if !elapsed.is_zero() {
+            self.last = now;
+            let earned = window as f64 * 1.25 * elapsed.as_secs_f64() / rtt_s;
+            self.tokens = self.tokens.saturating_add(earned as u64).min(self.capacity);
+        }
         if self.tokens >= bytes {
             return None;
         }
