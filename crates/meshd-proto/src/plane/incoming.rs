@@ -15,14 +15,14 @@ use super::ranges::RangeSet;
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
-/// The hasher of open messages' numbers. SipHash (the std default) cost two hashes a
+/// The hasher of open messages' numbers (here and in the plane driver's reassembly). SipHash (the std default) cost two hashes a
 /// datagram, 2% of a link's CPU. These keys are message numbers from a datagram that
 /// already opened under the link's key (no stranger picks them), kept within
 /// [`SEQ_WINDOW`] of the lowest unfinished one and at most `max_open` at a time, so a
 /// multiply-and-fold mix is enough: even a peer that chose colliding numbers on purpose
 /// would only slow its own link, by at most `max_open` comparisons a lookup.
-#[derive(Default)]
-struct SeqHasher(u64);
+#[derive(Debug, Default)]
+pub struct SeqHasher(u64);
 
 impl Hasher for SeqHasher {
     fn write(&mut self, bytes: &[u8]) {
@@ -41,7 +41,8 @@ impl Hasher for SeqHasher {
     }
 }
 
-type SeqMap<V> = HashMap<u64, V, BuildHasherDefault<SeqHasher>>;
+/// A map keyed by message numbers of datagrams that opened under a link's key.
+pub type SeqMap<V> = HashMap<u64, V, BuildHasherDefault<SeqHasher>>;
 
 /// How far above the lowest unfinished message number a new message may start.
 pub const SEQ_WINDOW: u64 = 4096;

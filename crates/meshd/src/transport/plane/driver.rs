@@ -10,6 +10,7 @@ use super::{
 use crate::transport::canonical;
 use crate::transport::socket::{DemuxSocket, LANE_BATCH, LANE_BUF, LaneSocket, PlaneBatch, Received};
 use bytes::Bytes;
+use meshd_proto::plane::incoming::SeqMap;
 use meshd_proto::plane::keys::{EXPORTER_LABEL, LINK_NAME_CONTEXT, exporter_context};
 use meshd_proto::plane::packet::link_id_of;
 use meshd_proto::plane::{Event, Link, LinkConfig, LinkKeys, Offer, PlaneError};
@@ -35,8 +36,9 @@ struct Entry {
     link: Link,
     /// What the plane holds for the peer's host (shared by its links and lanes).
     budget: Arc<Budget>,
-    /// Data messages being reassembled, by message number.
-    partial: HashMap<u64, Partial>,
+    /// Data messages being reassembled, by message number (numbers of opened datagrams,
+    /// as many as the link keeps open: the cheap hash of [`SeqMap`] serves).
+    partial: SeqMap<Partial>,
     last_heard: Option<Instant>,
     /// Whether the peer acknowledged the probe.
     probed: bool,
@@ -199,7 +201,7 @@ impl Driver {
             name: u64::from_le_bytes(name),
             link,
             budget,
-            partial: HashMap::new(),
+            partial: SeqMap::default(),
             last_heard: None,
             probed: false,
             silenced: false,
