@@ -70,7 +70,8 @@ struct Armed {
 }
 
 // SAFETY: the pointer is only written through by the receiving thread, in ranges no send
-// of the current step reads (see `Shared`), and only while the allreduce that armed it runs.
+// of the current step reads (see `Shared`), into a buffer that outlives that thread (`run`
+// joins it before the buffers go, also after a failed allreduce).
 unsafe impl Send for Armed {}
 
 /// What the sending (main) thread and the receiving thread share.
@@ -189,6 +190,10 @@ fn run(args: &[String]) -> Result<serde_json::Value> {
         nonce: 0,
         key: key(),
     };
+    // The buffers outlive the scope: the receiving thread may write into an armed one until
+    // it is joined, also when an allreduce failed half-way.
+    let mut buf: Vec<u8> = ((rank + 1) as f32).to_le_bytes().repeat(elems);
+    let mut tiny = vec![0u8; 4 * n];
     std::thread::scope(|sc| -> Result<serde_json::Value> {
         let h = sc.spawn(|| {
             let r = receive(rank, n, prev, &sock, &shared, &stop);
@@ -200,7 +205,6 @@ fn run(args: &[String]) -> Result<serde_json::Value> {
         });
         let timed = (|| -> Result<serde_json::Value> {
             // Every node contributes rank + 1: check the sum once before timing.
-            let mut buf: Vec<u8> = ((rank + 1) as f32).to_le_bytes().repeat(elems);
             ring.allreduce(&mut buf)?;
             let want = (n * (n + 1) / 2) as f32;
             if let Some(bad) =
@@ -209,7 +213,7 @@ fn run(args: &[String]) -> Result<serde_json::Value> {
                 bail!("wrong allreduce result at element {bad} of {elems}: expected {want}");
             }
             // A tiny allreduce so that every node starts timing together.
-            ring.allreduce(&mut vec![0u8; 4 * n])?;
+            ring.allreduce(&mut tiny)?;
             let (t, cpu) = (Instant::now(), super::tls_ring::cpu_seconds());
             for _ in 0..iters {
                 ring.allreduce(&mut buf)?;
