@@ -84,6 +84,9 @@ pub struct SocketCounters {
 /// The UDP socket quinn and the data plane share.
 #[derive(Debug)]
 pub struct DemuxSocket {
+    /// Registered for writability too: quinn polls for it around its sends, and a
+    /// registration made only while waiting (as [`LaneSocket`]'s) measured one per send
+    /// on the ring's QUIC streams, and a third slower.
     io: tokio::net::UdpSocket,
     state: UdpSocketState,
     /// The link id of every authenticated plane link this node receives on: the peer's
@@ -145,7 +148,8 @@ impl DemuxSocket {
 
     /// Sends `contents` to `to` as datagrams of `segment_size` bytes (one GSO send).
     pub fn try_send_plane(&self, to: SocketAddr, contents: &[u8], segment_size: usize) -> io::Result<()> {
-        gso_send(&self.io, &self.state, to, contents, segment_size)
+        let transmit = gso_transmit(to, contents, segment_size);
+        self.io.try_io(Interest::WRITABLE, || self.state.send((&self.io).into(), &transmit))
     }
 
     /// Waits until the socket may take a send again.
@@ -376,8 +380,57 @@ impl quinn::AsyncUdpSocket for DemuxSocket {
 /// datagrams straight into buffers it then owns, and sends on it.
 #[derive(Debug)]
 pub struct LaneSocket {
-    io: tokio::net::UdpSocket,
+    io: ReadRegistered,
     state: UdpSocketState,
+}
+
+/// A UDP socket in the runtime's reactor for readability only.
+///
+/// Registered for writability as well (as `tokio::net::UdpSocket` is), the socket would
+/// wake a parked runtime worker each time the kernel frees a sent batch's buffer space
+/// (`sock_wfree`: on veth as the bridge takes the packet, on a NIC at transmit
+/// completion), for nothing: a send on a UDP socket almost never waits. On the lab that
+/// was 45% of a plane ring's wake-ups (docs/PERFORMANCE.md, "Wake-ups"). A send that
+/// would block registers a second descriptor of the same socket for writability, for as
+/// long as it waits.
+#[derive(Debug)]
+struct ReadRegistered {
+    io: tokio::io::unix::AsyncFd<std::net::UdpSocket>,
+}
+
+impl ReadRegistered {
+    fn new(socket: std::net::UdpSocket) -> io::Result<ReadRegistered> {
+        socket.set_nonblocking(true)?;
+        // SAFETY: the socket owns its descriptor, which stays open (and the same) until
+        // the `AsyncFd` drops it.
+        let io = unsafe { tokio::io::unix::AsyncFd::register_with_interest(socket, Interest::READABLE) }
+            .map_err(|e| e.into_parts().1)?;
+        Ok(ReadRegistered { io })
+    }
+
+    fn socket(&self) -> &std::net::UdpSocket {
+        self.io.get_ref()
+    }
+
+    /// Runs a read; a `WouldBlock` from it clears the readiness [`Self::readable`] waits for.
+    fn try_read<R>(&self, f: impl FnOnce(&std::net::UdpSocket) -> io::Result<R>) -> io::Result<R> {
+        self.io.try_io(Interest::READABLE, f)
+    }
+
+    async fn readable(&self) -> io::Result<()> {
+        self.io.readable().await.map(drop)
+    }
+
+    /// Waits until a send may go again, on a descriptor of the socket registered for
+    /// writability only while it waits (registering reports a socket that is already
+    /// writable at once, so no wake-up between the failed send and the wait is lost).
+    async fn writable(&self) -> io::Result<()> {
+        let dup = self.socket().try_clone()?;
+        // SAFETY: as in `new`, for the duplicate this function owns.
+        let fd = unsafe { tokio::io::unix::AsyncFd::register_with_interest(dup, Interest::WRITABLE) }
+            .map_err(|e| e.into_parts().1)?;
+        fd.writable().await.map(drop)
+    }
 }
 
 /// A receive batch read by [`LaneSocket::recv`]: where from, and the size of each
@@ -398,14 +451,14 @@ pub const LANE_BUF: usize = 1 << 16;
 impl LaneSocket {
     /// Wraps a bound socket (GSO and GRO as quinn sets them up).
     pub fn new(socket: std::net::UdpSocket) -> io::Result<LaneSocket> {
-        socket.set_nonblocking(true)?;
         let state = UdpSocketState::new((&socket).into())?;
-        Ok(LaneSocket { io: tokio::net::UdpSocket::from_std(socket)?, state })
+        Ok(LaneSocket { io: ReadRegistered::new(socket)?, state })
     }
 
-    /// Sends `contents` to `to` as datagrams of `segment_size` bytes (one GSO send).
+    /// Sends `contents` to `to` as datagrams of `segment_size` bytes (one GSO send)
+    /// without waiting: `WouldBlock` when the socket is full.
     pub fn try_send(&self, to: SocketAddr, contents: &[u8], segment_size: usize) -> io::Result<()> {
-        gso_send(&self.io, &self.state, to, contents, segment_size)
+        self.state.send(self.io.socket().into(), &gso_transmit(to, contents, segment_size))
     }
 
     /// Waits until the socket may take a send again.
@@ -428,33 +481,25 @@ impl LaneSocket {
     /// from. `WouldBlock` when nothing is there.
     pub fn recv(&self, bufs: &mut [Vec<u8>], got: &mut Vec<Received>) -> io::Result<usize> {
         got.clear();
-        self.io.try_io(Interest::READABLE, || recv_batches(&self.io, bufs, got))
+        self.io.try_read(|s| recv_batches(s, bufs, got))
     }
 }
 
-/// Sends `contents` to `to` as datagrams of `segment_size` bytes (one GSO send) without
-/// waiting: `WouldBlock` when the socket is full.
-fn gso_send(
-    io: &tokio::net::UdpSocket,
-    state: &UdpSocketState,
-    to: SocketAddr,
-    contents: &[u8],
-    segment_size: usize,
-) -> io::Result<()> {
-    let transmit = Transmit {
+/// `contents` for `to` as datagrams of `segment_size` bytes.
+fn gso_transmit(to: SocketAddr, contents: &[u8], segment_size: usize) -> Transmit<'_> {
+    Transmit {
         destination: to,
         ecn: None,
         contents,
         segment_size: (contents.len() > segment_size).then_some(segment_size),
         src_ip: None,
-    };
-    io.try_io(Interest::WRITABLE, || state.send(io.into(), &transmit))
+    }
 }
 
 /// recvmmsg(2) into the spare capacity of `bufs` (no `&mut [u8]` over memory the kernel
 /// has not written: the iovecs are raw pointers, and each length is set to what it wrote).
 fn recv_batches(
-    io: &tokio::net::UdpSocket,
+    io: &std::net::UdpSocket,
     bufs: &mut [Vec<u8>],
     got: &mut Vec<Received>,
 ) -> io::Result<usize> {
@@ -651,6 +696,40 @@ mod tests {
             lanes[1].extend(b.data.chunks(b.stride).map(|d| d[1]));
         }
         assert_eq!(lanes, [vec![0, 2], vec![1, 3]]);
+    }
+
+    #[tokio::test]
+    async fn a_lane_socket_registered_for_reads_only_still_sends_receives_and_waits_to_send() {
+        let a = LaneSocket::new(std::net::UdpSocket::bind("127.0.0.1:0").expect("bind")).expect("socket");
+        let b = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+        let to = b.local_addr().expect("addr");
+        // A wait for room on a socket that has room ends at once (the second descriptor's
+        // registration reports it), however often it is asked.
+        for _ in 0..3 {
+            tokio::time::timeout(std::time::Duration::from_secs(5), a.writable())
+                .await
+                .expect("a socket with room is writable at once")
+                .expect("writable");
+        }
+        a.try_send(to, &[7u8; 300], 100).expect("send");
+        let mut got = [0u8; 512];
+        let mut lens = Vec::new();
+        b.set_read_timeout(Some(std::time::Duration::from_secs(5))).expect("timeout");
+        while lens.iter().sum::<usize>() < 300 {
+            lens.push(b.recv(&mut got).expect("recv"));
+        }
+        assert!(lens.iter().all(|&n| n == 100 || n == 300), "{lens:?}");
+        // Readability: nothing there is WouldBlock; a datagram wakes `readable` and is read.
+        let (mut bufs, mut meta) = (vec![Vec::new(); LANE_BATCH], Vec::new());
+        let err = a.recv(&mut bufs, &mut meta).expect_err("nothing to read");
+        assert_eq!(err.kind(), io::ErrorKind::WouldBlock);
+        b.send_to(&[1, 2, 3], a.io.socket().local_addr().expect("addr")).expect("send");
+        tokio::time::timeout(std::time::Duration::from_secs(5), a.readable())
+            .await
+            .expect("woken")
+            .expect("ok");
+        let n = a.recv(&mut bufs, &mut meta).expect("recv");
+        assert_eq!((n, &bufs[0][..], meta[0].from), (1, &[1u8, 2, 3][..], to));
     }
 
     #[tokio::test]
