@@ -378,59 +378,19 @@ impl quinn::AsyncUdpSocket for DemuxSocket {
 
 /// A plane lane's own socket in the port's group ([`super::reuse`]): its driver reads its
 /// datagrams straight into buffers it then owns, and sends on it.
+///
+/// It is in the runtime's reactor for readability only. Registered for writability as
+/// well (as `tokio::net::UdpSocket` is), it would wake a parked runtime worker each time
+/// the kernel frees a sent batch's buffer space (`sock_wfree`: on veth as the bridge takes
+/// the packet, on a NIC at transmit completion), for nothing: a send on a UDP socket
+/// almost never waits. On the lab that was 45% of a plane ring's wake-ups
+/// (docs/PERFORMANCE.md, "Wake-ups"). A send that would block registers a second
+/// descriptor of the same socket for writability, for as long as it waits
+/// ([`LaneSocket::writable`]).
 #[derive(Debug)]
 pub struct LaneSocket {
-    io: ReadRegistered,
-    state: UdpSocketState,
-}
-
-/// A UDP socket in the runtime's reactor for readability only.
-///
-/// Registered for writability as well (as `tokio::net::UdpSocket` is), the socket would
-/// wake a parked runtime worker each time the kernel frees a sent batch's buffer space
-/// (`sock_wfree`: on veth as the bridge takes the packet, on a NIC at transmit
-/// completion), for nothing: a send on a UDP socket almost never waits. On the lab that
-/// was 45% of a plane ring's wake-ups (docs/PERFORMANCE.md, "Wake-ups"). A send that
-/// would block registers a second descriptor of the same socket for writability, for as
-/// long as it waits.
-#[derive(Debug)]
-struct ReadRegistered {
     io: tokio::io::unix::AsyncFd<std::net::UdpSocket>,
-}
-
-impl ReadRegistered {
-    fn new(socket: std::net::UdpSocket) -> io::Result<ReadRegistered> {
-        socket.set_nonblocking(true)?;
-        // SAFETY: the socket owns its descriptor, which stays open (and the same) until
-        // the `AsyncFd` drops it.
-        let io = unsafe { tokio::io::unix::AsyncFd::register_with_interest(socket, Interest::READABLE) }
-            .map_err(|e| e.into_parts().1)?;
-        Ok(ReadRegistered { io })
-    }
-
-    fn socket(&self) -> &std::net::UdpSocket {
-        self.io.get_ref()
-    }
-
-    /// Runs a read; a `WouldBlock` from it clears the readiness [`Self::readable`] waits for.
-    fn try_read<R>(&self, f: impl FnOnce(&std::net::UdpSocket) -> io::Result<R>) -> io::Result<R> {
-        self.io.try_io(Interest::READABLE, f)
-    }
-
-    async fn readable(&self) -> io::Result<()> {
-        self.io.readable().await.map(drop)
-    }
-
-    /// Waits until a send may go again, on a descriptor of the socket registered for
-    /// writability only while it waits (registering reports a socket that is already
-    /// writable at once, so no wake-up between the failed send and the wait is lost).
-    async fn writable(&self) -> io::Result<()> {
-        let dup = self.socket().try_clone()?;
-        // SAFETY: as in `new`, for the duplicate this function owns.
-        let fd = unsafe { tokio::io::unix::AsyncFd::register_with_interest(dup, Interest::WRITABLE) }
-            .map_err(|e| e.into_parts().1)?;
-        fd.writable().await.map(drop)
-    }
+    state: UdpSocketState,
 }
 
 /// A receive batch read by [`LaneSocket::recv`]: where from, and the size of each
@@ -451,24 +411,35 @@ pub const LANE_BUF: usize = 1 << 16;
 impl LaneSocket {
     /// Wraps a bound socket (GSO and GRO as quinn sets them up).
     pub fn new(socket: std::net::UdpSocket) -> io::Result<LaneSocket> {
+        socket.set_nonblocking(true)?;
         let state = UdpSocketState::new((&socket).into())?;
-        Ok(LaneSocket { io: ReadRegistered::new(socket)?, state })
+        // SAFETY: the socket owns its descriptor, which stays open (and the same) until
+        // the `AsyncFd` drops it.
+        let io = unsafe { tokio::io::unix::AsyncFd::register_with_interest(socket, Interest::READABLE) }
+            .map_err(|e| e.into_parts().1)?;
+        Ok(LaneSocket { io, state })
     }
 
     /// Sends `contents` to `to` as datagrams of `segment_size` bytes (one GSO send)
     /// without waiting: `WouldBlock` when the socket is full.
     pub fn try_send(&self, to: SocketAddr, contents: &[u8], segment_size: usize) -> io::Result<()> {
-        self.state.send(self.io.socket().into(), &gso_transmit(to, contents, segment_size))
+        self.state.send(self.io.get_ref().into(), &gso_transmit(to, contents, segment_size))
     }
 
-    /// Waits until the socket may take a send again.
+    /// Waits until the socket may take a send again, on a descriptor of it registered for
+    /// writability only while it waits (registering reports a socket that is already
+    /// writable at once, so no wake-up between the failed send and the wait is lost).
     pub async fn writable(&self) -> io::Result<()> {
-        self.io.writable().await
+        let dup = self.io.get_ref().try_clone()?;
+        // SAFETY: as in `new`, for the duplicate this function owns.
+        let fd = unsafe { tokio::io::unix::AsyncFd::register_with_interest(dup, Interest::WRITABLE) }
+            .map_err(|e| e.into_parts().1)?;
+        fd.writable().await.map(drop)
     }
 
     /// Waits until something may be read.
     pub async fn readable(&self) -> io::Result<()> {
-        self.io.readable().await
+        self.io.readable().await.map(drop)
     }
 
     /// Most datagrams one send may carry.
@@ -481,7 +452,7 @@ impl LaneSocket {
     /// from. `WouldBlock` when nothing is there.
     pub fn recv(&self, bufs: &mut [Vec<u8>], got: &mut Vec<Received>) -> io::Result<usize> {
         got.clear();
-        self.io.try_read(|s| recv_batches(s, bufs, got))
+        self.io.try_io(Interest::READABLE, |s| recv_batches(s, bufs, got))
     }
 }
 
@@ -723,7 +694,7 @@ mod tests {
         let (mut bufs, mut meta) = (vec![Vec::new(); LANE_BATCH], Vec::new());
         let err = a.recv(&mut bufs, &mut meta).expect_err("nothing to read");
         assert_eq!(err.kind(), io::ErrorKind::WouldBlock);
-        b.send_to(&[1, 2, 3], a.io.socket().local_addr().expect("addr")).expect("send");
+        b.send_to(&[1, 2, 3], a.io.get_ref().local_addr().expect("addr")).expect("send");
         tokio::time::timeout(std::time::Duration::from_secs(5), a.readable())
             .await
             .expect("woken")
