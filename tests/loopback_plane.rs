@@ -147,6 +147,31 @@ async fn node(port: u16) -> Result<(), String> {
         if ring.served().datagrams != if rank == 1 { 5 } else { 6 } {
             return Err(format!("node {rank}: {:?}: the 48 MiB sum went by streams", ring.served()));
         }
+        // An average of floats on a CollectiveBuffer: the plane's driver reduces and copies
+        // the chunks into the buffer as their datagrams open, and the ring divides the
+        // last reduce-scatter step's chunks once.
+        ring.chunk_bytes = std::num::NonZeroUsize::new(1 << 20).ok_or("not zero")?;
+        let before = plane.counters().applied;
+        let mut avg = CollectiveBuffer::from_vec(
+            (0..(6usize << 20) / 4 + 3)
+                .flat_map(|i| ((i % 9) as f32 * (rank as f32 + 1.0)).to_le_bytes())
+                .collect(),
+        );
+        ring.allreduce_buffer(8, &mut avg, DType::F32, ReduceOp::Avg).await.map_err(|e| e.to_string())?;
+        let got = avg.try_as_mut().ok_or("buffer still lent after the average")?;
+        if let Some((i, c)) = got
+            .chunks_exact(4)
+            .enumerate()
+            .find(|(i, c)| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) != (i % 9) as f32 * 2.0)
+        {
+            return Err(format!("node {rank}, f32 average: element {i} is {c:?}, want {}", (i % 9) * 2));
+        }
+        let applied = plane.counters().applied - before;
+        if applied < (6 << 20) / 3 {
+            return Err(format!(
+                "node {rank}: the plane's driver applied only {applied} bytes of the average as they arrived"
+            ));
+        }
         Ok::<_, String>(plane.counters())
     });
     // The node's actor answers its peers while the ring runs.

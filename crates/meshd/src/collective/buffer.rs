@@ -102,6 +102,40 @@ impl Lent {
     }
 }
 
+/// Writes ranges of a [`CollectiveBuffer`] from another task. It keeps the memory alive
+/// (as a loan does) but takes no range itself: whoever hands it out must see to it that
+/// the owner leaves a range alone while the writer writes it (the ring's direct sink
+/// claims each range once, before the ring touches it, and the ring waits for the sink
+/// to close before it returns).
+pub(crate) struct SharedWriter {
+    inner: Arc<Inner>,
+}
+
+impl SharedWriter {
+    /// Whether some loan covers part of `range`.
+    pub(crate) fn is_lent(&self, range: &Range<usize>) -> bool {
+        self.inner.lent().overlaps(range)
+    }
+
+    /// `range` to write, or `None` when out of bounds.
+    ///
+    /// # Safety
+    /// While the returned slice lives, nothing else reads or writes `range`: no loan
+    /// covers it, the owner makes no reference to it, and no other writer writes it.
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn range_mut(&self, range: Range<usize>) -> Option<&mut [u8]> {
+        if range.start > range.end || range.end > self.inner.len {
+            return None;
+        }
+        if range.is_empty() {
+            return Some(&mut []);
+        }
+        // SAFETY: in bounds, the memory lives as long as `inner`, and the caller promises
+        // that nothing else touches `range` meanwhile.
+        Some(unsafe { std::slice::from_raw_parts_mut(self.inner.ptr.add(range.start), range.len()) })
+    }
+}
+
 /// A lent range: what the `Bytes` handed to the transport owns.
 struct Loan {
     inner: Arc<Inner>,
@@ -161,6 +195,26 @@ impl CollectiveBuffer {
         }
         // SAFETY: the memory lives as long as `inner`; writes need `&mut self`.
         unsafe { std::slice::from_raw_parts(self.inner.ptr, self.inner.len) }
+    }
+
+    /// `range` to read (panics when out of bounds, as slicing does). Unlike
+    /// [`as_slice`](Self::as_slice), it makes no reference to bytes outside `range`, which
+    /// a [`SharedWriter`] may be writing during a ring operation.
+    pub fn slice(&self, range: Range<usize>) -> &[u8] {
+        assert!(range.start <= range.end && range.end <= self.inner.len, "range {range:?} out of bounds");
+        if range.is_empty() {
+            return &[];
+        }
+        // SAFETY: in bounds; the memory lives as long as `inner`; the owner writes only
+        // with `&mut self`, and a shared writer only ranges the owner leaves alone.
+        unsafe { std::slice::from_raw_parts(self.inner.ptr.add(range.start), range.len()) }
+    }
+
+    /// A handle that writes ranges of this buffer from another task (the data plane's
+    /// driver, reducing received bytes in place while they are in cache). See
+    /// [`SharedWriter::range_mut`] for the rule that keeps it sound.
+    pub(crate) fn shared_writer(&self) -> SharedWriter {
+        SharedWriter { inner: self.inner.clone() }
     }
 
     /// The whole buffer to write, if no range of it is lent out.
@@ -224,7 +278,8 @@ impl CollectiveBuffer {
     /// copied below. A lent range cannot be written until every clone of the returned
     /// `Bytes` is dropped. Panics if `range` is out of bounds, as slicing does.
     pub fn lend(&self, range: Range<usize>) -> Bytes {
-        let slice = &self.as_slice()[range.clone()];
+        // Only `range` is read (a [`SharedWriter`] may be writing another range now).
+        let slice = self.slice(range.clone());
         if slice.len() < LEND_FROM {
             return Bytes::copy_from_slice(slice);
         }

@@ -69,9 +69,44 @@ const MAX_MESSAGE: u64 = (MAX_CHUNK + MESSAGE_HEADER) as u64;
 /// peer use QUIC streams from the next one (the running one fails, naming the cause).
 pub const SILENCE: Duration = Duration::from_secs(5);
 
-/// A received data message: the transfer id and its payload, in order, as the pieces of
-/// the receive batches it was opened in (never copied after the kernel's copy out).
-pub type Delivery = (u64, Vec<Bytes>);
+/// A received data message.
+#[derive(Debug)]
+pub enum Delivery {
+    /// The transfer id and its payload, in order, as the pieces of the receive batches it
+    /// was opened in (never copied after the kernel's copy out).
+    Parts(u64, Vec<Bytes>),
+    /// A message whose subscription's [`DirectSink`] claimed it: the sink took its bytes
+    /// as each datagram opened, except `rest` (payload offset, bytes: what it could not
+    /// take, in no particular order; normally none). `len` is the payload's length.
+    Applied { id: u64, len: usize, rest: Vec<(usize, Bytes)> },
+}
+
+/// Where a subscription's messages may go as their datagrams open, instead of being held
+/// until complete: the ring reduces each datagram's bytes straight into its buffer while
+/// they are still in cache. Called from a lane's driver.
+pub trait DirectSink: Send + Sync {
+    /// Whether the sink takes the bytes of message `id`, of `len` payload bytes, itself:
+    /// its claim, or `None` (the message is then delivered as [`Delivery::Parts`]). A
+    /// sink claims an id at most once.
+    fn claim(&self, id: u64, len: usize) -> Option<Claim>;
+    /// Takes `bytes` at payload offset `offset` of a claimed message (each byte once).
+    /// `false` when it cannot (misaligned, out of range, the operation ended): the bytes
+    /// are then kept and delivered in [`Delivery::Applied`]'s `rest`.
+    fn apply(&self, claim: &Claim, offset: usize, bytes: &[u8]) -> bool;
+}
+
+/// A message a [`DirectSink`] claimed: its transfer id and where its payload goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Claim {
+    /// The transfer id.
+    pub id: u64,
+    /// Where the payload starts in the sink's memory.
+    pub start: usize,
+    /// The payload's length.
+    pub len: usize,
+    /// The sink's own note on the message (what to do with its bytes).
+    pub kind: u8,
+}
 
 enum Cmd {
     AddLink { conn: quinn::Connection, client: bool },
@@ -93,6 +128,8 @@ pub struct PlaneCounters {
     pub held_peak: u64,
     /// Bytes of fragments copied out of receive buffers they filled less than half of.
     pub copied: u64,
+    /// Bytes of fragments a subscription's sink took as they opened (never held).
+    pub applied: u64,
     /// Data messages delivered complete.
     pub messages: u64,
     /// Plane datagrams the socket dropped before any cryptography: no link of this node
@@ -108,6 +145,8 @@ pub struct PlaneCounters {
 struct Subs {
     /// (peer, op) -> where its messages go.
     open: HashMap<(SocketAddr, u64), mpsc::UnboundedSender<Delivery>>,
+    /// (peer, op) -> the subscription's sink, where it has one.
+    sinks: HashMap<(SocketAddr, u64), Arc<dyn DirectSink>>,
     /// Messages that came before anyone asked, per (peer, op), oldest op first.
     unclaimed: Vec<((SocketAddr, u64), Vec<Delivery>)>,
 }
@@ -345,9 +384,30 @@ impl Plane {
         rx
     }
 
+    /// [`Plane::subscribe`], with a sink that may take the messages' bytes as their
+    /// datagrams open (messages that came before are delivered as they were).
+    pub fn subscribe_direct(
+        &self,
+        peer: SocketAddr,
+        op: u64,
+        sink: Arc<dyn DirectSink>,
+    ) -> mpsc::UnboundedReceiver<Delivery> {
+        let rx = self.subscribe(peer, op);
+        lock(&self.subs).sinks.insert((super::canonical(peer), op), sink);
+        rx
+    }
+
+    /// The sink of `(from, op)`'s subscription, if it has one.
+    fn sink(&self, from: SocketAddr, op: u64) -> Option<Arc<dyn DirectSink>> {
+        lock(&self.subs).sinks.get(&(from, op)).cloned()
+    }
+
     /// Ends a subscription: later messages of the operation are dropped.
     pub fn unsubscribe(&self, peer: SocketAddr, op: u64) {
-        lock(&self.subs).open.remove(&(super::canonical(peer), op));
+        let key = (super::canonical(peer), op);
+        let mut subs = lock(&self.subs);
+        subs.open.remove(&key);
+        subs.sinks.remove(&key);
     }
 
     /// The counters and estimates of the lane-0 link this node sends to `peer` on, as of
@@ -396,6 +456,7 @@ impl Plane {
             }
             // The subscriber went away without unsubscribing: drop its messages.
             subs.open.remove(&key);
+            subs.sinks.remove(&key);
             return;
         }
         if let Some((_, v)) = subs.unclaimed.iter_mut().find(|(k, _)| *k == key) {
@@ -415,6 +476,27 @@ impl Plane {
 /// One link: the connection it came from, the link, and messages being reassembled.
 /// Hands a complete message on: its pieces in order, its header taken off; ring data to
 /// its operation, a tunnel stream's to the stream.
+/// A complete message that a sink claimed (see [`DirectSink`]): delivered with what the
+/// sink could not take, by payload offset (the message's header is not part of it).
+fn take_applied(plane: &Plane, from: SocketAddr, op: u64, claim: Claim, pieces: Vec<(u64, Bytes)>) {
+    let rest = pieces
+        .into_iter()
+        .filter_map(|(offset, mut b)| {
+            let offset = usize::try_from(offset).ok()?;
+            let payload = match offset.checked_sub(MESSAGE_HEADER) {
+                Some(at) => at,
+                None => {
+                    let _ = b.split_to((MESSAGE_HEADER - offset).min(b.len()));
+                    0
+                }
+            };
+            (!b.is_empty()).then_some((payload, b))
+        })
+        .collect();
+    lock(&plane.counters).messages += 1;
+    plane.deliver(from, op, Delivery::Applied { id: claim.id, len: claim.len, rest });
+}
+
 fn take_message(plane: &Plane, from: SocketAddr, tag: u64, mut pieces: Vec<(u64, Bytes)>) {
     pieces.sort_unstable_by_key(|(offset, _)| *offset);
     let mut parts: Vec<Bytes> = pieces.into_iter().map(|(_, b)| b).filter(|b| !b.is_empty()).collect();
@@ -445,6 +527,6 @@ fn take_message(plane: &Plane, from: SocketAddr, tag: u64, mut pieces: Vec<(u64,
         TAG_STREAM => plane.streams.data(from, op, id, parts),
         TAG_CREDIT => plane.streams.credit(from, op, id),
         TAG_RING_CREDIT => plane.ring_granted(from, op, id),
-        _ => plane.deliver(from, op, (id, parts)),
+        _ => plane.deliver(from, op, Delivery::Parts(id, parts)),
     }
 }

@@ -52,6 +52,10 @@ pub enum CollectiveError {
         /// Nodes in the ring.
         world: usize,
     },
+    /// A chunk the data plane's driver reduced as its datagrams opened could not be
+    /// finished (what it left over did not fit the chunk).
+    #[error("ring: a chunk reduced as it arrived: {0}")]
+    Direct(String),
     /// The local reduction failed (an element type the operation does not support).
     #[error(transparent)]
     Reduce(#[from] meshd_proto::reduce::ReduceError),

@@ -25,7 +25,7 @@ pub(super) async fn write_frames(
 
 pub(super) async fn read_frames(
     mut recv: quinn::RecvStream,
-    tx: mpsc::Sender<Result<(u64, Vec<Bytes>), CollectiveError>>,
+    tx: mpsc::Sender<Result<(u64, Chunk), CollectiveError>>,
     peer: SocketAddr,
     max_chunk: usize,
     progress: Arc<Progress>,
@@ -69,7 +69,7 @@ pub(super) async fn read_frames(
                 }
             }
         }
-        if tx.send(Ok((id, payload))).await.is_err() {
+        if tx.send(Ok((id, Chunk::Parts(payload)))).await.is_err() {
             return;
         }
     }

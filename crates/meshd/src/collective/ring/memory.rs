@@ -1,6 +1,7 @@
 //! The memory a ring operation reduces in: a plain slice or a `CollectiveBuffer`.
 
 use super::*;
+use crate::collective::buffer::SharedWriter;
 
 /// Accepts received transfer `id` and applies it to `buf` (whose range for it is not
 /// lent), keeping the bytes that go on to the next node. `Avg` divides by `divisor`.
@@ -9,13 +10,71 @@ pub(super) fn apply_received<M: RingMemory>(
     buf: &mut M,
     forwards: &mut HashMap<usize, (std::ops::Range<usize>, Bytes)>,
     id: u64,
-    parts: &[Bytes],
+    chunk: &Chunk,
     how: Reduction,
 ) -> Result<(), CollectiveError> {
-    let len = parts.iter().map(|p| p.len()).sum();
-    let action = state.on_received(id, len)?;
-    if let Some(bytes) = buf.apply(&action, parts, how)? {
+    let action = state.on_received(id, chunk.len())?;
+    let forward = match chunk {
+        Chunk::Parts(parts) => buf.apply(&action, parts, how)?,
+        Chunk::Applied { rest, .. } => buf.apply_rest(&action, rest, how)?,
+    };
+    if let Some(bytes) = forward {
         forwards.insert(action.range().start, (action.range(), bytes));
+    }
+    Ok(())
+}
+
+/// Applies what a direct sink could not take (`rest`: offset in the chunk, bytes) to
+/// `dst`, the chunk's range, whose other bytes the sink reduced or copied already; then
+/// finishes an `Avg` on the last reduce-scatter step. For a reduction, each run of
+/// adjacent pieces must start and end on element boundaries (the sink takes only whole
+/// elements, so what it leaves does).
+fn reduce_rest(
+    dst: &mut [u8],
+    action: &Action,
+    rest: &[(usize, Bytes)],
+    how: Reduction,
+) -> Result<(), CollectiveError> {
+    let (reduce, last) = match action {
+        Action::Reduce { last, .. } => (true, *last),
+        Action::Copy { last, .. } => (false, *last),
+    };
+    let bad = CollectiveError::Direct;
+    let mut pieces: Vec<&(usize, Bytes)> = rest.iter().collect();
+    pieces.sort_unstable_by_key(|(at, _)| *at);
+    let mut i = 0;
+    while i < pieces.len() {
+        // A run of adjacent pieces, joined when there are several.
+        let start = pieces[i].0;
+        let mut end = start;
+        let mut j = i;
+        while j < pieces.len() && pieces[j].0 == end {
+            end += pieces[j].1.len();
+            j += 1;
+        }
+        if j == i || end > dst.len() || (j < pieces.len() && pieces[j].0 < end) {
+            return Err(bad(format!(
+                "pieces left by the direct sink overlap or exceed the chunk at {start}"
+            )));
+        }
+        let joined;
+        let run: &[u8] = if j == i + 1 {
+            &pieces[i].1
+        } else {
+            joined = pieces[i..j].iter().flat_map(|(_, b)| b.iter().copied()).collect::<Vec<u8>>();
+            &joined
+        };
+        if reduce {
+            meshd_proto::reduce::reduce_into(how.dtype, how.op, &mut dst[start..end], run)
+                .map_err(|e| bad(format!("pieces left by the direct sink at {start}..{end}: {e}")))?;
+        } else {
+            dst[start..end].copy_from_slice(run);
+        }
+        i = j;
+    }
+    if reduce && last && how.op == ReduceOp::Avg {
+        meshd_proto::reduce::finish_avg(how.dtype, dst, u32::try_from(how.divisor).unwrap_or(u32::MAX))
+            .map_err(|e| bad(e.to_string()))?;
     }
     Ok(())
 }
@@ -37,6 +96,16 @@ pub(super) trait RingMemory {
         parts: &[Bytes],
         how: Reduction,
     ) -> Result<Option<Bytes>, CollectiveError>;
+    /// Applies `action` to a chunk whose bytes a direct sink reduced in place already,
+    /// but for `rest`; returns the bytes to send on, as [`apply`](Self::apply).
+    fn apply_rest(
+        &mut self,
+        action: &Action,
+        rest: &[(usize, Bytes)],
+        how: Reduction,
+    ) -> Result<Option<Bytes>, CollectiveError>;
+    /// A writer for the plane's direct sink, where this memory can have one.
+    fn shared_writer(&self) -> Option<SharedWriter>;
     /// Notified when a loan ends.
     fn released(&self) -> Arc<Notify>;
     /// Replaces the whole buffer's bytes with `src` (nothing of it is lent).
@@ -69,6 +138,19 @@ impl RingMemory for Plain<'_> {
         // the bytes sent on in the same pass.
         Ok(action.apply_forward(self.0, parts, how)?.map(Bytes::from))
     }
+    fn apply_rest(
+        &mut self,
+        action: &Action,
+        rest: &[(usize, Bytes)],
+        how: Reduction,
+    ) -> Result<Option<Bytes>, CollectiveError> {
+        // Never reached: a plain slice has no shared writer, so no sink reduces into it.
+        let _ = (action, rest, how);
+        Err(CollectiveError::Direct("it arrived for memory that has no direct sink".into()))
+    }
+    fn shared_writer(&self) -> Option<SharedWriter> {
+        None
+    }
     fn released(&self) -> Arc<Notify> {
         Arc::new(Notify::new()) // nothing is lent
     }
@@ -89,7 +171,7 @@ impl RingMemory for CollectiveBuffer {
         self.lend(range)
     }
     fn copy(&self, range: std::ops::Range<usize>) -> Bytes {
-        Bytes::copy_from_slice(&self.as_slice()[range])
+        Bytes::copy_from_slice(self.slice(range))
     }
     fn apply(
         &mut self,
@@ -105,6 +187,22 @@ impl RingMemory for CollectiveBuffer {
         // last reduce-scatter step, which the all-gather overwrites once the loan ends).
         action.apply_to(dst, parts, how)?;
         Ok((!matches!(action, Action::Copy { last: true, .. })).then(|| self.lend(range)))
+    }
+    fn apply_rest(
+        &mut self,
+        action: &Action,
+        rest: &[(usize, Bytes)],
+        how: Reduction,
+    ) -> Result<Option<Bytes>, CollectiveError> {
+        let range = action.range();
+        let dst = self
+            .range_mut(range.clone())
+            .ok_or_else(|| CollectiveError::BufferLent { range: range.clone() })?;
+        reduce_rest(dst, action, rest, how)?;
+        Ok((!matches!(action, Action::Copy { last: true, .. })).then(|| self.lend(range)))
+    }
+    fn shared_writer(&self) -> Option<SharedWriter> {
+        Some(CollectiveBuffer::shared_writer(self))
     }
     fn released(&self) -> Arc<Notify> {
         CollectiveBuffer::released(self)

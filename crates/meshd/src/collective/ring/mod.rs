@@ -62,6 +62,26 @@ fn default_lanes() -> NonZeroUsize {
     NonZeroUsize::new((workers / 2).clamp(1, MAX_LANES)).unwrap_or(NonZeroUsize::MIN)
 }
 
+/// A chunk received from the previous node.
+#[derive(Debug)]
+pub(crate) enum Chunk {
+    /// Its payload, in order.
+    Parts(Vec<Bytes>),
+    /// Already reduced into the buffer as its datagrams opened (the plane's direct sink,
+    /// `plane_ring::RingSink`), except `rest`: (offset in the chunk, bytes), normally none.
+    Applied { len: usize, rest: Vec<(usize, Bytes)> },
+}
+
+impl Chunk {
+    /// Its payload's length in bytes.
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Chunk::Parts(parts) => parts.iter().map(Bytes::len).sum(),
+            Chunk::Applied { len, .. } => *len,
+        }
+    }
+}
+
 /// How a node runs its ring operations (the CLI fills it from `MESHD_LANES` and
 /// `MESHD_RING_CHUNK`).
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -70,7 +70,7 @@ impl RingNet {
             wtxs.push(wtx);
             writers.push(tokio::spawn(write_frames(send, wrx, next, progress.clone())));
         }
-        let (rtx, mut rrx) = mpsc::channel::<Result<(u64, Vec<Bytes>), CollectiveError>>(64);
+        let (rtx, mut rrx) = mpsc::channel::<Result<(u64, Chunk), CollectiveError>>(64);
         if let Some(plane) = plane_out {
             let credit = crate::collective::plane_ring::SendCredit::new(&plane, next, op_id);
             for lane in 0..lanes {
@@ -91,6 +91,13 @@ impl RingNet {
             .collect();
         let mut credit_in =
             plane_in.clone().map(|p| crate::collective::plane_ring::RecvCredit::new(p, prev, op_id));
+        // The plane's driver reduces the reduce-scatter's chunks into the buffer as their
+        // datagrams open, where the memory allows it (MESHD_PLANE_DIRECT=0: never).
+        let sink = plane_in
+            .as_ref()
+            .filter(|_| crate::collective::plane_ring::direct_enabled())
+            .and_then(|_| buf.shared_writer())
+            .map(|w| crate::collective::plane_ring::RingSink::new(state.clone(), w, dtype, op));
         if let Some(plane) = plane_in {
             readers.push(tokio::spawn(crate::collective::plane_ring::read_chunks(
                 plane,
@@ -99,6 +106,7 @@ impl RingNet {
                 rtx.clone(),
                 max_chunk,
                 progress.clone(),
+                sink.clone(),
             )));
         }
         drop(rtx); // the channel closes when every reader has ended
@@ -108,11 +116,28 @@ impl RingNet {
         let mut pending: Option<(usize, u64, Bytes)> = None;
         // Received chunks whose range is still lent to the transport (being sent, or not
         // yet acknowledged), in arrival order: applied once the loan ends.
-        let mut deferred: VecDeque<(u64, Vec<Bytes>)> = VecDeque::new();
+        let mut deferred: VecDeque<(u64, Chunk)> = VecDeque::new();
         let mut waited = 0usize;
         let released = buf.released();
         let how = Reduction { dtype, op, divisor };
         let writer_stopped = || CollectiveError::Link { peer: next, reason: "writer stopped".into() };
+        // Applies a received chunk; with a direct sink, the range is the ring's meanwhile.
+        let apply = |state: &mut RingState,
+                     buf: &mut M,
+                     forwards: &mut HashMap<usize, (std::ops::Range<usize>, Bytes)>,
+                     id: u64,
+                     chunk: &Chunk,
+                     start: usize|
+         -> Result<(), CollectiveError> {
+            if let Some(s) = &sink {
+                s.enter(start, matches!(chunk, Chunk::Applied { .. }))?;
+            }
+            let r = apply_received(state, buf, forwards, id, chunk, how);
+            if let Some(s) = &sink {
+                s.leave(start);
+            }
+            r
+        };
         let started = Instant::now();
         let mut watch = Watch::new(self.progress_timeout, progress.total(), started);
         let mut check_at = tokio::time::Instant::now() + watch.every();
@@ -165,28 +190,29 @@ impl RingNet {
                         }
                     }
                     msg = rrx.recv(), if state.recvs_left() > deferred.len() => {
-                        let (id, parts) = msg.ok_or_else(|| CollectiveError::Link {
+                        let (id, chunk) = msg.ok_or_else(|| CollectiveError::Link {
                             peer: prev,
                             reason: "stream ended early".into(),
                         })??;
                         if let Some(c) = credit_in.as_mut() {
-                            c.took(parts.iter().map(|p| p.len()).sum())?;
+                            c.took(chunk.len())?;
                         }
                         let range = state.expect(id)?.range;
                         if buf.is_lent(&range) {
                             waited += 1;
-                            deferred.push_back((id, parts));
+                            deferred.push_back((id, chunk));
                         } else {
-                            apply_received(&mut state, buf, &mut forwards, id, &parts, how)?;
+                            apply(&mut state, buf, &mut forwards, id, &chunk, range.start)?;
                         }
                     }
                     _ = released.notified(), if !deferred.is_empty() => {
                         for _ in 0..deferred.len() {
-                            let Some((id, parts)) = deferred.pop_front() else { break };
-                            if buf.is_lent(&state.expect(id)?.range) {
-                                deferred.push_back((id, parts));
+                            let Some((id, chunk)) = deferred.pop_front() else { break };
+                            let range = state.expect(id)?.range;
+                            if buf.is_lent(&range) {
+                                deferred.push_back((id, chunk));
                             } else {
-                                apply_received(&mut state, buf, &mut forwards, id, &parts, how)?;
+                                apply(&mut state, buf, &mut forwards, id, &chunk, range.start)?;
                             }
                         }
                     }
@@ -217,6 +243,10 @@ impl RingNet {
             }
         }
         .await;
+        // From here on no driver writes the buffer: the caller has it back.
+        if let Some(sink) = &sink {
+            sink.close();
+        }
         drop(wtxs);
         let mut w = Ok(());
         if matches!(result, Err(CollectiveError::Stalled { sending: true, .. })) {

@@ -4,8 +4,8 @@
 
 use super::budget::{self, Budget, BufferPool, MAX_OPEN_PER_PEER};
 use super::{
-    Cmd, MAX_MESSAGE, Plane, SILENCE, TAG_CREDIT, TAG_DATA, TAG_PROBE, TAG_RING_CREDIT, TAG_STREAM, lock,
-    take_message,
+    Claim, Cmd, DirectSink, MAX_MESSAGE, MESSAGE_HEADER, Plane, SILENCE, TAG_CREDIT, TAG_DATA, TAG_PROBE,
+    TAG_RING_CREDIT, TAG_STREAM, lock, take_applied, take_message,
 };
 use crate::transport::canonical;
 use crate::transport::socket::{DemuxSocket, LANE_BATCH, LANE_BUF, LaneSocket, PlaneBatch, Received};
@@ -53,6 +53,15 @@ struct Entry {
 struct Partial {
     pieces: Vec<(u64, Bytes)>,
     missing: u64,
+    /// The sink that takes the message's bytes as they open, its claim and the operation,
+    /// when its subscription has one and claimed it (see [`DirectSink`]).
+    target: Option<(Arc<dyn DirectSink>, Claim, u64)>,
+}
+
+impl Partial {
+    fn new(total_len: u64) -> Partial {
+        Partial { pieces: Vec::new(), missing: total_len, target: None }
+    }
 }
 
 impl Drop for Entry {
@@ -261,6 +270,7 @@ impl Driver {
                         start: i * stride + (r.data.as_ptr() as usize - base),
                         len: r.data.len(),
                         complete: r.complete,
+                        applied: false,
                     });
                 }
                 // Authentic, from the peer: it is heard, its datagram resent later.
@@ -275,6 +285,47 @@ impl Driver {
         c.opened += opened;
         c.refused += refused;
         drop(c);
+        // Fragments of messages a sink claimed go to it now, while they are in cache.
+        let mut applied = 0;
+        for f in fragments.iter_mut().filter(|f| f.tag == TAG_DATA) {
+            let e = &mut entries[f.entry];
+            let p = e.partial.entry(f.seq).or_insert_with(|| Partial::new(f.total_len));
+            if p.target.is_none() && p.pieces.is_empty() && f.offset == 0 && f.len >= MESSAGE_HEADER {
+                // The message's first fragment: its header names the operation and the
+                // transfer, so the subscription's sink (if any) can claim it.
+                let head = &data[f.start..f.start + MESSAGE_HEADER];
+                let op = u64::from_le_bytes(head[..8].try_into().unwrap_or_default());
+                let id = u64::from_le_bytes(head[8..].try_into().unwrap_or_default());
+                let payload = usize::try_from(f.total_len).unwrap_or(usize::MAX) - MESSAGE_HEADER;
+                p.target = self
+                    .plane
+                    .sink(batch.from, op)
+                    .and_then(|sink| sink.claim(id, payload).map(|claim| (sink, claim, op)));
+            }
+            let Some((sink, claim, _)) = &p.target else { continue };
+            let offset = usize::try_from(f.offset).unwrap_or(usize::MAX);
+            let skip = MESSAGE_HEADER.saturating_sub(offset).min(f.len);
+            let at = offset.saturating_sub(MESSAGE_HEADER);
+            if !sink.apply(claim, at, &data[f.start + skip..f.start + f.len]) {
+                continue;
+            }
+            f.applied = true;
+            applied += f.len as u64;
+            e.budget.arrived(f.len as u64);
+            p.missing = p.missing.saturating_sub(f.len as u64);
+            if f.complete {
+                if let Some(p) = e.partial.remove(&f.seq) {
+                    e.budget.close(p.missing);
+                    if let Some((_, claim, op)) = p.target {
+                        take_applied(&self.plane, batch.from, op, claim, p.pieces);
+                    }
+                }
+            }
+        }
+        if applied > 0 {
+            fragments.retain(|f| !f.applied);
+            lock(&self.plane.counters).applied += applied;
+        }
         if fragments.is_empty() {
             return Some(data);
         }
@@ -316,16 +367,17 @@ impl Driver {
                     if own { source.slice(at..at + f.len) } else { source.slice(f.start..f.start + f.len) };
                 at += f.len;
                 e.budget.arrived(f.len as u64);
-                let p = e
-                    .partial
-                    .entry(f.seq)
-                    .or_insert_with(|| Partial { pieces: Vec::new(), missing: f.total_len });
+                let p = e.partial.entry(f.seq).or_insert_with(|| Partial::new(f.total_len));
                 p.missing = p.missing.saturating_sub(f.len as u64);
                 p.pieces.push((f.offset, piece));
                 if f.complete {
                     if let Some(mut p) = e.partial.remove(&f.seq) {
                         e.budget.close(p.missing);
-                        take_message(&self.plane, batch.from, f.tag, std::mem::take(&mut p.pieces));
+                        let pieces = std::mem::take(&mut p.pieces);
+                        match p.target.take() {
+                            Some((_, claim, op)) => take_applied(&self.plane, batch.from, op, claim, pieces),
+                            None => take_message(&self.plane, batch.from, f.tag, pieces),
+                        }
                     }
                 }
             }
@@ -509,6 +561,8 @@ struct Fragment {
     start: usize,
     len: usize,
     complete: bool,
+    /// Taken by its message's sink (see [`DirectSink`]): not held.
+    applied: bool,
 }
 
 /// Whether the peer's budget lets this end take a new fragment in: one of a data message
