@@ -97,15 +97,21 @@ pub(super) trait RingMemory {
         how: Reduction,
     ) -> Result<Option<Bytes>, CollectiveError>;
     /// Applies `action` to a chunk whose bytes a direct sink reduced in place already,
-    /// but for `rest`; returns the bytes to send on, as [`apply`](Self::apply).
+    /// but for `rest`; returns the bytes to send on, as [`apply`](Self::apply). Only
+    /// memory with a [`shared_writer`](Self::shared_writer) gets such chunks.
     fn apply_rest(
         &mut self,
         action: &Action,
         rest: &[(usize, Bytes)],
         how: Reduction,
-    ) -> Result<Option<Bytes>, CollectiveError>;
+    ) -> Result<Option<Bytes>, CollectiveError> {
+        let _ = (action, rest, how);
+        Err(CollectiveError::Direct("it arrived for memory that has no direct sink".into()))
+    }
     /// A writer for the plane's direct sink, where this memory can have one.
-    fn shared_writer(&self) -> Option<SharedWriter>;
+    fn shared_writer(&self) -> Option<SharedWriter> {
+        None
+    }
     /// Notified when a loan ends.
     fn released(&self) -> Arc<Notify>;
     /// Replaces the whole buffer's bytes with `src` (nothing of it is lent).
@@ -138,19 +144,6 @@ impl RingMemory for Plain<'_> {
         // the bytes sent on in the same pass.
         Ok(action.apply_forward(self.0, parts, how)?.map(Bytes::from))
     }
-    fn apply_rest(
-        &mut self,
-        action: &Action,
-        rest: &[(usize, Bytes)],
-        how: Reduction,
-    ) -> Result<Option<Bytes>, CollectiveError> {
-        // Never reached: a plain slice has no shared writer, so no sink reduces into it.
-        let _ = (action, rest, how);
-        Err(CollectiveError::Direct("it arrived for memory that has no direct sink".into()))
-    }
-    fn shared_writer(&self) -> Option<SharedWriter> {
-        None
-    }
     fn released(&self) -> Arc<Notify> {
         Arc::new(Notify::new()) // nothing is lent
     }
@@ -179,14 +172,7 @@ impl RingMemory for CollectiveBuffer {
         parts: &[Bytes],
         how: Reduction,
     ) -> Result<Option<Bytes>, CollectiveError> {
-        let range = action.range();
-        let dst = self
-            .range_mut(range.clone())
-            .ok_or_else(|| CollectiveError::BufferLent { range: range.clone() })?;
-        // In place; what goes on is a loan of the result (a partial sum until the
-        // last reduce-scatter step, which the all-gather overwrites once the loan ends).
-        action.apply_to(dst, parts, how)?;
-        Ok((!matches!(action, Action::Copy { last: true, .. })).then(|| self.lend(range)))
+        self.in_place(action, |dst| Ok(action.apply_to(dst, parts, how)?))
     }
     fn apply_rest(
         &mut self,
@@ -194,12 +180,7 @@ impl RingMemory for CollectiveBuffer {
         rest: &[(usize, Bytes)],
         how: Reduction,
     ) -> Result<Option<Bytes>, CollectiveError> {
-        let range = action.range();
-        let dst = self
-            .range_mut(range.clone())
-            .ok_or_else(|| CollectiveError::BufferLent { range: range.clone() })?;
-        reduce_rest(dst, action, rest, how)?;
-        Ok((!matches!(action, Action::Copy { last: true, .. })).then(|| self.lend(range)))
+        self.in_place(action, |dst| reduce_rest(dst, action, rest, how))
     }
     fn shared_writer(&self) -> Option<SharedWriter> {
         Some(CollectiveBuffer::shared_writer(self))
@@ -212,5 +193,24 @@ impl RingMemory for CollectiveBuffer {
         let dst = self.range_mut(0..len).ok_or(CollectiveError::BufferLent { range: 0..len })?;
         dst.copy_from_slice(src);
         Ok(())
+    }
+}
+
+impl CollectiveBuffer {
+    /// Applies a received chunk to its range with `write` (which must not be lent), in
+    /// place; what goes on is a loan of the result (a partial sum until the last
+    /// reduce-scatter step, which the all-gather overwrites once the loan ends), except
+    /// after the last all-gather step.
+    fn in_place(
+        &mut self,
+        action: &Action,
+        write: impl FnOnce(&mut [u8]) -> Result<(), CollectiveError>,
+    ) -> Result<Option<Bytes>, CollectiveError> {
+        let range = action.range();
+        let dst = self
+            .range_mut(range.clone())
+            .ok_or_else(|| CollectiveError::BufferLent { range: range.clone() })?;
+        write(dst)?;
+        Ok((!matches!(action, Action::Copy { last: true, .. })).then(|| self.lend(range)))
     }
 }
