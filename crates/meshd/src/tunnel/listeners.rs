@@ -6,8 +6,9 @@
 //! "A process of this job" is a descendant of meshd (its ranks, what they started, and the
 //! NCCL id's root process): meshd is the child subreaper of its descendants
 //! (`supervisor::orphans`), so a rank's daemonized children stay in the tree. A listener
-//! is found in `/proc/net/tcp` and `/proc/net/tcp6` (local address, port, state LISTEN, the
-//! socket's inode), and its owner by the `socket:[inode]` links in `/proc/PID/fd` of those
+//! is found by asking the kernel's sock_diag for LISTEN sockets (`supervisor::sockets::
+//! listening`; `/proc/net/tcp{,6}` where that is missing): local address, port, the
+//! socket's inode; and its owner by the `socket:[inode]` links in `/proc/PID/fd` of those
 //! processes. Inodes found to be the job's are remembered, so Gloo's many connections to
 //! one listener cost one scan.
 //!
@@ -16,7 +17,7 @@
 //! pick must be the job's (SO_REUSEPORT lets several share a port).
 
 use crate::supervisor::orphans::tree;
-use crate::supervisor::sockets::{TCP_LISTEN, parse_socket, socket_inodes, sockets};
+use crate::supervisor::sockets::{TCP_LISTEN, listening, parse_socket, socket_inodes};
 use std::collections::HashSet;
 use std::net::IpAddr;
 use std::sync::Mutex;
@@ -72,11 +73,7 @@ pub fn candidates(all: &[Listener], ip: IpAddr, port: u16) -> Vec<Listener> {
 
 /// The listening sockets of this network namespace.
 fn listeners() -> Vec<Listener> {
-    sockets()
-        .into_iter()
-        .filter(|s| s.state == TCP_LISTEN)
-        .map(|s| Listener { ip: s.local.0, port: s.local.1, inode: s.inode })
-        .collect()
+    listening().into_iter().map(|s| Listener { ip: s.local.0, port: s.local.1, inode: s.inode }).collect()
 }
 
 /// Decides which ports a far end serves (see the module doc). One per node and round.
