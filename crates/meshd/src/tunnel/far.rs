@@ -32,6 +32,9 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a refusal's status byte may take to leave (a peer that grants no stream
 /// credit gets its stream reset instead).
 const REFUSE_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long the near end's offer may take to follow its request (it is sent right behind
+/// it; the near end gives up on an answer after 15 s).
+const OFFER_TIMEOUT: Duration = Duration::from_secs(10);
 /// Tunnelled connections one peer node may hold to this node at once. Gloo opens one per
 /// pair of ranks (8 x 8 = 64 between two nodes of 8 ranks), plus the store's and the
 /// user's own: far below it.
@@ -188,6 +191,16 @@ async fn serve(mut t: TunnelStream, far: &Far) {
             return;
         }
     };
+    // The near end's offer follows its request at once. It is read before the destination
+    // is connected: a peer whose offer is late (or never comes) must not leave the job's
+    // listener an accepted connection that ends without a byte, which it would read as an
+    // empty stream closed cleanly.
+    let mut theirs = [0u8; plane_stream::OFFER_LEN];
+    if !matches!(tokio::time::timeout(OFFER_TIMEOUT, t.recv.read_exact(&mut theirs)).await, Ok(Ok(()))) {
+        let _ = t.send.reset(super::RESET.into());
+        let _ = t.recv.stop(super::RESET.into());
+        return;
+    }
     let status = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(dest)).await {
         Ok(Ok(tcp)) => Ok(tcp),
         Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused => Err(wire::status::REFUSED),
@@ -204,17 +217,18 @@ async fn serve(mut t: TunnelStream, far: &Far) {
             return;
         }
     };
-    // The near end's offer (sent with its request), then this end's with the status;
-    // this end's plane stream is registered before it is offered.
-    let mut theirs = [0u8; plane_stream::OFFER_LEN];
-    if !matches!(tokio::time::timeout(REFUSE_TIMEOUT, t.recv.read_exact(&mut theirs)).await, Ok(Ok(()))) {
-        return;
-    }
+    // The status with this end's offer; this end's plane stream is registered before it
+    // is offered.
     let mine = plane_stream::Mine::register(far.plane.as_ref(), t.from);
     let mut answer = [0u8; 1 + plane_stream::OFFER_LEN];
     answer[0] = wire::status::OK;
     answer[1..].copy_from_slice(&plane_stream::offer(mine.as_ref()).encode());
     if tokio::time::timeout(REFUSE_TIMEOUT, t.send.write_all(&answer)).await.map_or(true, |r| r.is_err()) {
+        // The near end cannot hear that the connection stands: the application's end is
+        // reset (an RST, not the FIN of a clean close), and so is the stream.
+        reset_on_close(&tcp);
+        let _ = t.send.reset(super::RESET.into());
+        let _ = t.recv.stop(super::RESET.into());
         return;
     }
     let way = mine.map(|m| m.with(plane_stream::Offer::decode(&theirs)));

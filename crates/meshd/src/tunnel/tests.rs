@@ -192,6 +192,46 @@ async fn the_far_end_refuses_ports_outside_the_job_and_ids_from_elsewhere() {
     assert!(tokio::time::timeout(Duration::from_millis(300), listener.accept()).await.is_err());
 }
 
+/// The far end connects to the destination only once the near end's offer (sent right
+/// behind the request) is in: a late offer delays the connection, and a stream that ends
+/// with half an offer is reset without the job's listener ever seeing a connection (which
+/// it would read as an empty stream closed cleanly).
+#[tokio::test]
+async fn the_far_end_connects_only_after_the_near_ends_offer() {
+    let p = pair("offer");
+    let listener = TcpListener::bind("127.0.0.2:0").await.expect("listen");
+    let dest = listener.local_addr().expect("addr");
+    let b_addr = p._transports[1].local_addr();
+    // Node a's own transport, as its near end would use it, but the offer held back.
+    let (mut send, mut recv) =
+        p._transports[0].open_tunnel(b_addr, &encode_request(dest)).await.expect("stream");
+    let early = tokio::time::timeout(Duration::from_millis(700), listener.accept()).await;
+    assert!(early.is_err(), "the far end connected before the offer came");
+    send.write_all(&plane_stream::Offer::default().encode()).await.expect("offer");
+    let (_srv, _) = tokio::time::timeout(Duration::from_secs(10), listener.accept())
+        .await
+        .expect("connected")
+        .expect("accept");
+    let mut st = [0u8; 1 + plane_stream::OFFER_LEN];
+    tokio::time::timeout(Duration::from_secs(10), recv.read_exact(&mut st))
+        .await
+        .expect("in time")
+        .expect("answer");
+    assert_eq!(st[0], wire::status::OK);
+
+    // Half an offer, then the end of the stream: reset, and nothing connected.
+    let (mut send, mut recv) =
+        p._transports[0].open_tunnel(b_addr, &encode_request(dest)).await.expect("stream");
+    send.write_all(&[0u8; plane_stream::OFFER_LEN / 2]).await.expect("half an offer");
+    send.finish().expect("finish");
+    let mut byte = [0u8; 1];
+    let answer =
+        tokio::time::timeout(Duration::from_secs(10), recv.read_exact(&mut byte)).await.expect("in time");
+    assert!(answer.is_err(), "a stream without its offer is reset, not answered: {answer:?} {byte:?}");
+    let late = tokio::time::timeout(Duration::from_millis(300), listener.accept()).await;
+    assert!(late.is_err(), "the far end connected for a stream without an offer");
+}
+
 /// The caps hold and free up: node a's ranks may hold 3 connections to b (a's near cap),
 /// b serves 2 from a (b's far cap); past them a connect is refused at once, and once one
 /// closes the next one connects.
