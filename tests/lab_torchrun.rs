@@ -82,9 +82,11 @@ fn set_by_launcher(res: &[(Option<i32>, String, String)], parent: &Env) -> BTree
     let mut ranks = BTreeMap::new();
     for (i, (code, out, err)) in res.iter().enumerate() {
         assert_eq!(*code, Some(0), "host {i}:\n{out}\n{err}");
-        for line in out.lines() {
-            let Some(json) = line.split_once("ENVRANK ").map(|(_, j)| j) else { continue };
-            let v: serde_json::Value = serde_json::from_str(json).expect("ENVRANK JSON");
+        // Two ranks' prints can share a line (one rank's newline written after the other's
+        // line): each marker starts one JSON object, read up to its own end.
+        for line in out.lines().flat_map(|l| l.split("ENVRANK ").skip(1)) {
+            let mut objects = serde_json::Deserializer::from_str(line).into_iter::<serde_json::Value>();
+            let v = objects.next().expect("ENVRANK JSON").expect("ENVRANK JSON");
             let rank = v["rank"].as_u64().expect("rank") as u32;
             assert_eq!(v["world"], 6, "{line}");
             let env: Env = v["env"]
