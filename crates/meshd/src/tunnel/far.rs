@@ -197,8 +197,7 @@ async fn serve(mut t: TunnelStream, far: &Far) {
     // empty stream closed cleanly.
     let mut theirs = [0u8; plane_stream::OFFER_LEN];
     if !matches!(tokio::time::timeout(OFFER_TIMEOUT, t.recv.read_exact(&mut theirs)).await, Ok(Ok(()))) {
-        let _ = t.send.reset(super::RESET.into());
-        let _ = t.recv.stop(super::RESET.into());
+        reset(&mut t);
         return;
     }
     let status = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(dest)).await {
@@ -227,8 +226,7 @@ async fn serve(mut t: TunnelStream, far: &Far) {
         // The near end cannot hear that the connection stands: the application's end is
         // reset (an RST, not the FIN of a clean close), and so is the stream.
         reset_on_close(&tcp);
-        let _ = t.send.reset(super::RESET.into());
-        let _ = t.recv.stop(super::RESET.into());
+        reset(&mut t);
         return;
     }
     let way = mine.map(|m| m.with(plane_stream::Offer::decode(&theirs)));
@@ -247,6 +245,12 @@ async fn serve(mut t: TunnelStream, far: &Far) {
     drop((registered, permits));
 }
 
+/// Resets both directions of a stream that will not be served.
+fn reset(t: &mut TunnelStream) {
+    let _ = t.send.reset(super::RESET.into());
+    let _ = t.recv.stop(super::RESET.into());
+}
+
 /// Answers `status` and ends the stream; a peer that does not take the byte in time gets
 /// the stream reset.
 async fn refuse(mut t: TunnelStream, status: u8) {
@@ -254,7 +258,8 @@ async fn refuse(mut t: TunnelStream, status: u8) {
     if matches!(sent, Ok(Ok(()))) {
         let _ = t.send.finish();
     } else {
-        let _ = t.send.reset(super::RESET.into());
+        reset(&mut t);
+        return;
     }
     let _ = t.recv.stop(super::RESET.into());
 }
