@@ -127,7 +127,7 @@ EOF
             local bus cpu
             bus=$(grep -o 'GLOO bytes=[0-9]* .*busbw_gbs=[0-9.]*' "$out/$i.out" | awk '$2 != "bytes=8" {sub("busbw_gbs=","",$NF); print $NF}' | tail -1 || true)
             cpu=$(grep 'tunnel: ' "$out/$i.err" | grep 'CPU so far' | tail -1 |
-                sed -E 's/.* ([0-9.]+) MiB sent, ([0-9.]+) MiB received; CPU so far: meshd ([0-9.]+) s.*/\1 \2 \3/' |
+                sed -E 's/.* ([0-9.]+) MiB sent, ([0-9.]+) MiB received[^;]*; CPU so far: meshd ([0-9.]+) s.*/\1 \2 \3/' |
                 awk '{ if ($1 + $2 > 0) printf "%.2f", $3 / (($1 + $2) / 1024) }' || true)
             line+=" | ${bus:-failed} ${cpu:+${cpu}s/GB}"
             if [ -z "$bus" ]; then tail -5 "$out/$i.err" >&2; fi

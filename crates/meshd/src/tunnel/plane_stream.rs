@@ -174,6 +174,7 @@ pub async fn up<R: AsyncRead + Unpin>(
             }
             Ok(n) => {
                 stats.bytes_out.fetch_add(n as u64, Ordering::Relaxed);
+                stats.plane_out.fetch_add(n as u64, Ordering::Relaxed);
                 way.plane
                     .send_tagged(way.peer, lane, TAG_STREAM, to, sent, buf.split().freeze())
                     .map_err(|_| ())?;
@@ -230,6 +231,7 @@ pub async fn down<W: AsyncWrite + Unpin>(
                 while let Some(mut parts) = ahead.remove(&next) {
                     let n: u64 = parts.iter().map(|p| p.len() as u64).sum();
                     stats.bytes_in.fetch_add(n, Ordering::Relaxed);
+                    stats.plane_in.fetch_add(n, Ordering::Relaxed);
                     write_all_chunks(w, &mut parts).await.map_err(|_| ())?;
                     next += n;
                     if let Some((&o, _)) = ahead.first_key_value() {

@@ -20,6 +20,10 @@ pub struct TunnelStats {
     pub bytes_out: AtomicU64,
     /// Bytes received from the tunnel (from other nodes).
     pub bytes_in: AtomicU64,
+    /// Of `bytes_out`, those sent on the data plane (the rest went on QUIC streams).
+    pub plane_out: AtomicU64,
+    /// Of `bytes_in`, those that came on the data plane.
+    pub plane_in: AtomicU64,
 }
 
 impl TunnelStats {
@@ -36,18 +40,36 @@ impl TunnelStats {
         }
     }
 
-    /// One line: connections and bytes.
+    /// One line: connections and bytes, and how much of them the data plane carried (a
+    /// tunnel whose bytes went on QUIC streams is slower: the plane was off or its
+    /// datagrams did not get through, see the `data plane` lines).
     pub fn line(&self) -> String {
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let mib = |n: u64| n as f64 / (1 << 20) as f64;
+        let (out, inn) = (g(&self.bytes_out), g(&self.bytes_in));
+        let (plane_out, plane_in) = (g(&self.plane_out), g(&self.plane_in));
+        let path = if out + inn == 0 {
+            String::new()
+        } else if plane_out == out && plane_in == inn {
+            " (all on the data plane)".to_string()
+        } else if plane_out + plane_in == 0 {
+            " (all on QUIC streams, none on the data plane)".to_string()
+        } else {
+            format!(
+                " ({:.1} MiB sent and {:.1} MiB received on the data plane, the rest on QUIC streams)",
+                mib(plane_out),
+                mib(plane_in)
+            )
+        };
         format!(
-            "{} opened by this node's ranks ({} failed), {} served for other nodes ({} refused), {} open; {:.1} MiB sent, {:.1} MiB received",
+            "{} opened by this node's ranks ({} failed), {} served for other nodes ({} refused), {} open; {:.1} MiB sent, {:.1} MiB received{path}",
             crate::plural(g(&self.opened), "tunnelled connection"),
             g(&self.failed),
             g(&self.served),
             g(&self.refused),
             g(&self.active),
-            g(&self.bytes_out) as f64 / (1 << 20) as f64,
-            g(&self.bytes_in) as f64 / (1 << 20) as f64,
+            mib(out),
+            mib(inn),
         )
     }
 }

@@ -588,6 +588,12 @@ async fn bytes_travel_on_the_data_plane_in_order_with_half_closes() {
     );
     let after = (pa.counters().messages, pb.counters().messages);
     assert!(after.0 > before.0 && after.1 > before.1, "no bytes on the plane: {before:?} {after:?}");
+    // Both ends count those bytes as the data plane's (the end-of-round line says so).
+    let g = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    let (sa, sb) = (p.a.stats(), p.b.stats());
+    assert!(g(&sa.plane_out) >= n as u64 && g(&sa.plane_in) >= (n / 2) as u64, "{}", sa.line());
+    assert!(g(&sb.plane_in) >= n as u64 && g(&sb.plane_out) >= (n / 2) as u64, "{}", sb.line());
+    assert!(g(&sa.plane_out) <= g(&sa.bytes_out) && g(&sb.plane_in) <= g(&sb.bytes_in), "{}", sa.line());
 
     // The far application resets: the near end's socket ends, plane or not.
     let (mut u, st) = open(&p, dest).await;
@@ -604,4 +610,28 @@ async fn bytes_travel_on_the_data_plane_in_order_with_half_closes() {
     // Nothing left registered once the connections ended.
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(format!("{:?}", pa.streams()).contains("registered: 0"), "{:?}", pa.streams());
+}
+
+/// The counters' line says which path carried the bytes: all on the plane, all on QUIC
+/// streams, or how much on the plane.
+#[test]
+fn the_line_says_how_much_the_data_plane_carried() {
+    let s = TunnelStats::default();
+    assert!(!s.line().contains("data plane"), "{}", s.line());
+    s.bytes_out.store(3 << 20, Ordering::Relaxed);
+    s.bytes_in.store(1 << 20, Ordering::Relaxed);
+    assert!(
+        s.line().ends_with("3.0 MiB sent, 1.0 MiB received (all on QUIC streams, none on the data plane)"),
+        "{}",
+        s.line()
+    );
+    s.plane_out.store(3 << 20, Ordering::Relaxed);
+    s.plane_in.store(1 << 20, Ordering::Relaxed);
+    assert!(s.line().ends_with("(all on the data plane)"), "{}", s.line());
+    s.plane_out.store(1 << 20, Ordering::Relaxed);
+    assert!(
+        s.line().ends_with("(1.0 MiB sent and 1.0 MiB received on the data plane, the rest on QUIC streams)"),
+        "{}",
+        s.line()
+    );
 }
