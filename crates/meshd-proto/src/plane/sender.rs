@@ -136,6 +136,9 @@ pub struct Sender {
     msgs: VecDeque<Option<OutMsg>>,
     msg_base: u64,
     fresh: u64,
+    /// Numbers of queued one-fragment messages not sent yet, in order: each goes out ahead
+    /// of the rest of a longer message being sent (see [`next_fragment`](Self::next_fragment)).
+    small: VecDeque<u64>,
     retransmit: VecDeque<FragRef>,
     sent: VecDeque<Option<Sent>>,
     sent_base: u64,
@@ -180,6 +183,7 @@ impl Sender {
             msgs: VecDeque::new(),
             msg_base: 0,
             fresh: 0,
+            small: VecDeque::new(),
             retransmit: VecDeque::new(),
             sent: VecDeque::new(),
             sent_base: 0,
@@ -234,6 +238,9 @@ impl Sender {
             max: u64::from(u32::MAX) * frag_len as u64,
         })?;
         self.queued_bytes += total;
+        if frags == 1 {
+            self.small.push_back(seq);
+        }
         self.msgs.push_back(Some(OutMsg {
             tag,
             head: head.to_vec(),
@@ -308,17 +315,32 @@ impl Sender {
         self.events.push_back(e);
     }
 
-    fn next_fragment(&self) -> Option<(FragRef, bool)> {
+    /// The fragment to send next, and whether it is a resend: lost fragments first, then
+    /// the oldest queued one-fragment message if a longer message is being sent ahead of
+    /// it, then the next fresh fragment in order. A short message (a credit, a tunnelled
+    /// connection's 48-byte notification, a small allreduce) so waits for at most one
+    /// datagram of a bulk transfer on the same link, not for the rest of its megabytes:
+    /// an application that waits for that message before it sends more would otherwise
+    /// stall for the whole queue.
+    /// The third value says the message goes ahead of a longer one.
+    fn next_fragment(&self) -> Option<(FragRef, bool, bool)> {
         if let Some(f) =
             self.retransmit.iter().find(|f| self.msg(f.seq).is_some_and(|m| !m.is_acked(f.index)))
         {
-            return Some((*f, true));
+            return Some((*f, true, false));
         }
         let end = self.msg_base + self.msgs.len() as u64;
         for seq in self.fresh.max(self.msg_base)..end {
             if let Some(m) = self.msg(seq) {
                 if m.next_fresh < m.frags {
-                    return Some((FragRef { seq, index: m.next_fresh }, false));
+                    if m.next_fresh > 0 || m.frags > 1 {
+                        if let Some(&small) = self.small.front().filter(|&&q| q > seq) {
+                            if self.msg(small).is_some_and(|m| m.next_fresh == 0) {
+                                return Some((FragRef { seq: small, index: 0 }, false, true));
+                            }
+                        }
+                    }
+                    return Some((FragRef { seq, index: m.next_fresh }, false, false));
                 }
             }
         }
@@ -334,7 +356,14 @@ impl Sender {
     /// one now and it fits in a datagram of `limit` bytes, and takes it off the queue: the
     /// caller sends it and calls [`on_sent`](Self::on_sent).
     pub fn next_plan(&mut self, now: Instant, limit: usize) -> Option<Plan> {
-        let (frag, resend) = self.next_fragment()?;
+        // One-fragment messages that went (or were dropped) otherwise leave the list.
+        while let Some(&q) = self.small.front() {
+            if self.msg(q).is_some_and(|m| m.next_fresh == 0) {
+                break;
+            }
+            self.small.pop_front();
+        }
+        let (frag, resend, ahead) = self.next_fragment()?;
         if self.fragment_datagram_len(frag)? > limit {
             return None;
         }
@@ -356,7 +385,14 @@ impl Sender {
                 }
             }
         } else {
-            self.fresh = frag.seq;
+            if self.small.front() == Some(&frag.seq) {
+                self.small.pop_front();
+            }
+            // A message sent ahead of a longer one leaves the fresh fragments to resume
+            // where they were.
+            if !ahead {
+                self.fresh = frag.seq;
+            }
             if let Some(m) = self.msg_mut(frag.seq) {
                 m.next_fresh += 1;
             }
