@@ -321,8 +321,8 @@ impl Sender {
     /// connection's 48-byte notification, a small allreduce) so waits for at most one
     /// datagram of a bulk transfer on the same link, not for the rest of its megabytes:
     /// an application that waits for that message before it sends more would otherwise
-    /// stall for the whole queue.
-    /// The third value says the message goes ahead of a longer one.
+    /// stall for the whole queue. The third value says the message goes ahead of a
+    /// longer one.
     fn next_fragment(&self) -> Option<(FragRef, bool, bool)> {
         if let Some(f) =
             self.retransmit.iter().find(|f| self.msg(f.seq).is_some_and(|m| !m.is_acked(f.index)))
@@ -334,10 +334,10 @@ impl Sender {
             if let Some(m) = self.msg(seq) {
                 if m.next_fresh < m.frags {
                     if m.next_fresh > 0 || m.frags > 1 {
-                        if let Some(&small) = self.small.front().filter(|&&q| q > seq) {
-                            if self.msg(small).is_some_and(|m| m.next_fresh == 0) {
-                                return Some((FragRef { seq: small, index: 0 }, false, true));
-                            }
+                        if let Some(small) =
+                            self.small.front().copied().filter(|&q| q > seq && self.unsent(q))
+                        {
+                            return Some((FragRef { seq: small, index: 0 }, false, true));
                         }
                     }
                     return Some((FragRef { seq, index: m.next_fresh }, false, false));
@@ -345,6 +345,11 @@ impl Sender {
             }
         }
         None
+    }
+
+    /// Whether message `seq` is queued and none of it was sent yet.
+    fn unsent(&self, seq: u64) -> bool {
+        self.msg(seq).is_some_and(|m| m.next_fresh == 0)
     }
 
     /// Whether a fragment waits to be sent (fresh or resent).
@@ -356,11 +361,8 @@ impl Sender {
     /// one now and it fits in a datagram of `limit` bytes, and takes it off the queue: the
     /// caller sends it and calls [`on_sent`](Self::on_sent).
     pub fn next_plan(&mut self, now: Instant, limit: usize) -> Option<Plan> {
-        // One-fragment messages that went (or were dropped) otherwise leave the list.
-        while let Some(&q) = self.small.front() {
-            if self.msg(q).is_some_and(|m| m.next_fresh == 0) {
-                break;
-            }
+        // One-fragment messages that went (ahead, in order, or were dropped) leave the list.
+        while self.small.front().is_some_and(|&q| !self.unsent(q)) {
             self.small.pop_front();
         }
         let (frag, resend, ahead) = self.next_fragment()?;
@@ -385,9 +387,6 @@ impl Sender {
                 }
             }
         } else {
-            if self.small.front() == Some(&frag.seq) {
-                self.small.pop_front();
-            }
             // A message sent ahead of a longer one leaves the fresh fragments to resume
             // where they were.
             if !ahead {

@@ -358,11 +358,17 @@ fn a_bottleneck_queue_makes_the_window_settle_instead_of_grow_forever() {
     assert!(s.window < 1_000_000, "window {}", s.window);
 }
 
+/// Two ends of one link on `lane`, made at `now` with keys from `seed`.
+fn links(seed: u8, lane: u8, now: Instant) -> (Link, Link) {
+    let (ka, kb) = keys(seed);
+    let a = Link::new(LinkConfig::new(ka, lane), now).expect("config");
+    let b = Link::new(LinkConfig::new(kb, lane), now).expect("config");
+    (a, b)
+}
+
 fn one_datagram(seed: u8) -> (Link, Link, Vec<u8>, Instant) {
     let now = Instant::now();
-    let (ka, kb) = keys(seed);
-    let mut a = Link::new(LinkConfig::new(ka, 2), now).expect("config");
-    let b = Link::new(LinkConfig::new(kb, 2), now).expect("config");
+    let (mut a, b) = links(seed, 2, now);
     a.send(7, vec![0x5a; 3000]).expect("queued");
     let mut buf = Vec::new();
     let t = a.poll_transmit(now, &mut buf, 1).expect("a datagram");
@@ -421,9 +427,7 @@ fn forged_garbled_and_foreign_datagrams_change_nothing() {
 #[test]
 fn a_refused_fragment_is_not_acknowledged_and_arrives_once_when_resent() {
     let mut now = Instant::now();
-    let (ka, kb) = keys(8);
-    let mut a = Link::new(LinkConfig::new(ka, 0), now).expect("config");
-    let mut b = Link::new(LinkConfig::new(kb, 0), now).expect("config");
+    let (mut a, mut b) = links(8, 0, now);
     // b has a packet in flight to a, which a acknowledges on its (one-fragment) message.
     b.send(2, vec![1; 64]).expect("queued");
     let mut buf = Vec::new();
@@ -503,9 +507,7 @@ fn a_side_that_only_acknowledges_still_updates_its_keys() {
 #[test]
 fn gso_batches_are_full_segments_then_at_most_one_short_one() {
     let now = Instant::now();
-    let (ka, kb) = keys(5);
-    let mut a = Link::new(LinkConfig::new(ka, 0), now).expect("config");
-    let mut b = Link::new(LinkConfig::new(kb, 0), now).expect("config");
+    let (mut a, mut b) = links(5, 0, now);
     // 1452 - 30 (header, tag) - 7 (DATA: type, seq, tag, 2-byte total and offset) = 1415,
     // down to a multiple of 8.
     let frag = 1408;
@@ -533,9 +535,7 @@ fn gso_batches_are_full_segments_then_at_most_one_short_one() {
 #[test]
 fn a_short_message_goes_ahead_of_the_rest_of_a_long_one() {
     let now = Instant::now();
-    let (ka, kb) = keys(9);
-    let mut a = Link::new(LinkConfig::new(ka, 0), now).expect("config");
-    let mut b = Link::new(LinkConfig::new(kb, 0), now).expect("config");
+    let (mut a, mut b) = links(9, 0, now);
     let long: Vec<u8> = (0..40 * 1408).map(|i| (i % 251) as u8).collect();
     let short = vec![0xee; 48];
     let first = a.send(1, long.clone()).expect("queued");
@@ -593,9 +593,7 @@ fn a_short_message_goes_ahead_of_the_rest_of_a_long_one() {
 #[test]
 fn fragments_with_smaller_headers_are_padded_into_the_batch() {
     let now = Instant::now();
-    let (ka, kb) = keys(6);
-    let mut a = Link::new(LinkConfig::new(ka, 0), now).expect("config");
-    let mut b = Link::new(LinkConfig::new(kb, 0), now).expect("config");
+    let (mut a, mut b) = links(6, 0, now);
     // A 4-byte tag makes message 0's DATA header 3 bytes longer than message 1's.
     // Both cut into 1408-byte fragments: 1452 - 30 - 10 = 1412 and 1452 - 30 - 7 = 1415,
     // down to multiples of 8.
